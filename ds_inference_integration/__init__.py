@@ -1,0 +1,33 @@
+"""DeepSpeed tensor-parallel inference for Hugging Face `Trainer.predict`/`evaluate`.
+
+The flow, one module per step:
+    arguments  -> DeepSpeedInferenceArguments (the --deepspeed_inference flag family)
+    topology   -> Topology (world = tp x dp), process groups, the mesh accelerate reads
+    policy     -> policies/*.toml, validated against the real model
+    shard      -> deepspeed.init_inference, in place
+    trainer    -> same batches per TP group, gather once per replica, rows in input order
+"""
+
+from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, prepare_argv, translate_legacy_args
+from .policy import Policy, available_policies, build_injection_policy, check_head_counts, load_policy, resolve_policy
+from .topology import Topology
+from .trainer import DeepSpeedInferenceMixin, DeepSpeedInferenceSeq2SeqTrainer, DeepSpeedInferenceTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeepSpeedInferenceArguments",
+    "DeepSpeedInferenceMixin",
+    "DeepSpeedInferenceSeq2SeqTrainer",
+    "DeepSpeedInferenceTrainer",
+    "InferenceSetupError",
+    "Policy",
+    "Topology",
+    "available_policies",
+    "build_injection_policy",
+    "check_head_counts",
+    "load_policy",
+    "prepare_argv",
+    "resolve_policy",
+    "translate_legacy_args",
+]

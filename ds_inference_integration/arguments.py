@@ -1,0 +1,136 @@
+"""The `--deepspeed_inference` flag family: one dataclass, parsed by `HfArgumentParser` beside
+`Seq2SeqTrainingArguments`, validated once before the model loads."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+POLICY_MODES = ("auto", "autotp")
+
+
+class InferenceSetupError(ValueError):
+    """A user-caused setup error: the message is one line naming the bad value and the valid ones."""
+
+
+@dataclass
+class DeepSpeedInferenceArguments:
+    """Options of DeepSpeed tensor-parallel inference for `Trainer.predict`/`evaluate`."""
+
+    deepspeed_inference: bool = field(
+        default=False,
+        metadata={"help": "Shard the model with deepspeed.init_inference (tensor parallelism) for predict/evaluate."},
+    )
+    tp_size: int | None = field(
+        default=None,
+        metadata={"help": "Tensor-parallel group size; must divide the world size. Default: the world size."},
+    )
+    inference_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Weights dtype for inference: fp32, fp16 or bf16. Default: bf16/fp16 if --bf16/--fp16, else fp32.",
+            "choices": list(DTYPES),
+        },
+    )
+    injection_policy: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto' (the policies/ file for the model's model_type), 'autotp' (DeepSpeed's automatic "
+            "mode), or a path to a policy file."
+        },
+    )
+    replace_with_kernel_inject: bool = field(
+        default=False, metadata={"help": "Use DeepSpeed's fused inference kernels (GPU only)."}
+    )
+    inference_timeout: int = field(
+        default=120,
+        metadata={"help": "Seconds any rank waits in a collective before the run fails instead of hanging."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.tp_size is not None and self.tp_size < 1:
+            raise InferenceSetupError(f"--tp_size {self.tp_size} is invalid: it must be a positive integer")
+        if self.inference_dtype is not None and self.inference_dtype not in DTYPES:
+            raise InferenceSetupError(
+                f"--inference_dtype {self.inference_dtype!r} is invalid; valid: {', '.join(DTYPES)}"
+            )
+        if self.inference_timeout <= 0:
+            raise InferenceSetupError(f"--inference_timeout {self.inference_timeout} must be a positive number of seconds")
+
+    def resolve_dtype(self, fp16: bool = False, bf16: bool = False) -> torch.dtype:
+        """The inference dtype: explicit `--inference_dtype`, else the training args' mixed precision, else fp32."""
+        name = self.inference_dtype or ("bf16" if bf16 else "fp16" if fp16 else "fp32")
+        return DTYPES[name]
+
+    def check_device(self, on_gpu: bool, dtype: torch.dtype) -> None:
+        """Refuse options the device cannot run, before any heavy work."""
+        if on_gpu:
+            return
+        if self.replace_with_kernel_inject:
+            raise InferenceSetupError(
+                "--replace_with_kernel_inject needs a GPU (DeepSpeed has no CPU kernels); this run is on CPU: "
+                "drop the flag to use tensor-parallel sharding without kernel injection"
+            )
+        if dtype == torch.float16:
+            raise InferenceSetupError(
+                "--inference_dtype fp16 is not supported on CPU; valid on CPU: fp32, bf16"
+            )
+
+
+def world_size_from_env() -> int:
+    """The number of ranks the launcher started (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+_LEGACY_RENAMES = {"--evaluation_strategy": "--eval_strategy"}
+_LEGACY_FLAGS = ("--overwrite_output_dir",)
+
+
+def translate_legacy_args(argv: list[str]) -> tuple[list[str], dict[str, bool]]:
+    """Accept options that transformers 5 renamed or dropped, with their old meaning.
+
+    `--evaluation_strategy` becomes `--eval_strategy`; `--overwrite_output_dir` (a flag transformers 5
+    dropped) is removed from argv and returned in the second value.
+    """
+    out, legacy = [], {}
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if name in _LEGACY_RENAMES:
+            out.append(_LEGACY_RENAMES[name] + sep + value)
+        elif name in _LEGACY_FLAGS:
+            legacy[name.lstrip("-")] = value.lower() not in ("0", "false", "no") if sep else True
+        else:
+            out.append(arg)
+    return out, legacy
+
+
+def _has_option(argv: list[str], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in argv)
+
+
+def prepare_argv(argv: list[str]) -> tuple[list[str], dict[str, bool]]:
+    """Make a script's argv ready for `HfArgumentParser` with `Seq2SeqTrainingArguments`.
+
+    Runs before `TrainingArguments` exists, because that object starts torch.distributed:
+    legacy options are translated; the flag family is parsed and validated (a bad --tp_size fails
+    here, before any process group or model); a multi-rank run on a machine without a GPU gets
+    `--use_cpu` (else accelerate makes every rank a world of one); and `--inference_timeout`
+    becomes the process-group timeout unless `--ddp_timeout` is given.
+    """
+    from transformers import HfArgumentParser
+
+    from .topology import Topology
+
+    argv, legacy = translate_legacy_args(argv)
+    inference_args, _ = HfArgumentParser((DeepSpeedInferenceArguments,)).parse_known_args(argv)
+    world = world_size_from_env()
+    if inference_args.deepspeed_inference:
+        Topology.create(world, int(os.environ.get("RANK", "0")), inference_args.tp_size)
+        if not _has_option(argv, "--ddp_timeout"):
+            argv = [*argv, "--ddp_timeout", str(inference_args.inference_timeout)]
+    if world > 1 and not torch.cuda.is_available() and not _has_option(argv, "--use_cpu"):
+        argv = [*argv, "--use_cpu"]
+    return argv, legacy
