@@ -1,0 +1,33 @@
+# Quickstart targets; each creates/reuses the virtualenv in $(VENV) and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+DEMO_DIR ?= output_dir/demo
+NUM_GPUS ?= 2
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# The main job: the embedded English->Romanian model, tensor parallel over $(NUM_GPUS) ranks
+# (CPU ranks when there is no GPU), then a one-line summary.
+demo: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NUM_GPUS) examples/run_translation.py \
+		--output_dir $(DEMO_DIR) --do_predict --predict_with_generate \
+		--source_lang en --target_lang ro --source_prefix 'translate English to Romanian: ' \
+		--per_device_eval_batch_size 16 --report_to none --deepspeed_inference
+	$(BIN)/ds-inference summary $(DEMO_DIR)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf output_dir .pytest_cache

@@ -1,0 +1,119 @@
+"""Shared helpers: tiny models built from configs, and real launcher runs with hard timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+RUN_TRANSLATION = EXAMPLES / "run_translation.py"
+DEFAULT_MODEL = EXAMPLES / "models" / "t5-num2words-en-ro"
+DATA = EXAMPLES / "data" / "num2words"
+BIN = Path(sys.executable).parent
+PREFIX = "translate English to Romanian: "
+TRANSLATE_ARGS = [
+    "--predict_with_generate", "--source_lang", "en", "--target_lang", "ro", "--source_prefix", PREFIX,
+    "--report_to", "none",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+    output_dir: Path
+
+    def results(self, prefix: str) -> dict:
+        return json.loads((self.output_dir / f"{prefix}_results.json").read_text())
+
+    def predictions(self) -> list[str]:
+        return (self.output_dir / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+
+    def error_lines(self) -> list[str]:
+        return [line for line in self.output.splitlines() if line.startswith("error: ")]
+
+
+def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, launcher: str = "deepspeed",
+                script: Path = RUN_TRANSLATION, timeout: float = 240) -> Run:
+    """Run an example script single-process (nprocs None) or under a real launcher; never hangs."""
+    script_args = [str(script), "--output_dir", str(output_dir), *args]
+    if nprocs is None:
+        cmd = [sys.executable, *script_args]
+    elif launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()), *script_args]
+    elif launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()), *script_args]
+    else:
+        raise ValueError(launcher)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}")
+    return Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, output_dir)
+
+
+def assert_ok(run: Run) -> None:
+    assert run.returncode == 0, run.output[-4000:]
+
+
+def save_tiny_model(kind: str, path: Path, **overrides) -> Path:
+    """A tiny random seq2seq model with the embedded word-level tokenizer, saved under `path`.
+
+    Initialised with large weights so that greedy outputs depend on the input (the default init
+    makes a random model repeat one token, and token equality would then prove little).
+    """
+    import torch
+    from transformers import (AutoTokenizer, BartConfig, BartForConditionalGeneration, MarianConfig,
+                              MarianMTModel, MBartConfig, MBartForConditionalGeneration, T5Config,
+                              T5ForConditionalGeneration)
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    common = dict(vocab_size=len(tok), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    if kind == "t5":
+        cfg = T5Config(**{**common, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+                          "num_decoder_layers": 2, "num_heads": 4, "initializer_factor": 5.0, **overrides})
+        model = T5ForConditionalGeneration(cfg)
+    else:
+        cls = {"bart": (BartConfig, BartForConditionalGeneration), "mbart": (MBartConfig, MBartForConditionalGeneration),
+               "marian": (MarianConfig, MarianMTModel)}[kind]
+        cfg = cls[0](**{**common, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+                        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
+                        "decoder_ffn_dim": 128, "max_position_embeddings": 64, "bos_token_id": 2,
+                        "forced_eos_token_id": None, "init_std": 0.5, **overrides})
+        model = cls[1](cfg)
+    model.generation_config.max_length = 12
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        "t5": save_tiny_model("t5", root / "t5"),
+        "t5_3heads": save_tiny_model("t5", root / "t5_3heads", num_heads=3, d_kv=16),
+        "bart": save_tiny_model("bart", root / "bart"),
+    }

@@ -1,0 +1,78 @@
+"""The flag family, argv preparation and topology: validated once, early, with clear messages."""
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Seq2SeqTrainingArguments
+
+from ds_inference_integration import DeepSpeedInferenceArguments, InferenceSetupError, Topology, prepare_argv
+from ds_inference_integration.arguments import translate_legacy_args
+
+
+def test_defaults_are_off():
+    args = DeepSpeedInferenceArguments()
+    assert not args.deepspeed_inference and args.tp_size is None and args.injection_policy == "auto"
+    assert args.resolve_dtype() == torch.float32
+    assert args.resolve_dtype(bf16=True) == torch.bfloat16
+    assert DeepSpeedInferenceArguments(inference_dtype="fp16").resolve_dtype(bf16=True) == torch.float16
+
+
+def test_flags_parse_beside_seq2seq_arguments():
+    parser = HfArgumentParser((Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
+    _, inf = parser.parse_args_into_dataclasses(
+        ["--output_dir", "x", "--deepspeed_inference", "--tp_size", "2", "--inference_dtype", "bf16",
+         "--injection_policy", "autotp"])
+    assert inf.deepspeed_inference and inf.tp_size == 2 and inf.inference_dtype == "bf16"
+    assert inf.injection_policy == "autotp"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tp_size": 0}, "--tp_size 0 is invalid"),
+    ({"inference_dtype": "fp8"}, "--inference_dtype 'fp8' is invalid; valid: fp32, fp16, bf16"),
+    ({"inference_timeout": 0}, "--inference_timeout 0"),
+])
+def test_bad_values_name_the_value_and_the_valid_ones(kwargs, message):
+    with pytest.raises(InferenceSetupError, match=message.replace("(", r"\(")):
+        DeepSpeedInferenceArguments(**kwargs)
+
+
+def test_cpu_refuses_kernel_injection_and_fp16():
+    with pytest.raises(InferenceSetupError, match="--replace_with_kernel_inject needs a GPU"):
+        DeepSpeedInferenceArguments(replace_with_kernel_inject=True).check_device(False, torch.float32)
+    with pytest.raises(InferenceSetupError, match="fp16 is not supported on CPU; valid on CPU: fp32, bf16"):
+        DeepSpeedInferenceArguments().check_device(False, torch.float16)
+    DeepSpeedInferenceArguments(replace_with_kernel_inject=True).check_device(True, torch.float16)
+
+
+@pytest.mark.parametrize("world, tp, dp", [(1, None, 1), (2, None, 1), (4, 2, 2), (4, 1, 4), (6, 3, 2)])
+def test_topology_layout(world, tp, dp):
+    topo = Topology.create(world, world - 1, tp)
+    assert topo.dp_size == dp and topo.tp_size * topo.dp_size == world
+    # TP groups are consecutive ranks; DP groups take one rank of each TP group.
+    assert sorted(r for g in topo.tp_group_ranks() for r in g) == list(range(world))
+    assert all(g == list(range(g[0], g[0] + topo.tp_size)) for g in topo.tp_group_ranks())
+    assert all(len(g) == dp for g in topo.dp_group_ranks())
+    assert topo.tp_rank == (world - 1) % topo.tp_size and topo.dp_rank == (world - 1) // topo.tp_size
+
+
+@pytest.mark.parametrize("world, tp, valid", [(2, 3, "1, 2"), (4, 3, "1, 2, 4"), (2, 4, "1, 2")])
+def test_topology_rejects_tp_that_does_not_divide_world(world, tp, valid):
+    with pytest.raises(InferenceSetupError, match=f"--tp_size {tp} does not fit {world} rank.*valid: {valid}$"):
+        Topology.create(world, 0, tp)
+
+
+def test_legacy_options_keep_their_old_meaning():
+    argv, legacy = translate_legacy_args(["--evaluation_strategy=steps", "--overwrite_output_dir", "--do_eval"])
+    assert argv == ["--eval_strategy=steps", "--do_eval"] and legacy == {"overwrite_output_dir": True}
+
+
+def test_prepare_argv_validates_tp_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InferenceSetupError, match="--tp_size 3 does not fit 2"):
+        prepare_argv(["--output_dir", "x", "--deepspeed_inference", "--tp_size", "3"])
+    argv, _ = prepare_argv(["--output_dir", "x", "--deepspeed_inference", "--inference_timeout", "30"])
+    assert argv[argv.index("--ddp_timeout") + 1] == "30"
+    if not torch.cuda.is_available():
+        assert "--use_cpu" in argv  # else accelerate would make each CPU rank a world of one
+    # The flag off: no timeout change; tp is not validated.
+    argv, _ = prepare_argv(["--output_dir", "x", "--tp_size", "3"])
+    assert "--ddp_timeout" not in argv
