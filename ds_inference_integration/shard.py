@@ -37,13 +37,15 @@ def _param_bytes(model: nn.Module) -> int:
 def init_deepspeed_comm(topology: Topology) -> None:
     """Wrap the already-initialised torch process group in deepspeed.comm.
 
-    On CPU, DeepSpeed's shared-memory all-reduce ignores process groups and needs LOCAL_SIZE (set by
-    the `deepspeed` launcher, not by torchrun): it is used only when one TP group spans the whole
-    single-node world, and plain torch.distributed all-reduce is used otherwise.
+    On CPU, DeepSpeed's shared-memory all-reduce ignores process groups and reads LOCAL_SIZE (set by
+    the `deepspeed` launcher; torchrun's LOCAL_WORLD_SIZE is copied to it): it is used only when one
+    TP group spans the whole single-node world, and plain torch.distributed all-reduce otherwise.
     """
     import deepspeed
 
-    local_size = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
+    if "LOCAL_SIZE" not in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]  # torchrun's name for it
+    local_size = os.environ.get("LOCAL_SIZE")
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ and local_size:
         # The deepspeed launcher leaves every CPU rank all cores: oversubscribed ranks stall in all-reduce.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(local_size)))

@@ -108,3 +108,13 @@ def test_bad_setup_fails_fast_on_every_rank(tiny_models, tmp_path, case):
 
 def test_default_model_is_the_embedded_one():
     assert (DEFAULT_MODEL / "model.safetensors").stat().st_size < 20 * 2**20
+
+
+def test_torchrun_launcher_gives_the_same_predictions(single, tmp_path):
+    args = [*PREDICT[:-len(TRANSLATE_ARGS)], *TRANSLATE_ARGS, "--max_predict_samples", "37",
+            "--per_device_eval_batch_size", "8"]
+    ref = single("dp37", args)
+    tp = run_example([*args, "--deepspeed_inference"], tmp_path, nprocs=2, launcher="torchrun")
+    assert_ok(tp)
+    assert tp.predictions() == ref.predictions()
+    assert tp.results("predict")["tp_size"] == 2
