@@ -75,7 +75,7 @@ def shard_model(
             "mpu": ModelParallelUnit(groups),
             "tp_group": groups.tp,
         }
-    if policy is not None and not args.replace_with_kernel_inject:
+    if policy is not None and topology.tp_size > 1 and not args.replace_with_kernel_inject:
         kwargs["injection_policy"] = build_injection_policy(policy, model)
     engine = deepspeed.init_inference(model, **kwargs)
     sharded = engine.module
