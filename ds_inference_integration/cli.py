@@ -2,6 +2,9 @@
 
     ds-inference policy list              architectures with a policy file
     ds-inference policy show MODEL_TYPE   print that policy file
+    ds-inference policy suggest MODEL_DIR print a policy file for a local model (shipped, or derived)
+    ds-inference policy check MODEL_DIR [MODEL_DIR ...] --tp-size N [--policy FILE]
+                                          shard over N ranks it starts itself, compare with the unsharded model
     ds-inference summary OUTPUT_DIR       one line from a run's *_results.json: BLEU, samples/s, tp x dp
 """
 
@@ -13,20 +16,52 @@ import sys
 from pathlib import Path
 
 from .arguments import InferenceSetupError
-from .policy import available_policies, load_policy, resolve_policy
+from .policy import available_policies, load_policy, shipped_policies
 
 
 def _policy_list(_: argparse.Namespace) -> int:
-    for model_type, path in sorted(available_policies().items()):
-        print(f"{model_type:<16} {path.name:<16} {load_policy(path).description}")
+    rows = sorted((t, p.source.name, p.description) for p in shipped_policies() for t in p.model_types)
+    for model_type, name, description in rows:
+        print(f"{model_type:<16} {name:<24} {description}")
     return 0
 
 
 def _policy_show(ns: argparse.Namespace) -> int:
-    policy = resolve_policy("auto", ns.model_type)
-    print(f"# {policy.source}")
-    print(policy.source.read_text(encoding="utf-8"), end="")
+    paths = [p.source for p in shipped_policies() if ns.model_type in p.model_types]
+    if not paths:
+        raise InferenceSetupError(f"no policy for model_type {ns.model_type!r}; model types with a policy: "
+                                  f"{', '.join(sorted(available_policies()))}")
+    for path in paths:
+        print(f"# {path}")
+        print(path.read_text(encoding="utf-8"))
     return 0
+
+
+def _policy_suggest(ns: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from .policy import derive_policy, policy_for_config, policy_to_toml
+
+    config = AutoConfig.from_pretrained(ns.model_dir)
+    shipped = policy_for_config(config)
+    if shipped is not None:
+        print(f"# shipped policy {shipped.source}")
+        print(shipped.source.read_text(encoding="utf-8"), end="")
+        return 0
+    import torch
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    print(f"# derived from {type(model).__name__}: check it with ds-inference policy check {ns.model_dir} --tp-size 2 --policy FILE")
+    print(policy_to_toml(derive_policy(model)), end="")
+    return 0
+
+
+def _policy_check(ns: argparse.Namespace) -> int:
+    from .check import run_check
+
+    return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout)
 
 
 def _summary(ns: argparse.Namespace) -> int:
@@ -57,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     show = psub.add_parser("show", help="print the policy file for a model_type")
     show.add_argument("model_type")
     show.set_defaults(func=_policy_show)
+    suggest = psub.add_parser("suggest", help="print a policy file for a local model directory")
+    suggest.add_argument("model_dir")
+    suggest.set_defaults(func=_policy_suggest)
+    check = psub.add_parser("check", help="shard over N ranks and compare with the unsharded model")
+    check.add_argument("model_dirs", nargs="+", metavar="MODEL_DIR")
+    check.add_argument("--tp-size", type=int, required=True)
+    check.add_argument("--policy", default="auto", help="auto (default), autotp, or a policy file")
+    check.add_argument("--timeout", type=float, default=300, help="seconds before the ranks are killed")
+    check.set_defaults(func=_policy_check)
     summary = sub.add_parser("summary", help="one line per *_results.json of a run")
     summary.add_argument("output_dir")
     summary.set_defaults(func=_summary)

@@ -26,11 +26,33 @@ from torch import nn
 from .arguments import InferenceSetupError
 
 POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR", Path(__file__).resolve().parent.parent / "policies"))
-_TOP_KEYS = {"description", "model_types", "head_count_attributes", "layers"}
+_TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention"}
 _LAYER_KEYS = {"row_parallel"}
+_ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local"}
+_LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim"}
+DERIVE = "derive"  # resolve_policy's answer for a model type with no policy file: derive one from the model
 # Attributes DeepSpeed's own head-aware split reads when no policy names them.
 _GENERIC_HEAD_ATTRIBUTES = ("num_attention_heads", "num_heads", "n_head", "encoder_attention_heads",
-                            "decoder_attention_heads", "num_key_value_heads")
+                            "decoder_attention_heads")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Fused-QKV and multi-/grouped-query attention, split by `attention.py` rather than DeepSpeed.
+
+    `fused_qkv` (+ `layout` "qkv" or "per_head") names a fused projection; `query`/`key`/`value` name
+    separate ones (split here only when there are fewer KV heads than ranks). `local` maps attributes
+    of the attention module to per-rank values (q_heads, kv_heads, q_width, kv_width, q_per_kv, head_dim).
+    """
+
+    query_heads: str | int  # a config attribute, or a fixed number
+    kv_heads: str | int
+    fused_qkv: str | None = None
+    layout: str = "qkv"
+    query: str | None = None
+    key: str | None = None
+    value: str | None = None
+    local: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,6 +62,11 @@ class Policy:
     model_types: tuple[str, ...]
     head_count_attributes: tuple[str, ...]
     layers: dict[str, tuple[str, ...]]  # class-name glob -> row-parallel module paths
+    match: tuple[tuple[str, object], ...] = ()  # config attribute == value, to choose between files
+    attention: AttentionSpec | None = None
+
+    def matches(self, config: object) -> bool:
+        return all(getattr(config, k, None) == v for k, v in self.match)
 
     @property
     def name(self) -> str:
@@ -76,42 +103,81 @@ def load_policy(path: str | Path) -> Policy:
         if not isinstance(entry, dict) or set(entry) - _LAYER_KEYS or "row_parallel" not in entry:
             raise _schema_error(path, f"[layers.{pattern}] must hold exactly: row_parallel = [...]")
         parsed_layers[pattern] = _str_list(path, f"layers.{pattern}.row_parallel", entry["row_parallel"])
+    match = data.get("match", {})
+    if not isinstance(match, dict):
+        raise _schema_error(path, f"'match' must be a table of config attribute = value, got {match!r}")
     return Policy(
         source=path,
         description=str(data.get("description", "")),
         model_types=_str_list(path, "model_types", data.get("model_types")),
         head_count_attributes=_str_list(path, "head_count_attributes", data.get("head_count_attributes", []), True),
         layers=parsed_layers,
+        match=tuple(sorted(match.items())),
+        attention=_parse_attention(path, data.get("attention")),
     )
 
 
+def _parse_attention(path: Path, data: object) -> AttentionSpec | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) - _ATTENTION_KEYS:
+        raise _schema_error(path, f"[attention] keys must be among {sorted(_ATTENTION_KEYS)}")
+    for key in ("query_heads", "kv_heads"):
+        if not isinstance(data.get(key), (str, int)) or isinstance(data.get(key), bool):
+            raise _schema_error(path, f"[attention] needs {key} = \"<config attribute>\" or a number")
+    if bool(data.get("fused_qkv")) == bool(data.get("key")):
+        raise _schema_error(path, "[attention] needs either fused_qkv = \"...\" or query/key/value = \"...\"")
+    if data.get("key") and not (data.get("query") and data.get("value")):
+        raise _schema_error(path, "[attention] with key = ... also needs query = ... and value = ...")
+    if data.get("layout", "qkv") not in ("qkv", "per_head"):
+        raise _schema_error(path, f"[attention] layout {data.get('layout')!r} is unknown; valid: qkv, per_head")
+    local = data.get("local", {})
+    bad = {k: v for k, v in local.items() if v not in _LOCAL_VALUES}
+    if bad:
+        raise _schema_error(path, f"[attention.local] values {bad} are unknown; valid: {sorted(_LOCAL_VALUES)}")
+    return AttentionSpec(
+        query_heads=data["query_heads"], kv_heads=data["kv_heads"], fused_qkv=data.get("fused_qkv"),
+        layout=data.get("layout", "qkv"), query=data.get("query"), key=data.get("key"), value=data.get("value"),
+        local=tuple(local.items()),
+    )
+
+
+def shipped_policies() -> list[Policy]:
+    return [load_policy(path) for path in sorted(POLICY_DIR.glob("*.toml"))]
+
+
 def available_policies() -> dict[str, Path]:
-    """model_type -> policy file, for every file under `policies/`."""
+    """model_type -> policy file(s), for every file under `policies/` (first file if several)."""
     found: dict[str, Path] = {}
-    for path in sorted(POLICY_DIR.glob("*.toml")):
-        for model_type in load_policy(path).model_types:
-            found[model_type] = path
+    for policy in shipped_policies():
+        for model_type in policy.model_types:
+            found.setdefault(model_type, policy.source)
     return found
 
 
-def resolve_policy(spec: str, model_type: str) -> Policy | None:
-    """The policy for `--injection_policy spec`: None means DeepSpeed AutoTP."""
+def policy_for_config(config: object) -> Policy | None:
+    """The shipped policy for this config's model_type (and `match`), if any."""
+    model_type = getattr(config, "model_type", None)
+    for policy in shipped_policies():
+        if model_type in policy.model_types and policy.matches(config):
+            return policy
+    return None
+
+
+def resolve_policy(spec: str, config: object) -> Policy | str | None:
+    """The policy for `--injection_policy spec`: a Policy, None for DeepSpeed AutoTP, or DERIVE when
+    `auto` finds no file for this model type (a policy is then derived from the model itself)."""
     if spec == "autotp":
         return None
     if spec == "auto":
-        known = available_policies()
-        if model_type not in known:
-            raise InferenceSetupError(
-                f"no policy for model_type {model_type!r}; model types with a policy: {', '.join(sorted(known))}; "
-                "or pass --injection_policy autotp or a policy file"
-            )
-        return load_policy(known[model_type])
+        return policy_for_config(config) or DERIVE
     return load_policy(spec)
 
 
-def check_head_counts(policy: Policy | None, config: object, tp_size: int) -> None:
+def check_head_counts(policy: Policy | str | None, config: object, tp_size: int) -> None:
     """Every head count the policy names (or the config's usual ones) must divide by tp."""
     model_type = getattr(config, "model_type", "?")
+    policy = policy if isinstance(policy, Policy) else None
     names = policy.head_count_attributes if policy else _GENERIC_HEAD_ATTRIBUTES
     for attr in names:
         value = getattr(config, attr, None)
@@ -194,3 +260,40 @@ def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple
                 )
             result[cls] = keys
     return result
+
+
+def derive_policy(model: nn.Module) -> Policy:
+    """A policy for a model with no policy file, from DeepSpeed's AutoTP parser (the linears before
+    each norm, and `o_proj`/`out_proj`/`down_proj`-style names, are row-parallel)."""
+    from deepspeed.module_inject.auto_tp import AutoTP
+
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    try:
+        parsed = AutoTP.tp_parser(model)
+    except (AssertionError, ValueError, AttributeError) as e:
+        raise InferenceSetupError(
+            f"cannot derive a policy for model_type {model_type!r} ({e}); write one: "
+            "`ds-inference policy suggest MODEL_DIR > my_policy.toml`, edit it, then --injection_policy my_policy.toml"
+        ) from None
+    layers = {cls.__name__: tuple(sorted(n.lstrip(".") for n in names)) for cls, names in parsed if names}
+    if not layers:
+        raise InferenceSetupError(
+            f"cannot derive a policy for model_type {model_type!r}: no row-parallel linear found; "
+            "write one with `ds-inference policy suggest MODEL_DIR`"
+        )
+    return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
+                  model_types=(model_type,), head_count_attributes=(), layers=layers)
+
+
+def policy_to_toml(policy: Policy) -> str:
+    """A policy file's text (what `ds-inference policy suggest` prints)."""
+    def q(v: object) -> str:
+        return str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+
+    lines = [f"description = {q(policy.description)}", f"model_types = [{', '.join(map(q, policy.model_types))}]",
+             f"head_count_attributes = [{', '.join(map(q, policy.head_count_attributes))}]"]
+    if policy.match:
+        lines.append("match = { " + ", ".join(f"{k} = {q(v)}" for k, v in policy.match) + " }")
+    for pattern, names in policy.layers.items():
+        lines += ["", f"[layers.{q(pattern)}]", f"row_parallel = [{', '.join(map(q, names))}]"]
+    return "\n".join(lines) + "\n"

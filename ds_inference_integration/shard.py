@@ -1,7 +1,15 @@
-"""Shard a Hugging Face model in place with `deepspeed.init_inference` (tensor parallelism)."""
+"""Shard a Hugging Face model in place with `deepspeed.init_inference` (tensor parallelism).
+
+Before DeepSpeed runs, three things it gets wrong in 0.19.8 are set right on the model:
+Conv1D layers become nn.Linear (GPT-2); fused QKV and fewer-KV-heads-than-ranks projections are
+split here (`attention.py`); the KV-head count DeepSpeed reads is raised to tp while it splits, so
+query-side sizes divide evenly. After it, attention attributes are set to this rank's values.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import importlib
 import logging
 import os
@@ -10,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .arguments import DeepSpeedInferenceArguments
-from .policy import Policy, build_injection_policy
+from .arguments import DeepSpeedInferenceArguments, InferenceSetupError
+from .attention import HeadLayout, split_fused_qkv, split_heads
+from .policy import DERIVE, Policy, build_injection_policy, derive_policy
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 
 logger = logging.getLogger(__name__)
@@ -24,10 +33,13 @@ class ShardReport:
     policy: str
     param_bytes: int
     full_param_bytes: int
+    replicated_kv: bool = False
 
     def __str__(self) -> str:
         share = self.param_bytes / max(self.full_param_bytes, 1)
-        return f"policy {self.policy}; this rank holds {self.param_bytes / 2**20:.2f} of {self.full_param_bytes / 2**20:.2f} MiB of parameters ({share:.0%})"
+        kv = "; KV heads replicated (fewer KV heads than ranks)" if self.replicated_kv else ""
+        return (f"policy {self.policy}; this rank holds {self.param_bytes / 2**20:.2f} of "
+                f"{self.full_param_bytes / 2**20:.2f} MiB of parameters ({share:.0%}){kv}")
 
 
 def _param_bytes(model: nn.Module) -> int:
@@ -56,12 +68,117 @@ def init_deepspeed_comm(topology: Topology) -> None:
         comm.cdb.shm_vector_kernel_level = 0
 
 
+# Preparation: what DeepSpeed would get wrong, made right on the model first --------------------------
+
+def _layers(model: nn.Module, policy: Policy) -> list[nn.Module]:
+    return [m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in policy.layers)]
+
+
+def conv1d_to_linear(layer: nn.Module) -> None:
+    """transformers' Conv1D (GPT-2) is a linear with a transposed weight: make it an nn.Linear."""
+    for name, child in list(layer.named_modules()):
+        if type(child).__name__ == "Conv1D":
+            linear = nn.Linear(child.weight.shape[0], child.weight.shape[1], bias=child.bias is not None,
+                               device=child.weight.device, dtype=child.weight.dtype)
+            linear.weight.data.copy_(child.weight.detach().t())
+            if child.bias is not None:
+                linear.bias.data.copy_(child.bias.detach())
+            parent, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, attr, linear)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _plain_subclass(layer: nn.Module) -> None:
+    """DeepSpeed special-cases the class GPT2Block itself (Conv1D-only sharding); a same-named subclass
+    takes the ordinary nn.Linear path."""
+    cls = type(layer)
+    if cls.__name__ == "GPT2Block" and cls.__module__.startswith("transformers."):
+        _SUBCLASSES.setdefault(cls, type(cls.__name__, (cls,), {"__module__": __name__}))
+        layer.__class__ = _SUBCLASSES[cls]
+
+
+def _head_layout(policy: Policy, config: object, topology: Topology) -> HeadLayout:
+    spec = policy.attention
+    q, kv = (v if isinstance(v, int) else getattr(config, v, None) for v in (spec.query_heads, spec.kv_heads))
+    if not isinstance(q, int) or not isinstance(kv, int):
+        raise InferenceSetupError(f"policy {policy.source}: config has no integer {spec.query_heads!r} / {spec.kv_heads!r}")
+    return HeadLayout(q, kv, topology.tp_size, topology.tp_rank)
+
+
+def _replace(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    parent, _, attr = path.rpartition(".")
+    owner = layer.get_submodule(parent) if parent else layer
+    setattr(owner, attr, module)
+    return owner
+
+
+def split_attention(layer: nn.Module, policy: Policy, heads: HeadLayout) -> tuple[nn.Module, int] | None:
+    """Split this layer's fused QKV (always) or separate Q/K/V (when KV heads < ranks) here.
+    Returns the attention module and head dim, or None when DeepSpeed's own split is right."""
+    spec = policy.attention
+    if spec.fused_qkv:
+        if not _has(layer, spec.fused_qkv):
+            return None  # e.g. a cross-attention-free variant of the layer
+        shard, head_dim = split_fused_qkv(layer.get_submodule(spec.fused_qkv), spec.layout, heads)
+        return _replace(layer, spec.fused_qkv, shard), head_dim
+    if not _has(layer, spec.key):
+        return None
+    head_dim = layer.get_submodule(spec.key).weight.shape[0] // heads.kv_heads
+    if not heads.replicated:
+        return layer.get_submodule(spec.key.rpartition(".")[0]) if "." in spec.key else layer, head_dim
+    q, _ = split_heads(layer.get_submodule(spec.query), heads.q_heads(), heads.query_heads)
+    k, _ = split_heads(layer.get_submodule(spec.key), heads.kv_heads_of_rank(), heads.kv_heads)
+    v, _ = split_heads(layer.get_submodule(spec.value), heads.kv_heads_of_rank(), heads.kv_heads)
+    _replace(layer, spec.query, q)
+    _replace(layer, spec.value, v)
+    return _replace(layer, spec.key, k), head_dim
+
+
+def _has(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+@contextlib.contextmanager
+def _kv_heads_seen_by_deepspeed(config: object, heads: HeadLayout | None):
+    """While DeepSpeed splits, report at least tp KV heads, so its head-aware split gives every rank
+    tp-th of the query side (the KV side, if any, was split by us)."""
+    from deepspeed.module_inject.tp_shard import _KV_HEAD_ATTRS  # the names DeepSpeed reads, in order
+
+    name = next((n for n in _KV_HEAD_ATTRS if getattr(config, n, None) is not None), None)
+    if heads is None or name is None or not heads.replicated:
+        yield
+        return
+    old = getattr(config, name)
+    setattr(config, name, heads.tp_size)
+    try:
+        yield
+    finally:
+        setattr(config, name, old)
+
+
+def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayout, head_dim: int) -> None:
+    values = heads.local_values(head_dim)
+    for attr, value_name in policy.attention.local:
+        if not hasattr(attention, attr):
+            raise InferenceSetupError(f"policy {policy.source}: {type(attention).__name__} has no attribute {attr!r} "
+                                      f"([attention.local])")
+        setattr(attention, attr, values[value_name])
+
+
+# The whole step ------------------------------------------------------------------------------------
+
 def shard_model(
     model: nn.Module,
     args: DeepSpeedInferenceArguments,
     topology: Topology,
     groups: ProcessGroups,
-    policy: Policy | None,
+    policy: Policy | str | None,
     dtype: torch.dtype,
 ) -> tuple[nn.Module, ShardReport]:
     """Shard `model` in place over this rank's TP group; returns the (same) model and a report."""
@@ -69,19 +186,32 @@ def shard_model(
 
     full_bytes = _param_bytes(model) * torch.finfo(dtype).bits // torch.finfo(next(model.parameters()).dtype).bits
     kwargs: dict = {"dtype": dtype, "replace_with_kernel_inject": args.replace_with_kernel_inject}
+    heads, attentions = None, []
     if topology.tp_size > 1:
-        kwargs["tensor_parallel"] = {
-            "tp_size": topology.tp_size,
-            "mpu": ModelParallelUnit(groups),
-            "tp_group": groups.tp,
-        }
-    if policy is not None and topology.tp_size > 1 and not args.replace_with_kernel_inject:
-        kwargs["injection_policy"] = build_injection_policy(policy, model)
-    engine = deepspeed.init_inference(model, **kwargs)
+        kwargs["tensor_parallel"] = {"tp_size": topology.tp_size, "mpu": ModelParallelUnit(groups), "tp_group": groups.tp}
+        if policy == DERIVE:
+            policy = derive_policy(model)
+            logger.warning("no policy file for model_type %r: derived row-parallel linears %s",
+                           model.config.model_type, dict(policy.layers))
+        if isinstance(policy, Policy) and not args.replace_with_kernel_inject:
+            layers = _layers(model, policy)
+            for layer in layers:
+                conv1d_to_linear(layer)
+                _plain_subclass(layer)
+            if policy.attention is not None:
+                heads = _head_layout(policy, model.config, topology)
+                attentions = [a for a in (split_attention(layer, policy, heads) for layer in layers) if a]
+            kwargs["injection_policy"] = build_injection_policy(policy, model)
+    with _kv_heads_seen_by_deepspeed(model.config, heads):
+        engine = deepspeed.init_inference(model, **kwargs)
+    for attention, head_dim in attentions:
+        _set_local_attributes(attention, policy, heads, head_dim)
     sharded = engine.module
     report = ShardReport(
-        policy=str(policy.source) if policy else ("kernel injection" if args.replace_with_kernel_inject else "autotp"),
+        policy=str(policy.source) if isinstance(policy, Policy) else (
+            "kernel injection" if args.replace_with_kernel_inject else "autotp"),
         param_bytes=_param_bytes(sharded),
         full_param_bytes=full_bytes,
+        replicated_kv=bool(heads and heads.replicated),
     )
     return sharded, report

@@ -27,7 +27,7 @@ class DeepSpeedInferenceMixin:
     """
 
     def __init__(self, *args, inference_args: DeepSpeedInferenceArguments | None = None,
-                 policy: Policy | None = None, **kwargs):
+                 policy: Policy | str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.inference_args = inference_args or DeepSpeedInferenceArguments()
         enabled = self.inference_args.deepspeed_inference
@@ -43,12 +43,12 @@ class DeepSpeedInferenceMixin:
         if enabled:
             self._shard(policy)
 
-    def _shard(self, policy: Policy | None) -> None:
+    def _shard(self, policy: Policy | str | None) -> None:
         inf = self.inference_args
         dtype = inf.resolve_dtype(fp16=self.args.fp16, bf16=self.args.bf16)
         inf.check_device(on_gpu=self.args.device.type == "cuda", dtype=dtype)
         if policy is None and inf.injection_policy != "autotp":
-            policy = resolve_policy(inf.injection_policy, self.model.config.model_type)
+            policy = resolve_policy(inf.injection_policy, self.model.config)
         check_head_counts(policy, self.model.config, self.topology.tp_size)
         self.process_groups = init_process_groups(self.topology, self.args.device.type)
         if self.process_groups.mesh is not None:

@@ -142,7 +142,7 @@ def main(argv: list[str]) -> None:
     policy = None
     if inference_args.deepspeed_inference:
         # Policy file, schema and head counts are checked before the model loads.
-        policy = resolve_policy(inference_args.injection_policy, config.model_type)
+        policy = resolve_policy(inference_args.injection_policy, config)
         check_head_counts(policy, config, Topology.from_env(inference_args.tp_size).tp_size)
 
     # Data -----------------------------------------------------------------------------------------

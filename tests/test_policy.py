@@ -5,6 +5,7 @@ import torch
 from conftest import save_tiny_model
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
+from ds_inference_integration.policy import DERIVE
 from ds_inference_integration import (InferenceSetupError, available_policies, build_injection_policy,
                                       check_head_counts, load_policy, resolve_policy)
 
@@ -20,7 +21,7 @@ def test_shipped_policies_cover_t5_and_bart_families():
     known = available_policies()
     for model_type in ("t5", "mt5", "bart", "mbart", "marian"):
         assert model_type in known
-    assert resolve_policy("autotp", "t5") is None
+    assert resolve_policy("autotp", AutoConfig.for_model("t5")) is None
 
 
 @pytest.mark.parametrize("kind, expected", [
@@ -34,7 +35,7 @@ def test_shipped_policies_cover_t5_and_bart_families():
 ])
 def test_policy_becomes_deepspeed_keys_with_the_leading_dot(models, kind, expected):
     model = models[kind]
-    policy = resolve_policy("auto", model.config.model_type)
+    policy = resolve_policy("auto", model.config)
     got = {cls.__name__: keys for cls, keys in build_injection_policy(policy, model).items()}
     assert got == expected
 
@@ -77,19 +78,18 @@ def test_schema_errors(tmp_path, text, message):
 
 def test_unknown_policy_name_and_model_type():
     with pytest.raises(InferenceSetupError, match="'nope.toml' is not a file; valid: auto, autotp, or a policy file path"):
-        resolve_policy("nope.toml", "t5")
-    with pytest.raises(InferenceSetupError, match="no policy for model_type 'gpt2'; model types with a policy: bart, "):
-        resolve_policy("auto", "gpt2")
+        resolve_policy("nope.toml", AutoConfig.for_model("t5"))
+    assert resolve_policy("auto", AutoConfig.for_model("xglm")) == DERIVE  # no file: derived from the model
 
 
 def test_head_counts_must_divide_tp():
     cfg = AutoConfig.for_model("t5", num_heads=3)
-    policy = resolve_policy("auto", "t5")
+    policy = resolve_policy("auto", cfg)
     check_head_counts(policy, cfg, 3)
     with pytest.raises(InferenceSetupError, match="t5: num_heads=3 is not divisible by --tp_size 2; valid tp sizes: 1, 3"):
         check_head_counts(policy, cfg, 2)
     bart = AutoConfig.for_model("bart", encoder_attention_heads=4, decoder_attention_heads=6)
     with pytest.raises(InferenceSetupError, match="decoder_attention_heads=6 is not divisible by --tp_size 4"):
-        check_head_counts(resolve_policy("auto", "bart"), bart, 4)
+        check_head_counts(resolve_policy("auto", bart), bart, 4)
     with pytest.raises(InferenceSetupError, match="num_attention_heads=3 is not divisible"):
         check_head_counts(None, cfg, 2)  # autotp: the config's usual head-count names

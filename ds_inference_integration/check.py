@@ -1,0 +1,239 @@
+"""`ds-inference policy check`: shard a local model over N ranks it starts itself and compare it with
+the unsharded model in the same run: logits, per-layer hidden states, greedy, beam-search and seeded
+sampling token ids, and the parameter bytes each rank holds.
+
+Exit 0 only if every check passes. Tolerance (fp32): max |logit difference| <= 1e-4 x max(1, max |logit|).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LOGIT_RTOL = 1e-4
+BYTES_TOLERANCE = 0.05
+NEW_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout: float = 300) -> int:
+    """Start `tp_size` ranks, run the checks, print one line per check and a summary; never hangs."""
+    for d in model_dirs:
+        if not (Path(d) / "config.json").is_file():
+            print(f"error: {d} is not a model directory (no config.json)", file=sys.stderr)
+            return 2
+    out = Path(tempfile.mkdtemp(prefix="ds_inference_check_"))
+    port = _free_port()
+    procs = []
+    for rank in range(tp_size):
+        env = {**os.environ, "WORLD_SIZE": str(tp_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "LOCAL_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "ds_inference_integration.check", "--worker", str(out), policy, *model_dirs]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank else None,
+                                      stderr=subprocess.STDOUT if rank else None, text=True))
+    deadline = time.monotonic() + timeout
+    failed = None
+    while any(p.poll() is None for p in procs):
+        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if failed is not None or time.monotonic() > deadline:
+            time.sleep(5 if failed is not None else 0)  # let peers report their own error first
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    codes = [p.wait() for p in procs]
+    result = out / "result.json"
+    if not result.is_file():
+        why = "timed out" if failed is None and time.monotonic() > deadline else f"rank {failed} exited {codes}"
+        tail = (procs[1].stdout.read()[-2000:] if tp_size > 1 and procs[1].stdout else "")
+        print(f"FAIL policy check ({why}){chr(10) + tail if tail else ''}")
+        return 1
+    report = json.loads(result.read_text())
+    for line in report["lines"]:
+        print(line)
+    ok = report["ok"] and all(c == 0 for c in codes)
+    print(f"{'PASS' if ok else 'FAIL'}: {report['passed']} of {report['total']} checks passed "
+          f"({len(model_dirs)} model(s), tp {tp_size})")
+    return 0 if ok else 1
+
+
+# Worker side ---------------------------------------------------------------------------------------
+
+def _inputs(config, torch):
+    """Three prompts of different lengths; decoder-only prompts are left-padded."""
+    g = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    lengths = [7, 4, 10]
+    width = max(lengths)
+    ids = torch.full((3, width), pad, dtype=torch.long)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        tokens = torch.randint(3, vocab, (n,), generator=g)
+        if config.is_encoder_decoder:
+            ids[row, :n], mask[row, :n] = tokens, 1
+        else:
+            ids[row, width - n:], mask[row, width - n:] = tokens, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _run_model(model, inputs, torch) -> dict:
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    gen = dict(max_new_tokens=NEW_TOKENS, pad_token_id=pad)
+    with torch.no_grad():
+        kwargs = dict(inputs, output_hidden_states=True)
+        if model.config.is_encoder_decoder:
+            kwargs["decoder_input_ids"] = torch.zeros((inputs["input_ids"].shape[0], 1), dtype=torch.long) + (
+                model.config.decoder_start_token_id or 0)
+        out = model(**kwargs)
+        hidden = (list(out.encoder_hidden_states or []) + list(out.decoder_hidden_states or [])
+                  if model.config.is_encoder_decoder else list(out.hidden_states))
+        greedy = model.generate(**inputs, do_sample=False, num_beams=1, **gen)
+        beam = model.generate(**inputs, do_sample=False, num_beams=3, **gen)
+        torch.manual_seed(1234)
+        sample = model.generate(**inputs, do_sample=True, top_k=0, top_p=1.0, **gen)
+    return {"logits": out.logits.float(), "hidden": [h.float() for h in hidden], "greedy": greedy,
+            "beam": beam, "sample": sample}
+
+
+def _layer_weight_bytes(model, patterns) -> int:
+    import fnmatch
+
+    seen, total = set(), 0
+    for m in model.modules():
+        if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
+            for p in m.parameters():
+                if p.ndim == 2 and id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+    return total
+
+
+def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[str]) -> tuple[int, int]:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from .arguments import DeepSpeedInferenceArguments
+    from .policy import DERIVE, Policy, check_head_counts, derive_policy, resolve_policy
+    from .shard import shard_model
+
+    name = Path(model_dir).name
+    config = AutoConfig.from_pretrained(model_dir)
+    cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    ref = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    policy = resolve_policy(policy_spec, config)
+    if policy == DERIVE:
+        policy = derive_policy(model)
+    check_head_counts(policy, config, topology.tp_size)
+    patterns = list(policy.layers) if isinstance(policy, Policy) else ["*Layer", "*Block"]
+    full_bytes = _layer_weight_bytes(ref, patterns)
+    inputs = _inputs(config, torch)
+    want = _run_model(ref, inputs, torch)
+    args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
+    model, report = shard_model(model, args, topology, groups, policy, torch.float32)
+    got = _run_model(model, inputs, torch)
+
+    passed = total = 0
+
+    def check(ok: bool, text: str) -> None:
+        nonlocal passed, total
+        total += 1
+        passed += ok
+        lines.append(f"{'PASS' if ok else 'FAIL'} {name} tp{topology.tp_size} {text}")
+
+    scale = max(1.0, want["logits"].abs().max().item())
+    diff = (got["logits"] - want["logits"]).abs().max().item()
+    check(diff <= LOGIT_RTOL * scale, f"logits: max |diff| {diff:.2e} (tolerance {LOGIT_RTOL * scale:.2e})")
+    first_bad = next((i for i, (a, b) in enumerate(zip(got["hidden"], want["hidden"]))
+                      if (a - b).abs().max().item() > LOGIT_RTOL * max(1.0, b.abs().max().item())), None)
+    check(first_bad is None, "hidden states: every layer within tolerance" if first_bad is None
+          else f"hidden states: first diverging layer is hidden_states[{first_bad}] of {len(want['hidden'])}")
+    for mode in ("greedy", "beam", "sample"):
+        a, b = got[mode], want[mode]
+        same_shape = a.shape == b.shape
+        mism = None if same_shape and torch.equal(a, b) else (
+            "shape" if not same_shape else tuple(int(x) for x in (a != b).nonzero()[0]))
+        peers = [torch.empty_like(a) for _ in range(topology.tp_size)]
+        dist.all_gather(peers, a.contiguous(), group=groups.tp)
+        ranks_agree = all(torch.equal(p, a) for p in peers)
+        check(mism is None and ranks_agree,
+              f"{mode} token ids: " + ("identical to unsharded" if mism is None else
+                                       f"first different token at (row, position) {mism}")
+              + ("" if ranks_agree else "; ranks of the TP group disagree"))
+    shard_bytes = _layer_weight_bytes(model, patterns)
+    share = shard_bytes / max(full_bytes, 1)
+    target = 1 / topology.tp_size
+    kv = ""
+    if report.replicated_kv:  # each rank keeps a whole KV head where 1/tp of the KV weights would be
+        text = config.get_text_config()
+        spec = policy.attention
+        n_q, n_kv = (v if isinstance(v, int) else getattr(config, v) for v in (spec.query_heads, spec.kv_heads))
+        hidden = text.hidden_size
+        kv_bytes = 2 * n_kv * (hidden // n_q) * hidden * 4 * text.num_hidden_layers
+        target = ((full_bytes - kv_bytes) / topology.tp_size + kv_bytes / n_kv) / full_bytes
+        kv = f" (KV heads replicated: +{target - 1 / topology.tp_size:.1%} over 1/tp, counted in the target)"
+    check(abs(share - target) <= BYTES_TOLERANCE * target,
+          f"rank {topology.rank} holds {share:.1%} of the layer weights ({shard_bytes} of {full_bytes} bytes; "
+          f"target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}")
+    return passed, total
+
+
+def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from .arguments import InferenceSetupError
+    from .shard import init_deepspeed_comm
+    from .topology import Topology, init_process_groups
+
+    topology = Topology.from_env()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(topology.rank % torch.cuda.device_count())
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    groups = init_process_groups(topology, "cuda" if torch.cuda.is_available() else "cpu")
+    init_deepspeed_comm(topology)
+    lines: list[str] = []
+    passed = total = 0
+    try:
+        for d in model_dirs:
+            try:
+                p, t = _check_one(d, policy_spec, topology, groups, lines)
+            except InferenceSetupError as e:
+                p, t = 0, 1
+                lines.append(f"FAIL {Path(d).name} tp{topology.tp_size} setup: {e}")
+            except Exception as e:  # a rank that raised mid-collective: report it and stop here
+                lines.append(f"FAIL {Path(d).name} tp{topology.tp_size} {type(e).__name__}: {str(e)[:300]}")
+                total += 1
+                raise
+            passed, total = passed + p, total + t
+    finally:
+        if topology.rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps(
+                {"lines": lines, "passed": passed, "total": total, "ok": passed == total}))
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--worker":
+        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
+    print("usage: ds-inference policy check MODEL_DIR --tp-size N", file=sys.stderr)
+    sys.exit(2)

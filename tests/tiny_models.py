@@ -1,0 +1,45 @@
+"""Tiny random models of every architecture with a policy, built from configs and saved locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as tr
+
+VOCAB = 96
+# hidden 128 with 4 heads; MLP widths are multiples of 64 x 4 so DeepSpeed's 64-grain MLP split is even at tp 4.
+DECODERS = {
+    "gpt2": lambda: tr.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2),
+    "gpt_bigcode_mqa": lambda: tr.GPTBigCodeConfig(n_embd=128, n_layer=2, n_head=4, n_positions=64, multi_query=True,
+                                                   initializer_range=0.2),
+    "gpt_bigcode_mha": lambda: tr.GPTBigCodeConfig(n_embd=128, n_layer=2, n_head=4, n_positions=64,
+                                                   multi_query=False, initializer_range=0.2),
+    "llama_kv4": lambda: tr.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, initializer_range=0.2),
+    "llama_kv2": lambda: tr.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2),
+    "llama_kv1": lambda: tr.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, initializer_range=0.2),
+    "mistral": lambda: tr.MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2),
+    "opt": lambda: tr.OPTConfig(hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                                word_embed_proj_dim=128, max_position_embeddings=64, init_std=0.2),
+    "bloom": lambda: tr.BloomConfig(hidden_size=128, n_layer=2, n_head=4, initializer_range=0.2),
+    "gpt_neox": lambda: tr.GPTNeoXConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2),
+    "falcon": lambda: tr.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      multi_query=True, new_decoder_architecture=False, initializer_range=0.2),
+}
+
+
+def save_decoder(name: str, root: Path) -> Path:
+    torch.manual_seed(0)
+    config = DECODERS[name]()
+    config.vocab_size = VOCAB
+    config.pad_token_id = 0
+    config.bos_token_id = config.eos_token_id = 1
+    model = tr.AutoModelForCausalLM.from_config(config)
+    path = Path(root) / name
+    model.save_pretrained(path)
+    return path
