@@ -56,15 +56,14 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
         time.sleep(0.2)
     codes = [p.wait() for p in procs]
     result = out / "result.json"
-    if not result.is_file():
-        why = "timed out" if failed is None and time.monotonic() > deadline else f"rank {failed} exited {codes}"
-        tail = (procs[1].stdout.read()[-2000:] if tp_size > 1 and procs[1].stdout else "")
-        print(f"FAIL policy check ({why}){chr(10) + tail if tail else ''}")
-        return 1
-    report = json.loads(result.read_text())
+    report = json.loads(result.read_text()) if result.is_file() else {"lines": [], "passed": 0, "total": 0, "ok": False}
     for line in report["lines"]:
         print(line)
     ok = report["ok"] and all(c == 0 for c in codes)
+    if not all(c == 0 for c in codes):
+        why = f"a rank failed, exit codes {codes}" if any(c not in (0, -9) for c in codes) else "timed out"
+        tail = procs[1].stdout.read()[-1500:] if tp_size > 1 and procs[1].stdout else ""
+        print(f"FAIL rank processes ({why}){chr(10) + tail if tail else ''}")
     print(f"{'PASS' if ok else 'FAIL'}: {report['passed']} of {report['total']} checks passed "
           f"({len(model_dirs)} model(s), tp {tp_size})")
     return 0 if ok else 1
@@ -109,6 +108,24 @@ def _run_model(model, inputs, torch) -> dict:
             "beam": beam, "sample": sample}
 
 
+def _run_model_naming_failures(model, inputs, patterns, torch) -> dict:
+    """`_run_model`, but an exception names the layer it happened in."""
+    import fnmatch
+
+    entered: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: entered.append(name))
+             for name, m in model.named_modules()
+             if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns)]
+    try:
+        return _run_model(model, inputs, torch)
+    except RuntimeError as e:
+        where = f"first failing layer {entered[-1]}" if entered else "before the first layer"
+        raise RuntimeError(f"sharded forward failed in {where}: {str(e).splitlines()[0]}") from None
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _layer_weight_bytes(model, patterns) -> int:
     import fnmatch
 
@@ -137,16 +154,16 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[s
     ref = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     policy = resolve_policy(policy_spec, config)
-    if policy == DERIVE:
-        policy = derive_policy(model)
     check_head_counts(policy, config, topology.tp_size)
-    patterns = list(policy.layers) if isinstance(policy, Policy) else ["*Layer", "*Block"]
+    layers = derive_policy(model).layers if policy == DERIVE else getattr(policy, "layers", ["*Layer", "*Block"])
+    patterns = list(layers)
     full_bytes = _layer_weight_bytes(ref, patterns)
     inputs = _inputs(config, torch)
     want = _run_model(ref, inputs, torch)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
     model, report = shard_model(model, args, topology, groups, policy, torch.float32)
-    got = _run_model(model, inputs, torch)
+    policy = report.policy_object
+    got = _run_model_naming_failures(model, inputs, patterns, torch)
 
     passed = total = 0
 
@@ -175,8 +192,10 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[s
               f"{mode} token ids: " + ("identical to unsharded" if mism is None else
                                        f"first different token at (row, position) {mism}")
               + ("" if ranks_agree else "; ranks of the TP group disagree"))
-    shard_bytes = _layer_weight_bytes(model, patterns)
-    share = shard_bytes / max(full_bytes, 1)
+    mine = torch.tensor([_layer_weight_bytes(model, patterns)], dtype=torch.long)
+    every = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
+    dist.all_gather(every, mine, group=groups.tp)
+    shares = [int(b) / max(full_bytes, 1) for b in every]
     target = 1 / topology.tp_size
     kv = ""
     if report.replicated_kv:  # each rank keeps a whole KV head where 1/tp of the KV weights would be
@@ -187,9 +206,9 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[s
         kv_bytes = 2 * n_kv * (hidden // n_q) * hidden * 4 * text.num_hidden_layers
         target = ((full_bytes - kv_bytes) / topology.tp_size + kv_bytes / n_kv) / full_bytes
         kv = f" (KV heads replicated: +{target - 1 / topology.tp_size:.1%} over 1/tp, counted in the target)"
-    check(abs(share - target) <= BYTES_TOLERANCE * target,
-          f"rank {topology.rank} holds {share:.1%} of the layer weights ({shard_bytes} of {full_bytes} bytes; "
-          f"target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}")
+    check(all(abs(share - target) <= BYTES_TOLERANCE * target for share in shares),
+          f"layer weights per rank: {', '.join(f'{s:.1%}' for s in shares)} of {full_bytes} bytes "
+          f"(target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}")
     return passed, total
 
 
@@ -212,6 +231,12 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
     init_deepspeed_comm(topology)
     lines: list[str] = []
     passed = total = 0
+
+    def save() -> None:
+        if topology.rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps(
+                {"lines": lines, "passed": passed, "total": total, "ok": passed == total}))
+
     try:
         for d in model_dirs:
             try:
@@ -224,10 +249,9 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
                 total += 1
                 raise
             passed, total = passed + p, total + t
+            save()
     finally:
-        if topology.rank == 0:
-            Path(out_dir, "result.json").write_text(json.dumps(
-                {"lines": lines, "passed": passed, "total": total, "ok": passed == total}))
+        save()
         dist.destroy_process_group()
     return 0
 

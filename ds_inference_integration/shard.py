@@ -34,6 +34,7 @@ class ShardReport:
     param_bytes: int
     full_param_bytes: int
     replicated_kv: bool = False
+    policy_object: Policy | None = None  # the policy applied (derived ones included)
 
     def __str__(self) -> str:
         share = self.param_bytes / max(self.full_param_bytes, 1)
@@ -171,6 +172,22 @@ def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayou
         setattr(attention, attr, values[value_name])
 
 
+def _smoke_forward(model: nn.Module, policy: Policy) -> None:
+    """One tiny forward after sharding with a derived policy: a wrong derivation fails here, on every
+    rank alike (shape errors are deterministic), with a pointer to the policy tool."""
+    ids = torch.tensor([[1, 2, 3]], device=next(model.parameters()).device)
+    kwargs = {"decoder_input_ids": ids[:, :1]} if model.config.is_encoder_decoder else {}
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, **kwargs)
+    except RuntimeError as e:
+        raise InferenceSetupError(
+            f"the policy derived for model_type {model.config.model_type!r} ({dict(policy.layers)}) does not "
+            f"work: {str(e).splitlines()[0]}; write one with `ds-inference policy suggest MODEL_DIR` and test it "
+            "with `ds-inference policy check MODEL_DIR --tp-size N --policy FILE`"
+        ) from None
+
+
 # The whole step ------------------------------------------------------------------------------------
 
 def shard_model(
@@ -184,6 +201,7 @@ def shard_model(
     """Shard `model` in place over this rank's TP group; returns the (same) model and a report."""
     import deepspeed
 
+    derived = False
     full_bytes = _param_bytes(model) * torch.finfo(dtype).bits // torch.finfo(next(model.parameters()).dtype).bits
     kwargs: dict = {"dtype": dtype, "replace_with_kernel_inject": args.replace_with_kernel_inject}
     heads, attentions = None, []
@@ -191,6 +209,7 @@ def shard_model(
         kwargs["tensor_parallel"] = {"tp_size": topology.tp_size, "mpu": ModelParallelUnit(groups), "tp_group": groups.tp}
         if policy == DERIVE:
             policy = derive_policy(model)
+            derived = True
             logger.warning("no policy file for model_type %r: derived row-parallel linears %s",
                            model.config.model_type, dict(policy.layers))
         if isinstance(policy, Policy) and not args.replace_with_kernel_inject:
@@ -207,11 +226,14 @@ def shard_model(
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)
     sharded = engine.module
+    if derived:
+        _smoke_forward(sharded, policy)
     report = ShardReport(
         policy=str(policy.source) if isinstance(policy, Policy) else (
             "kernel injection" if args.replace_with_kernel_inject else "autotp"),
         param_bytes=_param_bytes(sharded),
         full_param_bytes=full_bytes,
         replicated_kv=bool(heads and heads.replicated),
+        policy_object=policy if isinstance(policy, Policy) else None,
     )
     return sharded, report

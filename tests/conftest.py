@@ -85,16 +85,17 @@ def save_tiny_model(kind: str, path: Path, **overrides) -> Path:
     """
     import torch
     from transformers import (AutoTokenizer, BartConfig, BartForConditionalGeneration, MarianConfig,
-                              MarianMTModel, MBartConfig, MBartForConditionalGeneration, T5Config,
+                              MarianMTModel, MBartConfig, MBartForConditionalGeneration, MT5Config,
+                              MT5ForConditionalGeneration, T5Config,
                               T5ForConditionalGeneration)
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     common = dict(vocab_size=len(tok), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    if kind == "t5":
-        cfg = T5Config(**{**common, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+    if kind in ("t5", "mt5"):
+        cfg = (T5Config if kind == "t5" else MT5Config)(**{**common, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
                           "num_decoder_layers": 2, "num_heads": 4, "initializer_factor": 5.0, **overrides})
-        model = T5ForConditionalGeneration(cfg)
+        model = (T5ForConditionalGeneration if kind == "t5" else MT5ForConditionalGeneration)(cfg)
     else:
         cls = {"bart": (BartConfig, BartForConditionalGeneration), "mbart": (MBartConfig, MBartForConditionalGeneration),
                "marian": (MarianConfig, MarianMTModel)}[kind]

@@ -1,0 +1,157 @@
+"""Every architecture with a policy, sharded at tp 2 and tp 4 by `ds-inference policy check` (which
+starts its own ranks) and compared with the unsharded model in the same run: logits within
+1e-4 x max|logit|, greedy / beam / seeded-sampling token ids identical on every rank, and each
+rank's share of the layer weights within 5% of 1/tp (replicated KV heads counted)."""
+
+import re
+import subprocess
+
+import pytest
+import torch
+from conftest import BIN, save_tiny_model
+from tiny_models import DECODERS, save_decoder
+
+from ds_inference_integration.attention import HeadLayout, split_fused_qkv
+from ds_inference_integration.policy import load_policy, policy_to_toml
+
+SEQ2SEQ = ("t5", "mt5", "bart", "mbart", "marian")
+CHECKS_PER_MODEL = 6
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("arch")
+    dirs = {name: save_decoder(name, root) for name in DECODERS}
+    dirs.update({kind: save_tiny_model(kind, root / kind) for kind in SEQ2SEQ})
+    return dirs
+
+
+def policy_cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ds-inference"), "policy", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_all_pass(proc, names, tp):
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    for name in names:
+        lines = [line for line in out.splitlines() if line.startswith(f"PASS {name} tp{tp} ")]
+        assert len(lines) == CHECKS_PER_MODEL, (name, out[-3000:])
+    assert f"PASS: {CHECKS_PER_MODEL * len(names)} of {CHECKS_PER_MODEL * len(names)} checks passed" in out
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_architecture_matches_the_unsharded_model(model_dirs, tp):
+    proc = policy_cli("check", *map(str, model_dirs.values()), "--tp-size", str(tp))
+    out = assert_all_pass(proc, list(model_dirs), tp)
+    for name in ("gpt2", "gpt_bigcode_mqa", "gpt_bigcode_mha", "llama_kv1"):
+        assert re.search(rf"PASS {name} tp{tp} (greedy|beam|sample) token ids: identical", out)
+    # Multi-query models keep a copy of the KV head per rank, and say so.
+    assert re.search(rf"PASS gpt_bigcode_mqa tp{tp} layer weights per rank: .*KV heads replicated", out)
+    assert re.search(rf"PASS llama_kv1 tp{tp} layer weights per rank: .*KV heads replicated", out)
+
+
+def test_wrong_policy_fails_naming_the_layer(model_dirs, tmp_path):
+    wrong = tmp_path / "opt_missing_fc2.toml"
+    wrong.write_text('model_types = ["opt"]\n[layers.OPTDecoderLayer]\nrow_parallel = ["self_attn.out_proj"]\n')
+    proc = policy_cli("check", str(model_dirs["opt"]), "--tp-size", "2", "--policy", str(wrong), timeout=200)
+    assert proc.returncode != 0
+    assert "FAIL opt tp2 RuntimeError: sharded forward failed in first failing layer model.decoder.layers.0" in proc.stdout
+
+
+def test_unlisted_architectures_get_a_derived_policy(tmp_path):
+    import transformers as tr
+
+    configs = {
+        "qwen3": tr.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32),
+        "xglm": tr.XGLMConfig(d_model=128, ffn_dim=256, num_layers=2, attention_heads=4, max_position_embeddings=64),
+        "gptj": tr.GPTJConfig(n_embd=128, n_layer=2, n_head=4, n_positions=64, rotary_dim=16),
+    }
+    dirs = []
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 96, 0, 1, 1
+        tr.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
+        dirs.append(str(tmp_path / name))
+    proc = policy_cli("check", *dirs, "--tp-size", "2")
+    assert_all_pass(proc, list(configs), 2)
+    assert "no policy file for model_type 'xglm': derived row-parallel linears" in proc.stdout + proc.stderr
+
+    # `suggest` prints a loadable policy file; checked with --policy it passes too.
+    suggested = policy_cli("suggest", dirs[1])
+    assert suggested.returncode == 0, suggested.stderr
+    path = tmp_path / "xglm.toml"
+    path.write_text(suggested.stdout)
+    assert load_policy(path).layers == {"XGLMDecoderLayer": ("fc2", "self_attn.out_proj")}
+    assert_all_pass(policy_cli("check", dirs[1], "--tp-size", "2", "--policy", str(path)), ["xglm"], 2)
+
+
+def test_unworkable_derived_policy_is_one_clear_failure(tmp_path):
+    import transformers as tr
+
+    torch.manual_seed(0)
+    cfg = tr.Phi3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=96, pad_token_id=0)
+    tr.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "phi3")
+    proc = policy_cli("check", str(tmp_path / "phi3"), "--tp-size", "2", timeout=200)
+    assert proc.returncode != 0
+    assert "the policy derived for model_type 'phi3'" in proc.stdout
+    assert "ds-inference policy suggest MODEL_DIR" in proc.stdout
+
+
+def test_policy_cli_list_show_suggest(model_dirs):
+    listed = policy_cli("list").stdout
+    for model_type in ("t5", "mt5", "bart", "mbart", "marian", "gpt2", "gpt_bigcode", "llama", "mistral", "opt",
+                       "bloom", "gpt_neox", "falcon"):
+        assert re.search(rf"^{model_type} ", listed, re.M), model_type
+    assert "multi_query = true" in policy_cli("show", "gpt_bigcode").stdout
+    shown = policy_cli("suggest", str(model_dirs["gpt2"]))
+    assert shown.returncode == 0 and "shipped policy" in shown.stdout and "[attention]" in shown.stdout
+    bad = policy_cli("show", "nope")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no policy for model_type 'nope'")
+
+
+def test_policy_to_toml_round_trips(tmp_path):
+    from ds_inference_integration.policy import shipped_policies
+
+    for policy in shipped_policies():
+        if policy.attention is None:
+            path = tmp_path / f"{policy.name}.toml"
+            path.write_text(policy_to_toml(policy))
+            again = load_policy(path)
+            assert (again.layers, again.model_types, again.match) == (policy.layers, policy.model_types, policy.match)
+
+
+# The attention split itself, on numbers small enough to read -----------------------------------------
+
+@pytest.mark.parametrize("q, kv, tp, expected", [
+    (4, 4, 2, [[0, 1], [2, 3]]),
+    (4, 2, 4, [[0], [0], [1], [1]]),  # 2 KV heads over 4 ranks: each KV head on two ranks
+    (4, 1, 4, [[0], [0], [0], [0]]),  # multi-query: the one KV head on every rank
+    (8, 2, 2, [[0], [1]]),
+])
+def test_kv_heads_per_rank(q, kv, tp, expected):
+    assert [list(HeadLayout(q, kv, tp, r).kv_heads_of_rank()) for r in range(tp)] == expected
+    for r in range(tp):  # every query head reads the KV head its rank holds
+        layout = HeadLayout(q, kv, tp, r)
+        assert all(h // (q // kv) in layout.kv_heads_of_rank() for h in layout.q_heads())
+
+
+def test_fused_qkv_split_rows():
+    head_dim, q, kv = 2, 4, 1
+    rows = (q + 2 * kv) * head_dim
+    linear = torch.nn.Linear(3, rows)
+    with torch.no_grad():
+        linear.weight.copy_(torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, 3))
+    shard, hd = split_fused_qkv(linear, "qkv", HeadLayout(q, kv, 2, 1))
+    assert hd == 2
+    # rank 1: query heads 2, 3 (rows 4-7), then the shared K (rows 8-9) and V (rows 10-11)
+    assert shard.weight[:, 0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    per_head = torch.nn.Linear(3, 3 * 4 * 2)
+    with torch.no_grad():
+        per_head.weight.copy_(torch.arange(24, dtype=torch.float32)[:, None].expand(24, 3))
+    shard, _ = split_fused_qkv(per_head, "per_head", HeadLayout(4, 4, 2, 0))
+    assert shard.weight[:, 0].tolist() == list(range(12))  # heads 0, 1 with their q, k, v rows
+
