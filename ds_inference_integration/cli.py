@@ -38,23 +38,26 @@ def _policy_show(ns: argparse.Namespace) -> int:
 
 
 def _policy_suggest(ns: argparse.Namespace) -> int:
-    from transformers import AutoConfig
+    import contextlib
 
-    from .policy import derive_policy, policy_for_config, policy_to_toml
+    with contextlib.redirect_stdout(sys.stderr):  # library log lines must not mix into the TOML
+        from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(ns.model_dir)
-    shipped = policy_for_config(config)
+        from .policy import derive_policy, policy_for_config, policy_to_toml
+
+        config = AutoConfig.from_pretrained(ns.model_dir)
+        shipped = policy_for_config(config)
+        if shipped is None:
+            import torch
+            from transformers import AutoModel
+
+            with torch.device("meta"):
+                model = AutoModel.from_config(config)
+            text = (f"# derived from {type(model).__name__}; check it with: ds-inference policy check "
+                    f"{ns.model_dir} --tp-size 2 --policy FILE\n{policy_to_toml(derive_policy(model))}")
     if shipped is not None:
-        print(f"# shipped policy {shipped.source}")
-        print(shipped.source.read_text(encoding="utf-8"), end="")
-        return 0
-    import torch
-    from transformers import AutoModel
-
-    with torch.device("meta"):
-        model = AutoModel.from_config(config)
-    print(f"# derived from {type(model).__name__}: check it with ds-inference policy check {ns.model_dir} --tp-size 2 --policy FILE")
-    print(policy_to_toml(derive_policy(model)), end="")
+        text = f"# shipped policy {shipped.source}\n{shipped.source.read_text(encoding='utf-8')}"
+    print(text, end="")
     return 0
 
 
