@@ -20,10 +20,8 @@ $(STAMP): pyproject.toml
 # The main job: the embedded English->Romanian model, tensor parallel over $(NUM_GPUS) ranks
 # (CPU ranks when there is no GPU), then a one-line summary.
 demo: $(STAMP)
-	PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NUM_GPUS) examples/run_translation.py \
-		--output_dir $(DEMO_DIR) --do_predict --predict_with_generate \
-		--source_lang en --target_lang ro --source_prefix 'translate English to Romanian: ' \
-		--per_device_eval_batch_size 16 --report_to none --deepspeed_inference
+	PATH=$(abspath $(BIN)):$$PATH NUM_GPUS=$(NUM_GPUS) launch/single_node.sh \
+		--output_dir $(DEMO_DIR) --do_predict --per_device_eval_batch_size 16 --report_to none
 	$(BIN)/ds-inference summary $(DEMO_DIR)
 
 test: $(STAMP)

@@ -11,7 +11,7 @@ The flow, one module per step:
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, prepare_argv, translate_legacy_args
 from .policy import Policy, available_policies, build_injection_policy, check_head_counts, load_policy, resolve_policy
 from .topology import Topology
-from .trainer import DeepSpeedInferenceMixin, DeepSpeedInferenceSeq2SeqTrainer, DeepSpeedInferenceTrainer
+from .trainer import LockstepError, DeepSpeedInferenceMixin, DeepSpeedInferenceSeq2SeqTrainer, DeepSpeedInferenceTrainer
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "DeepSpeedInferenceSeq2SeqTrainer",
     "DeepSpeedInferenceTrainer",
     "InferenceSetupError",
+    "LockstepError",
     "Policy",
     "Topology",
     "available_policies",

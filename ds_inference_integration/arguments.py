@@ -45,6 +45,11 @@ class DeepSpeedInferenceArguments:
     replace_with_kernel_inject: bool = field(
         default=False, metadata={"help": "Use DeepSpeed's fused inference kernels (GPU only)."}
     )
+    lockstep_guard: bool = field(
+        default=True,
+        metadata={"help": "Before each batch, the ranks of a TP group compare a fingerprint of their inputs "
+                          "and stop with one clear error if they differ."},
+    )
     inference_timeout: int = field(
         default=120,
         metadata={"help": "Seconds any rank waits in a collective before the run fails instead of hanging."},

@@ -40,6 +40,7 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
         env = {**os.environ, "WORLD_SIZE": str(tp_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "LOCAL_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp_size)))
         cmd = [sys.executable, "-m", "ds_inference_integration.check", "--worker", str(out), policy, *model_dirs]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank else None,
                                       stderr=subprocess.STDOUT if rank else None, text=True))
@@ -145,7 +146,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[s
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from .arguments import DeepSpeedInferenceArguments
-    from .policy import DERIVE, Policy, check_head_counts, derive_policy, resolve_policy
+    from .policy import DERIVE, check_head_counts, derive_policy, resolve_policy
     from .shard import shard_model
 
     name = Path(model_dir).name

@@ -6,6 +6,7 @@
     ds-inference policy check MODEL_DIR [MODEL_DIR ...] --tp-size N [--policy FILE]
                                           shard over N ranks it starts itself, compare with the unsharded model
     ds-inference summary OUTPUT_DIR       one line from a run's *_results.json: BLEU, samples/s, tp x dp
+    ds-inference bench guard [--repeats N] the lock-step guard's cost, guard on vs off, side by side
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from .arguments import InferenceSetupError
-from .policy import available_policies, load_policy, shipped_policies
+from .policy import available_policies, shipped_policies
 
 
 def _policy_list(_: argparse.Namespace) -> int:
@@ -67,6 +68,12 @@ def _policy_check(ns: argparse.Namespace) -> int:
     return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout)
 
 
+def _bench_guard(ns: argparse.Namespace) -> int:
+    from .bench import bench_guard
+
+    return bench_guard(ns.repeats, ns.nprocs, Path(ns.output))
+
+
 def _summary(ns: argparse.Namespace) -> int:
     out = Path(ns.output_dir)
     lines = []
@@ -104,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--policy", default="auto", help="auto (default), autotp, or a policy file")
     check.add_argument("--timeout", type=float, default=300, help="seconds before the ranks are killed")
     check.set_defaults(func=_policy_check)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    guard = bsub.add_parser("guard", help="lock-step guard on vs off, predict on the embedded default")
+    guard.add_argument("--repeats", type=int, default=3)
+    guard.add_argument("--nprocs", type=int, default=2)
+    guard.add_argument("--output", default="bench_guard.json")
+    guard.set_defaults(func=_bench_guard)
     summary = sub.add_parser("summary", help="one line per *_results.json of a run")
     summary.add_argument("output_dir")
     summary.set_defaults(func=_summary)

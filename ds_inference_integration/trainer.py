@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,39 @@ from .shard import ShardReport, init_deepspeed_comm, shard_model
 from .topology import ProcessGroups, Topology, init_process_groups
 
 logger = logging.getLogger(__name__)
+
+
+class LockstepError(RuntimeError):
+    """Ranks of one TP group were about to generate from different inputs."""
+
+
+def fingerprint(inputs: dict) -> torch.Tensor:
+    """A cheap summary of a batch (shapes and position-weighted sums of the integer tensors)."""
+    parts = []
+    for key in sorted(inputs):
+        value = inputs[key]
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+            flat = value.reshape(-1).to(torch.int64)
+            weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
+            parts += [*value.shape, int((flat * weights).sum()), int(flat.sum())]
+    return torch.tensor(parts, dtype=torch.int64)
+
+
+def _inject_fault(rank: int, batch: int, inputs: dict) -> None:
+    """Test hook: DS_INFERENCE_FAULT="KIND:RANK:BATCH" makes that rank, at that batch, raise ("raise"),
+    die by SIGKILL ("kill"), or generate from a different batch than its peers ("skew")."""
+    spec = os.environ.get("DS_INFERENCE_FAULT")
+    if not spec:
+        return
+    kind, fault_rank, fault_batch = spec.split(":")
+    if int(fault_rank) != rank or int(fault_batch) != batch:
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "skew":
+        inputs["input_ids"] = inputs["input_ids"].flip(0)
+        return
+    raise RuntimeError(f"injected fault on rank {rank} at batch {batch} (DS_INFERENCE_FAULT)")
 
 
 class DeepSpeedInferenceMixin:
@@ -40,6 +76,8 @@ class DeepSpeedInferenceMixin:
         self.topology = Topology.create(world, self.args.process_index, self.inference_args.tp_size if enabled else 1)
         self.process_groups = ProcessGroups(tp=None, dp=None, mesh=None)
         self.shard_report: ShardReport | None = None
+        self._batch_index = -1
+        self.lockstep_seconds = 0.0
         if enabled:
             self._shard(policy)
 
@@ -102,8 +140,35 @@ class DeepSpeedInferenceMixin:
             data = next(iter(data.values())) if isinstance(data, dict) else data[0]
         return data
 
+    # Lock step: same inputs, same random numbers, on every rank of a TP group ---------------------
+
+    def _check_lockstep(self, inputs: dict) -> None:
+        mine = fingerprint(inputs).to(self.args.device)
+        peers = [torch.empty_like(mine) for _ in range(self.topology.tp_size)]
+        dist.all_gather(peers, mine, group=self.process_groups.tp)
+        differ = [r for r, p in enumerate(peers) if not torch.equal(p, peers[0])]
+        if differ:
+            group = self.topology.tp_group_ranks()[self.topology.dp_rank]
+            raise LockstepError(
+                f"lock-step guard: batch {self._batch_index} differs between ranks {group[0]} and "
+                f"{', '.join(str(group[r]) for r in differ)} of TP group {group}; refusing to generate from mixed inputs"
+            )
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        self._batch_index += 1
+        _inject_fault(self.topology.rank, self._batch_index, inputs)
+        if self.topology.tp_size > 1 and self.inference_args.lockstep_guard:
+            start = time.perf_counter()
+            self._check_lockstep(inputs)
+            self.lockstep_seconds += time.perf_counter() - start
+        # One seed per batch of the whole data set: equal on the ranks of a TP group, and equal to the
+        # single-process run's seed for the same batch, so sampling gives the same tokens.
+        torch.manual_seed(self.args.seed + self._batch_index * self.topology.dp_size + self.topology.dp_rank)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+
     def evaluation_loop(self, dataloader, *args, **kwargs):
         # Seq2SeqTrainer.predict/evaluate reset gather_function before every call: set ours here.
+        self._batch_index = -1
         self.gather_function = self._replica_gather
         output = super().evaluation_loop(dataloader, *args, **kwargs)
         n = output.num_samples
@@ -117,6 +182,9 @@ class DeepSpeedInferenceMixin:
 
     def _fix_speed_metrics(self, metrics: dict, prefix: str, num_samples: int | None) -> dict:
         runtime = metrics.get(f"{prefix}_runtime")
+        if self.topology.tp_size > 1:
+            metrics[f"{prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
+            self.lockstep_seconds = 0.0
         if runtime and num_samples:
             steps = math.ceil(num_samples / (self.args.eval_batch_size * self.topology.dp_size))
             metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)

@@ -13,7 +13,6 @@ Tensor parallel over 2 ranks (CPU ranks when there is no GPU): the same command 
 `deepspeed --num_gpus 2` with `--deepspeed_inference` added.
 """
 
-import json
 import logging
 import os
 import sys
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import sacrebleu
-import torch.distributed as dist
 import transformers
 from datasets import load_dataset
 from transformers import (
@@ -44,6 +42,7 @@ from ds_inference_integration import (
     resolve_policy,
     prepare_argv,
 )
+from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -92,6 +91,9 @@ class DataTrainingArguments:
     ignore_pad_token_for_loss: bool = field(default=True, metadata={"help": "Ignore padded label tokens in the loss."})
     source_prefix: str | None = field(default=None, metadata={"help": "Prefix for every source text (T5)."})
     forced_bos_token: str | None = field(default=None, metadata={"help": "Token forced first after the decoder start (mBART)."})
+    do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy/beam decoding (seeded by --seed)."})
+    top_k: int | None = field(default=None, metadata={"help": "Sampling: keep the k most likely tokens."})
+    top_p: float | None = field(default=None, metadata={"help": "Sampling: nucleus probability mass."})
 
     def __post_init__(self):
         if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
@@ -159,6 +161,9 @@ def main(argv: list[str]) -> None:
                 if path is not None:
                     if not Path(path).is_file():
                         raise InferenceSetupError(f"--{split}_file {path!r} does not exist")
+                    with open(path, encoding="utf-8") as f:
+                        if not any(line.strip() for line in f):
+                            raise InferenceSetupError(f"--{split}_file {path!r} holds no examples; give at least one line")
                     data_files[split] = path
             raw_datasets = load_dataset("json", data_files=data_files, cache_dir=model_args.cache_dir)
 
@@ -167,12 +172,8 @@ def main(argv: list[str]) -> None:
         use_fast=model_args.use_fast_tokenizer, revision=model_args.model_revision, token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
     )
-    model = AutoModelForSeq2SeqLM.from_pretrained(
-        model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir,
-        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
-    )
-    if model.config.decoder_start_token_id is None:
-        raise ValueError("Make sure that `config.decoder_start_token_id` is correctly defined")
+    if config.decoder_start_token_id is None:
+        raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
 
     prefix = data_args.source_prefix if data_args.source_prefix is not None else ""
     if training_args.do_train:
@@ -190,9 +191,9 @@ def main(argv: list[str]) -> None:
         forced_bos_token_id = (
             tokenizer.lang_code_to_id[data_args.forced_bos_token] if data_args.forced_bos_token is not None else None
         )
-        model.config.forced_bos_token_id = forced_bos_token_id
+        config.forced_bos_token_id = forced_bos_token_id
     elif data_args.forced_bos_token is not None:
-        model.config.forced_bos_token_id = tokenizer.convert_tokens_to_ids(data_args.forced_bos_token)
+        config.forced_bos_token_id = tokenizer.convert_tokens_to_ids(data_args.forced_bos_token)
 
     source_lang, target_lang = data_args.source_lang.split("_")[0], data_args.target_lang.split("_")[0]
     padding = "max_length" if data_args.pad_to_max_length else False
@@ -201,7 +202,9 @@ def main(argv: list[str]) -> None:
         inputs = [ex[source_lang] for ex in examples["translation"]]
         targets = [ex[target_lang] for ex in examples["translation"]]
         inputs = [prefix + inp for inp in inputs]
+        lengths = [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
         model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding=padding, truncation=True)
+        model_inputs["source_truncated"] = [n > data_args.max_source_length for n in lengths]
         labels = tokenizer(text_target=targets, max_length=max_target_length, padding=padding, truncation=True)
         if padding == "max_length" and data_args.ignore_pad_token_for_loss:
             labels["input_ids"] = [
@@ -214,19 +217,41 @@ def main(argv: list[str]) -> None:
         if split not in raw_datasets:
             raise InferenceSetupError(f"{split!r} split missing: pass --{split}_file or a dataset that has it")
         ds = raw_datasets[split]
+        check_columns(ds, split)
         if max_samples is not None:
             ds = ds.select(range(min(len(ds), max_samples)))
         with training_args.main_process_first(desc=f"{split} dataset map pre-processing"):
-            return ds.map(
+            ds = ds.map(
                 preprocess_function, batched=True, num_proc=data_args.preprocessing_num_workers,
                 remove_columns=column_names, load_from_cache_file=not data_args.overwrite_cache,
                 fn_kwargs={"max_target_length": max_target_length}, desc=f"Running tokenizer on {split} dataset",
             )
+        truncated = sum(ds["source_truncated"])
+        if truncated:
+            logger.warning(f"{truncated} of {len(ds)} {split} sources are longer than --max_source_length "
+                           f"{data_args.max_source_length} tokens and were truncated")
+        return ds.remove_columns("source_truncated")
+
+    def check_columns(ds, split: str) -> None:
+        """Empty data or a missing column/language ends here, in one line, before any model work."""
+        if len(ds) == 0:
+            raise InferenceSetupError(f"the {split} data holds no examples; give a file with at least one line")
+        if "translation" not in ds.column_names:
+            raise InferenceSetupError(f"the {split} data has no 'translation' column; columns: {ds.column_names}")
+        keys = sorted(ds[0]["translation"] or {})
+        for lang in (source_lang, target_lang):
+            if lang not in keys:
+                raise InferenceSetupError(f"the {split} data has no language {lang!r} in 'translation'; languages there: {keys}")
 
     train_dataset = prepare("train", data_args.max_train_samples, data_args.max_target_length) if training_args.do_train else None
     eval_dataset = prepare("validation", data_args.max_eval_samples, data_args.val_max_target_length) if training_args.do_eval else None
     predict_dataset = prepare("test", data_args.max_predict_samples, data_args.val_max_target_length) if training_args.do_predict else None
 
+    # The model loads only once arguments, policy and data have been checked.
+    model = AutoModelForSeq2SeqLM.from_pretrained(
+        model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+    )
     label_pad_token_id = -100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id
     if data_args.pad_to_max_length:
         data_collator = default_data_collator
@@ -268,9 +293,11 @@ def main(argv: list[str]) -> None:
 
     max_length = training_args.generation_max_length or data_args.val_max_target_length
     num_beams = data_args.num_beams if data_args.num_beams is not None else training_args.generation_num_beams
+    sampling = {k: v for k, v in (("do_sample", data_args.do_sample), ("top_k", data_args.top_k),
+                                  ("top_p", data_args.top_p)) if v}
     if training_args.do_eval:
         logger.info("*** Evaluate ***")
-        metrics = trainer.evaluate(max_length=max_length, num_beams=num_beams, metric_key_prefix="eval")
+        metrics = trainer.evaluate(max_length=max_length, num_beams=num_beams, metric_key_prefix="eval", **sampling)
         metrics["eval_samples"] = len(eval_dataset)
         metrics.update(parallel)
         trainer.log_metrics("eval", metrics)
@@ -279,7 +306,7 @@ def main(argv: list[str]) -> None:
     if training_args.do_predict:
         logger.info("*** Predict ***")
         predict_results = trainer.predict(
-            predict_dataset, metric_key_prefix="predict", max_length=max_length, num_beams=num_beams
+            predict_dataset, metric_key_prefix="predict", max_length=max_length, num_beams=num_beams, **sampling
         )
         metrics = predict_results.metrics
         metrics["predict_samples"] = len(predict_dataset)
@@ -293,18 +320,5 @@ def main(argv: list[str]) -> None:
                 f.write("\n".join(p.strip() for p in predictions) + "\n")
 
 
-def run(argv: list[str]) -> int:
-    try:
-        main(argv)
-    except InferenceSetupError as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"error: {e} [rank {rank}]", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    sys.exit(run_main(main, sys.argv[1:]))

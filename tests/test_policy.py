@@ -1,7 +1,6 @@
 """Policy files: schema, resolution, and validation against the real model before any sharding."""
 
 import pytest
-import torch
 from conftest import save_tiny_model
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
