@@ -97,19 +97,32 @@ _LEGACY_FLAGS = ("--overwrite_output_dir",)
 def translate_legacy_args(argv: list[str]) -> tuple[list[str], dict[str, bool]]:
     """Accept options that transformers 5 renamed or dropped, with their old meaning.
 
-    `--evaluation_strategy` becomes `--eval_strategy`; `--overwrite_output_dir` (a flag transformers 5
-    dropped) is removed from argv and returned in the second value.
+    `--evaluation_strategy` becomes `--eval_strategy`; `--group_by_length` becomes
+    `--train_sampling_strategy group_by_length` (which also groups prompts by length in predict);
+    `--overwrite_output_dir` (dropped) is removed from argv and returned in the second value.
     """
     out, legacy = [], {}
-    for arg in argv:
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
         name, sep, value = arg.partition("=")
+        if not sep and name in _BOOL_FLAGS and i + 1 < len(argv) and argv[i + 1].lower() in _BOOL_WORDS:
+            sep, value, i = "=", argv[i + 1], i + 1
+        on = value.lower() not in ("0", "false", "no") if sep else True
         if name in _LEGACY_RENAMES:
             out.append(_LEGACY_RENAMES[name] + sep + value)
+        elif name == "--group_by_length":
+            out += ["--train_sampling_strategy", "group_by_length"] if on else []
         elif name in _LEGACY_FLAGS:
-            legacy[name.lstrip("-")] = value.lower() not in ("0", "false", "no") if sep else True
+            legacy[name.lstrip("-")] = on
         else:
             out.append(arg)
+        i += 1
     return out, legacy
+
+
+_BOOL_FLAGS = ("--group_by_length", "--overwrite_output_dir")
+_BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
 
 
 def _has_option(argv: list[str], name: str) -> bool:

@@ -54,3 +54,231 @@ def bench_guard(repeats: int, nprocs: int, output: Path) -> int:
           f"off {summary['median_runtime_guard_off']:.3f} s, ratio {summary['runtime_ratio_on_over_off']:.3f}")
     print(f"guard's own time: {share:.2%} of predict time (median) -> {output}")
     return 0
+
+
+# Generation: per-sample pipeline vs batched generate vs the Trainer path (single process and tp 2) -------
+
+METHODS = ("pipeline_per_sample", "pipeline_batched", "generate_loop", "trainer", "trainer_tp2")
+DEFAULT_LM = REPO / "examples" / "models" / "gpt2-num2words-en-ro"
+DEFAULT_PROMPTS = REPO / "examples" / "data" / "prompts.txt"
+
+
+class _PeakRss:
+    """Peak resident memory of this process while the block runs (sampled every 10 ms)."""
+
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self._proc.memory_info().rss)
+                self._stop.wait(0.01)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def mb(self) -> float:
+        return round(self.peak / 2**20, 1)
+
+
+def _in_process(method: str, model, tokenizer, prompts: list[str], batch_size: int, new_tokens: int) -> tuple[float, int]:
+    """Seconds and new tokens for one in-process method."""
+    import time
+
+    import torch
+    from transformers import pipeline
+
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+               pad_token_id=tokenizer.pad_token_id)
+    start = time.perf_counter()
+    if method.startswith("pipeline"):
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer, device=model.device)
+        kwargs = {"batch_size": batch_size} if method == "pipeline_batched" else {}
+        outputs = pipe(prompts, return_full_text=False, **kwargs, **gen)
+        assert len(outputs) == len(prompts)
+        return time.perf_counter() - start, len(prompts) * new_tokens  # min_new_tokens = max_new_tokens
+    if method == "generate_loop":
+        count = 0
+        with torch.no_grad():
+            for i in range(0, len(prompts), batch_size):
+                enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True).to(model.device)
+                out = model.generate(**enc, **gen)
+                count += out[:, enc["input_ids"].shape[1]:].numel()
+        return time.perf_counter() - start, count
+    raise ValueError(method)
+
+
+def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: int) -> tuple[float, int]:
+    import tempfile
+    import time
+
+    import torch
+    from datasets import Dataset
+    from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
+
+    from .trainer import DeepSpeedInferenceSeq2SeqTrainer
+
+    args = Seq2SeqTrainingArguments(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=batch_size,
+                                    predict_with_generate=True, remove_unused_columns=False, report_to=[],
+                                    use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    trainer = DeepSpeedInferenceSeq2SeqTrainer(model=model, args=args, processing_class=tokenizer,
+                                               data_collator=DataCollatorWithPadding(tokenizer))
+    dataset = Dataset.from_dict(dict(tokenizer(prompts)))
+    start = time.perf_counter()
+    out = trainer.predict(dataset, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    seconds = time.perf_counter() - start
+    assert out.predictions.shape[0] == len(prompts) and out.predictions.shape[1] >= new_tokens
+    return seconds, len(prompts) * new_tokens  # min_new_tokens = max_new_tokens
+
+
+def _trainer_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_tokens: int, max_prompts: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+               str(REPO / "examples" / "run_generation.py"), "--output_dir", tmp, "--model_name_or_path",
+               str(model_dir), "--prompts_file", str(prompts_file), "--max_prompts", str(max_prompts),
+               "--per_device_eval_batch_size", str(batch_size), "--max_new_tokens", str(new_tokens),
+               "--min_new_tokens", str(new_tokens), "--report_to", "none", "--disable_tqdm", "true",
+               "--deepspeed_inference"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not _cuda():
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // 2))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"tp2 run failed: {(proc.stdout + proc.stderr)[-2000:]}")
+        return json.loads((Path(tmp) / "predict_results.json").read_text())
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _config_model(tokenizer, out: Path, spec: str) -> Path:
+    """A random GPT-2 of the size `spec` ("n_embd,n_layer,n_head") with the embedded tokenizer."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_embd, n_layer, n_head = (int(x) for x in spec.split(","))
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=128,
+                        bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes: list[int], prompts_file: str,
+                     max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str]) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
+    base_tok = AutoTokenizer.from_pretrained(model_dir or DEFAULT_LM)
+    models = {"embedded": Path(model_dir or DEFAULT_LM)}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_models_"))
+    if config_spec:
+        models[f"config({config_spec})"] = _config_model(base_tok, tmp / "config_model", config_spec)
+    rows = []
+    for label, path in models.items():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if _cuda():
+            model = model.cuda()
+        n_params = sum(p.numel() for p in model.parameters())
+        for bs in batch_sizes:
+            for method in methods:
+                if method == "pipeline_per_sample" and bs != batch_sizes[0]:
+                    continue  # it has no batch size: measured once
+                if method == "trainer_tp2":
+                    m = _trainer_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
+                    seconds, count = m["predict_runtime"], m["predict_outputs"] * new_tokens
+                    rss = m["predict_peak_rss_mb_per_rank"]
+                else:
+                    with _PeakRss() as peak:
+                        if method == "trainer":
+                            seconds, count = _trainer(model, tokenizer, prompts, bs, new_tokens)
+                        else:
+                            seconds, count = _in_process(method, model, tokenizer, prompts, bs, new_tokens)
+                    rss = [peak.mb]
+                row = {"model": label, "params_m": round(n_params / 1e6, 2), "method": method,
+                       "batch_size": None if method == "pipeline_per_sample" else bs, "seconds": round(seconds, 4),
+                       "new_tokens": count, "tokens_per_s": round(count / seconds, 1), "peak_rss_mb": rss}
+                rows.append(row)
+                print(f"{label:<22} {method:<20} bs {str(row['batch_size']):>4}  {row['seconds']:8.3f} s  "
+                      f"{row['tokens_per_s']:9.1f} tok/s", flush=True)
+    _write_report(rows, out_dir, dict(prompts=len(prompts), new_tokens=new_tokens, batch_sizes=batch_sizes))
+    return 0
+
+
+def _ratio(rows, model, num, den, bs):
+    def tps(method):
+        for r in rows:
+            if r["model"] == model and r["method"] == method and r["batch_size"] in (bs, None):
+                return r["tokens_per_s"]
+        return None
+    a, b = tps(num), tps(den)
+    return round(a / b, 2) if a and b else None
+
+
+def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
+    models = sorted({r["model"] for r in rows}, key=lambda m: m != "embedded")
+    ratios = {}
+    for model in models:
+        ratios[model] = {
+            "generate_loop_over_pipeline_per_sample_bs8": _ratio(rows, model, "generate_loop", "pipeline_per_sample", 8),
+            "trainer_over_generate_loop_bs8": _ratio(rows, model, "trainer", "generate_loop", 8),
+            "trainer_tp2_over_trainer_bs8": _ratio(rows, model, "trainer_tp2", "trainer", 8),
+        }
+    (out_dir / "bench.json").write_text(json.dumps({"setup": setup, "rows": rows, "ratios": ratios}, indent=2))
+    lines = [f"Prompts: {setup['prompts']}, {setup['new_tokens']} new tokens each (greedy, min = max new tokens).", ""]
+    lines += ["| model | method | batch | seconds | new tokens | tokens/s | peak RSS MB (per rank) |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['method']} | {r['batch_size'] or '-'} | {r['seconds']:.3f} | "
+                     f"{r['new_tokens']} | {r['tokens_per_s']:.1f} | {', '.join(map(str, r['peak_rss_mb']))} |")
+    lines += ["", "| model | ratio | value |", "|---|---|---|"]
+    for model, rs in ratios.items():
+        for name, value in rs.items():
+            lines.append(f"| {model} | {name} | {value} |")
+    (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for method in METHODS:
+            pts = [(r["batch_size"], r["tokens_per_s"]) for r in rows if r["model"] == model and r["method"] == method]
+            if not pts:
+                continue
+            if method == "pipeline_per_sample":  # no batch size: a flat line
+                xs = sorted({r["batch_size"] for r in rows if r["batch_size"]})
+                ax.plot(xs, [pts[0][1]] * len(xs), "--", label=method)
+            else:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("new tokens / s")
+        ax.set_title(model)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=110)

@@ -37,7 +37,8 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
     port = _free_port()
     procs = []
     for rank in range(tp_size):
-        env = {**os.environ, "WORLD_SIZE": str(tp_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
+        env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
+               **os.environ, "WORLD_SIZE": str(tp_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "LOCAL_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp_size)))

@@ -7,6 +7,8 @@
                                           shard over N ranks it starts itself, compare with the unsharded model
     ds-inference summary OUTPUT_DIR       one line from a run's *_results.json: BLEU, samples/s, tp x dp
     ds-inference bench guard [--repeats N] the lock-step guard's cost, guard on vs off, side by side
+    ds-inference bench generation [--config 512,8,8] per-sample pipeline vs batched generate vs the
+                                          Trainer path (1 process and tp 2): bench.json, bench.md, bench.png
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def _bench_guard(ns: argparse.Namespace) -> int:
     return bench_guard(ns.repeats, ns.nprocs, Path(ns.output))
 
 
+def _bench_generation(ns: argparse.Namespace) -> int:
+    from .bench import METHODS, bench_generation
+
+    return bench_generation(ns.model, ns.config, [int(b) for b in ns.batch_sizes.split(",")], ns.prompts,
+                            ns.max_prompts, ns.new_tokens, Path(ns.output_dir), ns.methods.split(",") if ns.methods else list(METHODS))
+
+
 def _summary(ns: argparse.Namespace) -> int:
     out = Path(ns.output_dir)
     lines = []
@@ -118,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     guard.add_argument("--nprocs", type=int, default=2)
     guard.add_argument("--output", default="bench_guard.json")
     guard.set_defaults(func=_bench_guard)
+    gen = bsub.add_parser("generation", help="per-sample pipeline vs batched generate vs the Trainer path")
+    gen.add_argument("--model", default=None, help="model directory (default: the embedded GPT-2)")
+    gen.add_argument("--config", default=None, help="also a random GPT-2 of n_embd,n_layer,n_head, e.g. 512,8,8")
+    gen.add_argument("--batch-sizes", default="1,2,4,8,16")
+    gen.add_argument("--prompts", default=str(Path(__file__).resolve().parent.parent / "examples" / "data" / "prompts.txt"))
+    gen.add_argument("--max-prompts", type=int, default=32)
+    gen.add_argument("--new-tokens", type=int, default=16)
+    gen.add_argument("--methods", default=None, help="comma-separated subset of the methods")
+    gen.add_argument("--output-dir", default="bench_out")
+    gen.set_defaults(func=_bench_generation)
     summary = sub.add_parser("summary", help="one line per *_results.json of a run")
     summary.add_argument("output_dir")
     summary.set_defaults(func=_summary)

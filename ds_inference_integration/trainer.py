@@ -164,7 +164,13 @@ class DeepSpeedInferenceMixin:
         # One seed per batch of the whole data set: equal on the ranks of a TP group, and equal to the
         # single-process run's seed for the same batch, so sampling gives the same tokens.
         torch.manual_seed(self.args.seed + self._batch_index * self.topology.dp_size + self.topology.dp_rank)
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        prompt_width = inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
+        loss, tokens, labels = super().prediction_step(
+            model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        if tokens is not None and getattr(self.args, "predict_with_generate", False) and not getattr(
+                self.model.config, "is_encoder_decoder", False):
+            tokens = tokens[:, prompt_width:]  # decoder-only: return the new tokens, not the (left-padded) prompt
+        return loss, tokens, labels
 
     def evaluation_loop(self, dataloader, *args, **kwargs):
         # Seq2SeqTrainer.predict/evaluate reset gather_function before every call: set ours here.
@@ -196,9 +202,62 @@ class DeepSpeedInferenceMixin:
         return self._fix_speed_metrics(metrics, metric_key_prefix, len(dataset) if hasattr(dataset, "__len__") else None)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
+        order = self._length_order(test_dataset)
+        if order is not None:
+            padding = {"unsorted": padding_fraction(_lengths(test_dataset), self.args.eval_batch_size)}
+            test_dataset = test_dataset.select(order)
+            padding["sorted"] = padding_fraction(_lengths(test_dataset), self.args.eval_batch_size)
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         self._fix_speed_metrics(output.metrics, metric_key_prefix, len(test_dataset) if hasattr(test_dataset, "__len__") else None)
-        return output
+        if order is None:
+            return output
+        output.metrics[f"{metric_key_prefix}_padding_fraction"] = round(padding["sorted"], 4)
+        output.metrics[f"{metric_key_prefix}_padding_fraction_unsorted"] = round(padding["unsorted"], 4)
+        return type(output)(predictions=_unsort(output.predictions, order), label_ids=_unsort(output.label_ids, order),
+                            metrics=output.metrics)
+
+    # Length-aware batching ---------------------------------------------------------------------------
+
+    def _length_order(self, dataset) -> list[int] | None:
+        """With --group_by_length / --sortish_sampler: the order that puts prompts of similar length in
+        one batch (stable sort by input length; the same on every rank)."""
+        args = self.args
+        wanted = (getattr(args, "group_by_length", False) or getattr(args, "sortish_sampler", False)
+                  or getattr(args, "train_sampling_strategy", None) == "group_by_length")
+        if not wanted or not hasattr(dataset, "column_names") or "input_ids" not in dataset.column_names:
+            return None
+        lengths = _lengths(dataset)
+        return sorted(range(len(lengths)), key=lengths.__getitem__)
+
+    def _get_eval_sampler(self, eval_dataset):
+        # Prediction order is ours (sorted above, restored after); never a randomised length sampler here.
+        return None if self.args.world_size > 1 else torch.utils.data.SequentialSampler(eval_dataset)
+
+
+def _lengths(dataset) -> list[int]:
+    return [len(ids) for ids in dataset["input_ids"]]
+
+
+def padding_fraction(lengths: list[int], batch_size: int) -> float:
+    """Share of padding positions when `lengths` are batched in order, `batch_size` at a time."""
+    padded = real = 0
+    for start in range(0, len(lengths), batch_size):
+        batch = lengths[start:start + batch_size]
+        padded += max(batch) * len(batch)
+        real += sum(batch)
+    return 1 - real / padded if padded else 0.0
+
+
+def _unsort(rows, order: list[int]):
+    """Put rows produced in `order` back in input order (k rows per example when k divides evenly)."""
+    if rows is None or len(order) == 0:
+        return rows
+    per = len(rows) // len(order)
+    inverse = [0] * len(order)
+    for position, index in enumerate(order):
+        inverse[index] = position
+    picks = [inverse[i] * per + j for i in range(len(order)) for j in range(per)]
+    return rows[picks]
 
 
 class DeepSpeedInferenceSeq2SeqTrainer(DeepSpeedInferenceMixin, Seq2SeqTrainer):

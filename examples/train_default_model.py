@@ -35,9 +35,9 @@ SPECIALS = ["<pad>", "</s>", "<unk>"]
 WORDS = re.compile(r"\w+|[^\w\s]+")
 
 
-def build_tokenizer(files: list[str]) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over every word in `files` plus the T5 task prefix."""
-    words = set(WORDS.findall(PREFIX))
+def build_tokenizer(files: list[str], extra: str = PREFIX) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over every word in `files` plus the words of `extra` (the T5 task prefix)."""
+    words = set(WORDS.findall(extra))
     for path in files:
         for line in open(path, encoding="utf-8"):
             for text in json.loads(line)["translation"].values():

@@ -61,7 +61,8 @@ def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, la
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()), *script_args]
     else:
         raise ValueError(launcher)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
+           **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
     if nprocs:  # CPU ranks share the cores, as torchrun would set it (the deepspeed launcher does not)
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))

@@ -63,6 +63,9 @@ def test_topology_rejects_tp_that_does_not_divide_world(world, tp, valid):
 def test_legacy_options_keep_their_old_meaning():
     argv, legacy = translate_legacy_args(["--evaluation_strategy=steps", "--overwrite_output_dir", "--do_eval"])
     assert argv == ["--eval_strategy=steps", "--do_eval"] and legacy == {"overwrite_output_dir": True}
+    argv, _ = translate_legacy_args(["--group_by_length", "true", "--do_predict"])
+    assert argv == ["--train_sampling_strategy", "group_by_length", "--do_predict"]
+    assert translate_legacy_args(["--group_by_length=false"])[0] == []
 
 
 def test_prepare_argv_validates_tp_before_anything_starts(monkeypatch):

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Batched text generation for decoder-only (and encoder-decoder) models through the Trainer's
+predict path, with `--deepspeed_inference` tensor parallelism.
+
+Prompts come from a text file (one per line) or a json-lines file (`--prompt_column`). They are
+tokenized once, left-padded per batch with an attention mask (a pad token is added when the
+tokenizer has none), generated in real batches, and written in input order with the prompts
+stripped: `generated_predictions.txt` (one line per output) and `generated_predictions.jsonl`.
+
+    python examples/run_generation.py --output_dir out --max_new_tokens 24
+    deepspeed --num_gpus 2 examples/run_generation.py --output_dir out --deepspeed_inference
+"""
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import transformers
+from datasets import Dataset
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer,
+                          DataCollatorWithPadding, HfArgumentParser, Seq2SeqTrainingArguments)
+
+from ds_inference_integration import (DeepSpeedInferenceArguments, DeepSpeedInferenceSeq2SeqTrainer,
+                                      InferenceSetupError, check_head_counts, prepare_argv, resolve_policy)
+from ds_inference_integration.lifecycle import run_main
+from ds_inference_integration.topology import Topology
+
+logger = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class GenerationArguments:
+    model_name_or_path: str = field(default=str(HERE / "models" / "gpt2-num2words-en-ro"),
+                                    metadata={"help": "Model directory. Default: the embedded num2words GPT-2."})
+    prompts_file: str = field(default=str(HERE / "data" / "prompts.txt"),
+                              metadata={"help": "Text file (one prompt per line) or json-lines file."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompt in a json-lines file."})
+    max_prompts: int | None = field(default=None, metadata={"help": "Use only the first N prompts."})
+    max_new_tokens: int = field(default=24, metadata={"help": "Tokens to generate per output."})
+    min_new_tokens: int | None = field(default=None, metadata={"help": "Generate at least this many tokens."})
+    do_sample: bool = field(default=False, metadata={"help": "Sample (seeded by --seed) instead of greedy/beam."})
+    temperature: float | None = field(default=None, metadata={"help": "Sampling temperature."})
+    top_k: int | None = field(default=None, metadata={"help": "Sampling: keep the k most likely tokens."})
+    top_p: float | None = field(default=None, metadata={"help": "Sampling: nucleus probability mass."})
+    num_beams: int = field(default=1, metadata={"help": "Beam search width."})
+    num_return_sequences: int = field(default=1, metadata={"help": "Outputs per prompt."})
+
+
+def read_prompts(path: str, column: str, limit: int | None) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise InferenceSetupError(f"--prompts_file {path!r} does not exist")
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if p.suffix in (".json", ".jsonl"):
+        rows = [json.loads(line) for line in lines]
+        missing = [i for i, r in enumerate(rows) if column not in r]
+        if missing:
+            raise InferenceSetupError(f"--prompts_file {path!r}: line {missing[0] + 1} has no {column!r} column; "
+                                      f"columns there: {sorted(rows[missing[0]])}")
+        lines = [str(r[column]) for r in rows]
+    if limit is not None:
+        lines = lines[:limit]
+    if not lines:
+        raise InferenceSetupError(f"--prompts_file {path!r} holds no prompts")
+    return lines
+
+
+def peak_rss_mb_per_rank() -> list[float]:
+    """This process's peak resident memory, gathered from every rank."""
+    import resource
+
+    import torch.distributed as dist
+
+    mine = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def main(argv: list[str]) -> None:
+    argv, _ = prepare_argv(argv)
+    parser = HfArgumentParser((GenerationArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
+    gen_args, training_args, inference_args = parser.parse_args_into_dataclasses(args=argv)
+    training_args.predict_with_generate = True
+    training_args.remove_unused_columns = False
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)])
+    log_level = training_args.get_process_log_level()
+    for lg in (logger, logging.getLogger("ds_inference_integration")):
+        lg.setLevel(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+
+    prompts = read_prompts(gen_args.prompts_file, gen_args.prompt_column, gen_args.max_prompts)
+    config = AutoConfig.from_pretrained(gen_args.model_name_or_path)
+    policy = None
+    if inference_args.deepspeed_inference:
+        policy = resolve_policy(inference_args.injection_policy, config)
+        check_head_counts(policy, config, Topology.from_env(inference_args.tp_size).tp_size)
+
+    tokenizer = AutoTokenizer.from_pretrained(gen_args.model_name_or_path)
+    tokenizer.padding_side = "left"  # decoder-only batching: new tokens follow every prompt directly
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dataset = Dataset.from_dict(dict(tokenizer(prompts)))
+    model_cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = model_cls.from_pretrained(gen_args.model_name_or_path, config=config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    trainer = DeepSpeedInferenceSeq2SeqTrainer(
+        model=model, args=training_args, processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer), inference_args=inference_args, policy=policy,
+    )
+    gen_kwargs = {k: v for k, v in (("temperature", gen_args.temperature), ("top_k", gen_args.top_k),
+                                    ("top_p", gen_args.top_p), ("min_new_tokens", gen_args.min_new_tokens))
+                  if v is not None}
+    output = trainer.predict(dataset, metric_key_prefix="predict", max_new_tokens=gen_args.max_new_tokens,
+                             do_sample=gen_args.do_sample, num_beams=gen_args.num_beams,
+                             num_return_sequences=gen_args.num_return_sequences, **gen_kwargs)
+    tokens = np.where(output.predictions != -100, output.predictions, tokenizer.pad_token_id)
+    texts = [t.strip() for t in tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+    new_tokens = int(np.sum((tokens != tokenizer.pad_token_id)))
+    metrics = output.metrics
+    metrics.update({"predict_samples": len(prompts), "predict_outputs": len(texts),
+                    "predict_peak_rss_mb_per_rank": peak_rss_mb_per_rank(),
+                    "predict_new_tokens": new_tokens,
+                    "predict_new_tokens_per_second": round(new_tokens / metrics["predict_runtime"], 2),
+                    "tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size})
+    trainer.log_metrics("predict", metrics)
+    trainer.save_metrics("predict", metrics)
+    if trainer.is_world_process_zero():
+        out = Path(training_args.output_dir)
+        (out / "generated_predictions.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+        k = gen_args.num_return_sequences
+        with open(out / "generated_predictions.jsonl", "w", encoding="utf-8") as f:
+            for i, prompt in enumerate(prompts):
+                f.write(json.dumps({"prompt": prompt, "generations": texts[i * k:(i + 1) * k]}, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, sys.argv[1:]))
