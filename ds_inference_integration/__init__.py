@@ -9,7 +9,8 @@ The flow, one module per step:
 """
 
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, prepare_argv, translate_legacy_args
-from .policy import Policy, available_policies, build_injection_policy, check_head_counts, load_policy, resolve_policy
+from .policy import (Policy, available_policies, build_injection_policy, check_head_counts, load_policy,
+                     policy_for_run, resolve_policy)
 from .topology import Topology
 from .trainer import LockstepError, DeepSpeedInferenceMixin, DeepSpeedInferenceSeq2SeqTrainer, DeepSpeedInferenceTrainer
 
@@ -28,6 +29,7 @@ __all__ = [
     "build_injection_policy",
     "check_head_counts",
     "load_policy",
+    "policy_for_run",
     "prepare_argv",
     "resolve_policy",
     "translate_legacy_args",

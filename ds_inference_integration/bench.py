@@ -208,7 +208,7 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
                 if method == "trainer_tp2":
                     m = _trainer_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
                     seconds, count = m["predict_runtime"], m["predict_outputs"] * new_tokens
-                    rss = m["predict_peak_rss_mb_per_rank"]
+                    rss = [float(x) for x in m["predict_peak_rss_mb_per_rank"].split(",")]
                 else:
                     with _PeakRss() as peak:
                         if method == "trainer":

@@ -195,6 +195,13 @@ def check_head_counts(policy: Policy | str | None, config: object, tp_size: int)
             )
 
 
+def policy_for_run(spec: str, config: object, tp_size: int) -> Policy | str | None:
+    """`resolve_policy` then `check_head_counts`: what a script calls once, before the model loads."""
+    policy = resolve_policy(spec, config)
+    check_head_counts(policy, config, tp_size)
+    return policy
+
+
 def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 

@@ -15,7 +15,7 @@ from accelerate.utils import recursively_apply
 from transformers import Seq2SeqTrainer, Trainer
 
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, world_size_from_env
-from .policy import Policy, check_head_counts, resolve_policy
+from .policy import Policy, check_head_counts, policy_for_run
 from .shard import ShardReport, init_deepspeed_comm, shard_model
 from .topology import ProcessGroups, Topology, init_process_groups
 
@@ -86,8 +86,9 @@ class DeepSpeedInferenceMixin:
         dtype = inf.resolve_dtype(fp16=self.args.fp16, bf16=self.args.bf16)
         inf.check_device(on_gpu=self.args.device.type == "cuda", dtype=dtype)
         if policy is None and inf.injection_policy != "autotp":
-            policy = resolve_policy(inf.injection_policy, self.model.config)
-        check_head_counts(policy, self.model.config, self.topology.tp_size)
+            policy = policy_for_run(inf.injection_policy, self.model.config, self.topology.tp_size)
+        else:
+            check_head_counts(policy, self.model.config, self.topology.tp_size)
         self.process_groups = init_process_groups(self.topology, self.args.device.type)
         if self.process_groups.mesh is not None:
             # accelerate's data loader reads this mesh: ranks of one TP group get identical batches.

@@ -24,7 +24,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqL
                           DataCollatorWithPadding, HfArgumentParser, Seq2SeqTrainingArguments)
 
 from ds_inference_integration import (DeepSpeedInferenceArguments, DeepSpeedInferenceSeq2SeqTrainer,
-                                      InferenceSetupError, check_head_counts, prepare_argv, resolve_policy)
+                                      InferenceSetupError, policy_for_run, prepare_argv)
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.topology import Topology
 
@@ -99,8 +99,7 @@ def main(argv: list[str]) -> None:
     config = AutoConfig.from_pretrained(gen_args.model_name_or_path)
     policy = None
     if inference_args.deepspeed_inference:
-        policy = resolve_policy(inference_args.injection_policy, config)
-        check_head_counts(policy, config, Topology.from_env(inference_args.tp_size).tp_size)
+        policy = policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
 
     tokenizer = AutoTokenizer.from_pretrained(gen_args.model_name_or_path)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens follow every prompt directly
@@ -126,7 +125,7 @@ def main(argv: list[str]) -> None:
     new_tokens = int(np.sum((tokens != tokenizer.pad_token_id)))
     metrics = output.metrics
     metrics.update({"predict_samples": len(prompts), "predict_outputs": len(texts),
-                    "predict_peak_rss_mb_per_rank": peak_rss_mb_per_rank(),
+                    "predict_peak_rss_mb_per_rank": ", ".join(map(str, peak_rss_mb_per_rank())),
                     "predict_new_tokens": new_tokens,
                     "predict_new_tokens_per_second": round(new_tokens / metrics["predict_runtime"], 2),
                     "tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size})

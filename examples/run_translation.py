@@ -38,8 +38,7 @@ from ds_inference_integration import (
     DeepSpeedInferenceArguments,
     DeepSpeedInferenceSeq2SeqTrainer,
     InferenceSetupError,
-    check_head_counts,
-    resolve_policy,
+    policy_for_run,
     prepare_argv,
 )
 from ds_inference_integration.lifecycle import run_main
@@ -144,8 +143,7 @@ def main(argv: list[str]) -> None:
     policy = None
     if inference_args.deepspeed_inference:
         # Policy file, schema and head counts are checked before the model loads.
-        policy = resolve_policy(inference_args.injection_policy, config)
-        check_head_counts(policy, config, Topology.from_env(inference_args.tp_size).tp_size)
+        policy = policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
 
     # Data -----------------------------------------------------------------------------------------
     with training_args.main_process_first(desc="load data"):

@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=str(HERE / "data" / "num2words"))
     parser.add_argument("--output_dir", default=str(HERE / "models" / "gpt2-num2words-en-ro"))
-    parser.add_argument("--epochs", type=float, default=2)
+    parser.add_argument("--epochs", type=float, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -37,7 +37,7 @@ def main() -> None:
     files = {s: f"{args.data_dir}/{s}.json" for s in ("train", "validation", "test")}
     tokenizer = build_tokenizer([files["train"]], extra=SEPARATOR)
     tokenizer._tokenizer.post_processor = None  # no </s> after prompts; training text adds it explicitly
-    tokenizer.padding_side = "left"
+    tokenizer.padding_side = "right"  # training: positions count from 0 (generation pads left, with a mask)
     config = GPT2Config(vocab_size=(len(tokenizer) + 7) // 8 * 8, n_embd=128, n_layer=4, n_head=4, n_positions=64,
                         bos_token_id=1, eos_token_id=1, pad_token_id=0)
     model = GPT2LMHeadModel(config)
@@ -55,6 +55,7 @@ def main() -> None:
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False)).train()
 
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=1, pad_token_id=0, max_new_tokens=24)
+    tokenizer.padding_side = "left"
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
 
