@@ -25,14 +25,34 @@ HERE = Path(__file__).parent
 SEPARATOR = " ="
 
 
+def write_prompts(train_file: str, seed: int) -> list[dict]:
+    """40 prompts of very different lengths (10 numbers from each of 1-99, 100-9,999, 10,000-99,999 and
+    100,000-999,999, none seen in training), shuffled, to examples/data/prompts.txt."""
+    from num2words import num2words
+
+    seen = {json.loads(line)["translation"]["en"] for line in open(train_file, encoding="utf-8")}
+    rng = random.Random(seed)
+    picked = []
+    for low, high in ((1, 99), (100, 9_999), (10_000, 99_999), (100_000, 999_999)):
+        numbers = [n for n in rng.sample(range(low, high + 1), 60) if num2words(n, lang="en") not in seen][:10]
+        picked += [{"en": num2words(n, lang="en"), "ro": num2words(n, lang="ro")} for n in numbers]
+    rng.shuffle(picked)
+    (HERE / "data" / "prompts.txt").write_text("".join(t["en"] + SEPARATOR + "\n" for t in picked), encoding="utf-8")
+    return picked
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=str(HERE / "data" / "num2words"))
     parser.add_argument("--output_dir", default=str(HERE / "models" / "gpt2-num2words-en-ro"))
     parser.add_argument("--epochs", type=float, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts_only", action="store_true", help="only (re)write examples/data/prompts.txt")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    if args.prompts_only:
+        write_prompts(f"{args.data_dir}/train.json", args.seed)
+        return
 
     files = {s: f"{args.data_dir}/{s}.json" for s in ("train", "validation", "test")}
     tokenizer = build_tokenizer([files["train"]], extra=SEPARATOR)
@@ -59,13 +79,8 @@ def main() -> None:
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
 
-    # Held-out prompts, very different lengths, and exact-match accuracy on them.
-    tests = [json.loads(line)["translation"] for line in open(files["test"], encoding="utf-8")]
-    tests.sort(key=lambda t: len(t["en"]))
-    picked = tests[:: max(1, len(tests) // 40)][:40]
-    random.Random(args.seed).shuffle(picked)  # lengths from 1 to 13 words, in no particular order
+    picked = write_prompts(files["train"], args.seed)
     prompts = [t["en"] + SEPARATOR for t in picked]
-    (HERE / "data" / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
     model.eval()
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
