@@ -21,7 +21,7 @@ BYTES_TOLERANCE = 0.05
 NEW_TOKENS = 8
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -34,7 +34,7 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
             print(f"error: {d} is not a model directory (no config.json)", file=sys.stderr)
             return 2
     out = Path(tempfile.mkdtemp(prefix="ds_inference_check_"))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(tp_size):
         env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
