@@ -10,6 +10,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POLICY_MODES = ("auto", "autotp")
+LOADING_MODES = ("auto", "full", "shard-aware", "pre-sharded")
 
 
 class InferenceSetupError(ValueError):
@@ -50,6 +51,15 @@ class DeepSpeedInferenceArguments:
         metadata={"help": "Before each batch, the ranks of a TP group compare a fingerprint of their inputs "
                           "and stop with one clear error if they differ."},
     )
+    loading: str = field(
+        default="auto",
+        metadata={
+            "help": "How each rank gets its weights: 'pre-sharded' (a directory from `ds-inference shard`), "
+            "'shard-aware' (only its slices of a safetensors checkpoint, model built on meta), 'full' (whole "
+            "model on every rank, then split), or 'auto' (the first of these the model directory allows).",
+            "choices": list(LOADING_MODES),
+        },
+    )
     inference_timeout: int = field(
         default=120,
         metadata={"help": "Seconds any rank waits in a collective before the run fails instead of hanging."},
@@ -62,6 +72,8 @@ class DeepSpeedInferenceArguments:
             raise InferenceSetupError(
                 f"--inference_dtype {self.inference_dtype!r} is invalid; valid: {', '.join(DTYPES)}"
             )
+        if self.loading not in LOADING_MODES:
+            raise InferenceSetupError(f"--loading {self.loading!r} is invalid; valid: {', '.join(LOADING_MODES)}")
         if self.inference_timeout <= 0:
             raise InferenceSetupError(f"--inference_timeout {self.inference_timeout} must be a positive number of seconds")
 

@@ -96,7 +96,9 @@ def _rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:
 def _take(linear: nn.Module, rows: list[int]) -> ColumnShard:
     index = torch.tensor(rows, dtype=torch.long, device=linear.weight.device)
     bias = None if getattr(linear, "bias", None) is None else linear.bias.detach()[index]
-    return ColumnShard(linear.weight.detach()[index], bias)
+    shard = ColumnShard(linear.weight.detach()[index], bias)
+    shard.source_rows = rows  # which rows of the full projection it holds (read by shard-aware loading)
+    return shard
 
 
 def split_fused_qkv(linear: nn.Module, layout: str, heads: HeadLayout) -> tuple[ColumnShard, int]:

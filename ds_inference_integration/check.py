@@ -8,23 +8,15 @@ Exit 0 only if every check passes. Tolerance (fp32): max |logit difference| <= 1
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from .ranks import failure_text, start_ranks, wait_ranks
 
 LOGIT_RTOL = 1e-4
 BYTES_TOLERANCE = 0.05
 NEW_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout: float = 300) -> int:
@@ -34,38 +26,15 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
             print(f"error: {d} is not a model directory (no config.json)", file=sys.stderr)
             return 2
     out = Path(tempfile.mkdtemp(prefix="ds_inference_check_"))
-    port = free_port()
-    procs = []
-    for rank in range(tp_size):
-        env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
-               **os.environ, "WORLD_SIZE": str(tp_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "LOCAL_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONUNBUFFERED": "1"}
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp_size)))
-        cmd = [sys.executable, "-m", "ds_inference_integration.check", "--worker", str(out), policy, *model_dirs]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank else None,
-                                      stderr=subprocess.STDOUT if rank else None, text=True))
-    deadline = time.monotonic() + timeout
-    failed = None
-    while any(p.poll() is None for p in procs):
-        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-        if failed is not None or time.monotonic() > deadline:
-            time.sleep(5 if failed is not None else 0)  # let peers report their own error first
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.2)
-    codes = [p.wait() for p in procs]
+    procs = start_ranks(tp_size, "ds_inference_integration.check", ["--worker", str(out), policy, *model_dirs])
+    codes = wait_ranks(procs, timeout)
     result = out / "result.json"
     report = json.loads(result.read_text()) if result.is_file() else {"lines": [], "passed": 0, "total": 0, "ok": False}
     for line in report["lines"]:
         print(line)
     ok = report["ok"] and all(c == 0 for c in codes)
     if not all(c == 0 for c in codes):
-        why = f"a rank failed, exit codes {codes}" if any(c not in (0, -9) for c in codes) else "timed out"
-        tail = procs[1].stdout.read()[-1500:] if tp_size > 1 and procs[1].stdout else ""
-        print(f"FAIL rank processes ({why}){chr(10) + tail if tail else ''}")
+        print(f"FAIL rank processes ({failure_text(procs, codes)})")
     print(f"{'PASS' if ok else 'FAIL'}: {report['passed']} of {report['total']} checks passed "
           f"({len(model_dirs)} model(s), tp {tp_size})")
     return 0 if ok else 1
@@ -141,7 +110,8 @@ def _layer_weight_bytes(model, patterns) -> int:
     return total
 
 
-def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[str]) -> tuple[int, int]:
+def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[str],
+               work_dir: Path | None = None) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -211,7 +181,45 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[s
     check(all(abs(share - target) <= BYTES_TOLERANCE * target for share in shares),
           f"layer weights per rank: {', '.join(f'{s:.1%}' for s in shares)} of {full_bytes} bytes "
           f"(target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}")
+    if work_dir is not None:
+        for ok, text in _check_loading(model_dir, cls, config, model, got["greedy"], inputs, args, topology, groups,
+                                       resolve_policy(policy_spec, config), work_dir):
+            check(ok, text)
     return passed, total
+
+
+def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, topology, groups, policy, work_dir):
+    """The shard-aware and pre-sharded loading paths against the naive one (full load, then split):
+    every tensor of this rank's shard bitwise equal, and greedy token ids equal."""
+    import torch
+
+    from .checkpoint import checkpoint_files
+    from .loading import load_model, policy_id, write_presharded
+    from .shard import shard_model
+
+    if checkpoint_files(Path(model_dir)) is None:
+        yield False, "loading: no safetensors weights, shard-aware loading not checked"
+        return
+    want = {n: p for n, p in naive.named_parameters(remove_duplicate=False)}
+    out = Path(work_dir) / f"presharded_{Path(model_dir).name}"
+    for mode in ("shard-aware", "pre-sharded"):
+        source = out if mode == "pre-sharded" else model_dir
+        model = load_model(cls, source, mode=mode, inference_args=args, dtype=torch.float32)
+        metas = sum(p.is_meta for p in model.parameters())
+        model, report = shard_model(model, args, topology, groups, policy, torch.float32)
+        mine = dict(model.named_parameters(remove_duplicate=False))
+        bad = [n for n in want if n not in mine or mine[n].shape != want[n].shape or not torch.equal(mine[n], want[n])]
+        bad += [n for n in mine if n not in want]
+        with torch.no_grad():
+            pad = config.pad_token_id if config.pad_token_id is not None else 0
+            greedy = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS, pad_token_id=pad)
+        same = greedy.shape == naive_greedy.shape and torch.equal(greedy, naive_greedy)
+        yield (not bad and same and metas > 0,
+               f"loading {mode}: {len(mine) - len(bad)}/{len(mine)} tensors bitwise equal to the naive path"
+               + (f" (first different: {bad[0]})" if bad else "")
+               + f", greedy ids {'identical' if same else 'DIFFERENT'}; built on meta: {metas} tensors; {report.loading}")
+        if mode == "shard-aware":
+            write_presharded(model, Path(model_dir), out, topology, groups, policy_id(policy), torch.float32)
 
 
 def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
@@ -242,7 +250,7 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
     try:
         for d in model_dirs:
             try:
-                p, t = _check_one(d, policy_spec, topology, groups, lines)
+                p, t = _check_one(d, policy_spec, topology, groups, lines, Path(out_dir))
             except InferenceSetupError as e:
                 p, t = 0, 1
                 lines.append(f"FAIL {Path(d).name} tp{topology.tp_size} setup: {e}")

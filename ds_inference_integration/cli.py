@@ -5,10 +5,14 @@
     ds-inference policy suggest MODEL_DIR print a policy file for a local model (shipped, or derived)
     ds-inference policy check MODEL_DIR [MODEL_DIR ...] --tp-size N [--policy FILE]
                                           shard over N ranks it starts itself, compare with the unsharded model
+    ds-inference shard MODEL_DIR --tp-size N OUT_DIR
+                                          write a pre-sharded copy: one safetensors file per rank + manifest
     ds-inference summary OUTPUT_DIR       one line from a run's *_results.json: BLEU, samples/s, tp x dp
     ds-inference bench guard [--repeats N] the lock-step guard's cost, guard on vs off, side by side
     ds-inference bench generation [--config 512,8,8] per-sample pipeline vs batched generate vs the
                                           Trainer path (1 process and tp 2): bench.json, bench.md, bench.png
+    ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] peak RSS and time to a ready model per loading
+                                          path (single process, full, shard-aware, pre-sharded), side by side
 """
 
 from __future__ import annotations
@@ -83,6 +87,18 @@ def _bench_generation(ns: argparse.Namespace) -> int:
                             ns.max_prompts, ns.new_tokens, Path(ns.output_dir), ns.methods.split(",") if ns.methods else list(METHODS))
 
 
+def _shard(ns: argparse.Namespace) -> int:
+    from .preshard import run_shard
+
+    return run_shard(ns.model_dir, ns.tp_size, ns.out_dir, ns.policy, ns.dtype, ns.timeout)
+
+
+def _bench_memory(ns: argparse.Namespace) -> int:
+    from .bench_memory import bench_memory
+
+    return bench_memory(ns.config, ns.tp_size, Path(ns.output_dir), ns.model, ns.timeout)
+
+
 def _summary(ns: argparse.Namespace) -> int:
     out = Path(ns.output_dir)
     lines = []
@@ -137,6 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--methods", default=None, help="comma-separated subset of the methods")
     gen.add_argument("--output-dir", default="bench_out")
     gen.set_defaults(func=_bench_generation)
+    mem = bsub.add_parser("memory", help="peak RSS and time to ready per loading path, side by side")
+    mem.add_argument("--config", default="2048,16,16,5504,8192",
+                     help="Llama hidden,layers,heads,intermediate,vocab (default: about 3.3 GB in fp32)")
+    mem.add_argument("--model", default=None, help="an existing safetensors model directory instead of --config")
+    mem.add_argument("--tp-size", type=int, default=2)
+    mem.add_argument("--timeout", type=float, default=1200)
+    mem.add_argument("--output-dir", default="bench_out")
+    mem.set_defaults(func=_bench_memory)
+    shard = sub.add_parser("shard", help="write a pre-sharded copy of a model directory (one file per rank)")
+    shard.add_argument("model_dir")
+    shard.add_argument("--tp-size", type=int, required=True)
+    shard.add_argument("out_dir")
+    shard.add_argument("--policy", default="auto", help="auto (default), autotp, or a policy file")
+    shard.add_argument("--dtype", default="fp32", help="dtype of the rank files: fp32 (default), fp16, bf16")
+    shard.add_argument("--timeout", type=float, default=1800)
+    shard.set_defaults(func=_shard)
     summary = sub.add_parser("summary", help="one line per *_results.json of a run")
     summary.add_argument("output_dir")
     summary.set_defaults(func=_summary)

@@ -13,6 +13,7 @@ import fnmatch
 import importlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +36,14 @@ class ShardReport:
     full_param_bytes: int
     replicated_kv: bool = False
     policy_object: Policy | None = None  # the policy applied (derived ones included)
+    loading: str = ""  # how the weights were loaded, and how long it took
 
     def __str__(self) -> str:
         share = self.param_bytes / max(self.full_param_bytes, 1)
         kv = "; KV heads replicated (fewer KV heads than ranks)" if self.replicated_kv else ""
+        loading = f"; {self.loading}" if self.loading else ""
         return (f"policy {self.policy}; this rank holds {self.param_bytes / 2**20:.2f} of "
-                f"{self.full_param_bytes / 2**20:.2f} MiB of parameters ({share:.0%}){kv}")
+                f"{self.full_param_bytes / 2**20:.2f} MiB of parameters ({share:.0%}){kv}{loading}")
 
 
 def _param_bytes(model: nn.Module) -> int:
@@ -69,6 +72,25 @@ def init_deepspeed_comm(topology: Topology) -> None:
     comm = importlib.import_module("deepspeed.comm.comm")
     if comm.cdb is not None and not shm_ok and getattr(comm.cdb, "shm_vector_kernel_level", 0):
         comm.cdb.shm_vector_kernel_level = 0
+    if comm.cdb is not None and getattr(comm.cdb, "shm_comm_op", None) is not None:
+        unlink_shm_segment(topology.rank)
+
+
+def unlink_shm_segment(rank: int) -> None:
+    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer (/dev/shm, 66 MB a rank).
+
+    DeepSpeed never removes it (only a clean `shared_close`, which nothing calls, would), so every run
+    left 66 MB per rank in /dev/shm: 21 GB after a day of test runs on a 24 GB machine. Every rank
+    maps every peer's buffer inside `init_distributed`; after a barrier the names are no longer
+    needed, and the memory goes back to the system when the last rank exits, however it exits.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{name}")
 
 
 # Preparation: what DeepSpeed would get wrong, made right on the model first --------------------------
@@ -199,10 +221,19 @@ def shard_model(
     groups: ProcessGroups,
     policy: Policy | str | None,
     dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> tuple[nn.Module, ShardReport]:
-    """Shard `model` in place over this rank's TP group; returns the (same) model and a report."""
+    """Shard `model` in place over this rank's TP group; returns the (same) model and a report.
+
+    A skeleton from `loading.load_model` (parameters on `meta`) is filled here, with only this rank's
+    part of each split tensor read from the checkpoint."""
     import deepspeed
 
+    from .loading import open_loader, policy_id
+
+    loader = open_loader(model, topology.tp_size, topology.tp_rank, policy_id(policy), dtype)
+    load_start = getattr(model, "_ds_inference_loader_start", None)
+    device = torch.device(device)
     derived = False
     full_bytes = _param_bytes(model) * torch.finfo(dtype).bits // torch.finfo(next(model.parameters()).dtype).bits
     kwargs: dict = {"dtype": dtype, "replace_with_kernel_inject": args.replace_with_kernel_inject}
@@ -223,11 +254,22 @@ def shard_model(
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for a in (split_attention(layer, policy, heads) for layer in layers) if a]
             kwargs["injection_policy"] = build_injection_policy(policy, model)
+    if loader is not None:
+        loader.fill_replicated(model, device)
+        kwargs["keep_module_on_host"] = True  # DeepSpeed would `.to()` the still-meta linears
     with _kv_heads_seen_by_deepspeed(model.config, heads):
         engine = deepspeed.init_inference(model, **kwargs)
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)
     sharded = engine.module
+    loading = ""
+    if loader is not None:
+        loader.fill_sharded(sharded, topology.tp_rank, device)
+        sharded.to(device)
+        del sharded._ds_inference_loader
+        if load_start is not None:
+            loader.ready_seconds = time.perf_counter() - load_start
+        loading = loader.summary()
     if derived:
         _smoke_forward(sharded, policy)
     report = ShardReport(
@@ -237,5 +279,6 @@ def shard_model(
         full_param_bytes=full_bytes,
         replicated_kv=bool(heads and heads.replicated),
         policy_object=policy if isinstance(policy, Policy) else None,
+        loading=loading,
     )
     return sharded, report

@@ -16,6 +16,7 @@ from transformers import Seq2SeqTrainer, Trainer
 
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, world_size_from_env
 from .policy import Policy, check_head_counts, policy_for_run
+from .loading import is_skeleton
 from .shard import ShardReport, init_deepspeed_comm, shard_model
 from .topology import ProcessGroups, Topology, init_process_groups
 
@@ -73,6 +74,9 @@ class DeepSpeedInferenceMixin:
                 f"the launcher started {world_size_from_env()} ranks but the Trainer sees {world}; without a GPU pass "
                 "--use_cpu (ds_inference_integration.prepare_argv adds it)"
             )
+        if is_skeleton(self.model) and not enabled:
+            raise InferenceSetupError("the model was built for --deepspeed_inference (weights not loaded); pass the "
+                                      "same inference_args to the Trainer")
         self.topology = Topology.create(world, self.args.process_index, self.inference_args.tp_size if enabled else 1)
         self.process_groups = ProcessGroups(tp=None, dp=None, mesh=None)
         self.shard_report: ShardReport | None = None
@@ -94,10 +98,16 @@ class DeepSpeedInferenceMixin:
             # accelerate's data loader reads this mesh: ranks of one TP group get identical batches.
             self.accelerator.state.device_mesh = self.process_groups.mesh
             init_deepspeed_comm(self.topology)
-        model, self.shard_report = shard_model(self.model, inf, self.topology, self.process_groups, policy, dtype)
+        model, self.shard_report = shard_model(self.model, inf, self.topology, self.process_groups, policy, dtype,
+                                               device=self.args.device)
         model._is_accelerate_prepared = True  # keep accelerate from re-wrapping the injected module
         self.model = self.model_wrapped = model
         logger.warning("deepspeed_inference: %s; %s", self.topology, self.shard_report)
+
+    def _move_model_to_device(self, model, device):
+        if is_skeleton(model):
+            return  # its weights do not exist yet: shard_model reads them straight onto the device
+        super()._move_model_to_device(model, device)
 
     def train(self, *args, **kwargs):
         if self.inference_args.deepspeed_inference:

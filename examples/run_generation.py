@@ -26,6 +26,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqL
 from ds_inference_integration import (DeepSpeedInferenceArguments, DeepSpeedInferenceSeq2SeqTrainer,
                                       InferenceSetupError, policy_for_run, prepare_argv)
 from ds_inference_integration.lifecycle import run_main
+from ds_inference_integration.loading import load_model
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def main(argv: list[str]) -> None:
         tokenizer.pad_token = tokenizer.eos_token
     dataset = Dataset.from_dict(dict(tokenizer(prompts)))
     model_cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = model_cls.from_pretrained(gen_args.model_name_or_path, config=config)
+    model = load_model(model_cls, gen_args.model_name_or_path, config=config, inference_args=inference_args,
+                       training_args=training_args)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     trainer = DeepSpeedInferenceSeq2SeqTrainer(

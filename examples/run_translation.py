@@ -42,6 +42,7 @@ from ds_inference_integration import (
     prepare_argv,
 )
 from ds_inference_integration.lifecycle import run_main
+from ds_inference_integration.loading import load_model
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -246,9 +247,11 @@ def main(argv: list[str]) -> None:
     predict_dataset = prepare("test", data_args.max_predict_samples, data_args.val_max_target_length) if training_args.do_predict else None
 
     # The model loads only once arguments, policy and data have been checked.
-    model = AutoModelForSeq2SeqLM.from_pretrained(
-        model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir,
-        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+    # Under --deepspeed_inference each rank reads only its shard where the checkpoint allows (--loading).
+    model = load_model(
+        AutoModelForSeq2SeqLM, model_args.model_name_or_path, config=config, inference_args=inference_args,
+        training_args=training_args, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+        token=model_args.token, trust_remote_code=model_args.trust_remote_code,
     )
     label_pad_token_id = -100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id
     if data_args.pad_to_max_length:

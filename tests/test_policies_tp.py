@@ -1,7 +1,9 @@
 """Every architecture with a policy, sharded at tp 2 and tp 4 by `ds-inference policy check` (which
 starts its own ranks) and compared with the unsharded model in the same run: logits within
-1e-4 x max|logit|, greedy / beam / seeded-sampling token ids identical on every rank, and each
-rank's share of the layer weights within 5% of 1/tp (replicated KV heads counted)."""
+1e-4 x max|logit|, greedy / beam / seeded-sampling token ids identical on every rank, each
+rank's share of the layer weights within 5% of 1/tp (replicated KV heads counted), and the two
+loading paths (shard-aware reads from the safetensors checkpoint, and a pre-sharded directory the
+check writes) bitwise equal to the naive path (full load, then split) with identical greedy ids."""
 
 import re
 import subprocess
@@ -15,7 +17,7 @@ from ds_inference_integration.attention import HeadLayout, split_fused_qkv
 from ds_inference_integration.policy import load_policy, policy_to_toml
 
 SEQ2SEQ = ("t5", "mt5", "bart", "mbart", "marian")
-CHECKS_PER_MODEL = 6
+CHECKS_PER_MODEL = 8
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,10 @@ def test_every_architecture_matches_the_unsharded_model(model_dirs, tp):
     # Multi-query models keep a copy of the KV head per rank, and say so.
     assert re.search(rf"PASS gpt_bigcode_mqa tp{tp} layer weights per rank: .*KV heads replicated", out)
     assert re.search(rf"PASS llama_kv1 tp{tp} layer weights per rank: .*KV heads replicated", out)
+    for name in model_dirs:  # every family, both loading paths, built on meta
+        for mode in ("shard-aware", "pre-sharded"):
+            assert re.search(rf"PASS {name} tp{tp} loading {mode}: (\d+)/\1 tensors bitwise equal to the naive "
+                             rf"path, greedy ids identical; built on meta: [1-9]", out), (name, mode)
 
 
 def test_wrong_policy_fails_naming_the_layer(model_dirs, tmp_path):

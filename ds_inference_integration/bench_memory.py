@@ -1,0 +1,182 @@
+"""`ds-inference bench memory`: peak host memory and time to a ready model, per loading path, side by side.
+
+On one `--config`-built Llama saved as safetensors (default about 3.3 GB in fp32), in one run:
+
+* single: one process, `from_pretrained` (the reference: a full load);
+* full (naive): tp ranks, each `from_pretrained` then `deepspeed.init_inference`;
+* shard-aware: tp ranks, model built on meta, each reads only its slices of the checkpoint;
+* pre-sharded: tp ranks, each reads its own file written by `ds-inference shard` (timed too).
+
+Every rank is its own process; peak RSS is the process's high-water mark (`ru_maxrss`), which includes
+the interpreter and imported libraries (the post-import RSS is reported too). Time to ready runs from
+the start of loading (after imports and process-group start) to a sharded model, before any forward.
+Each path then greedy-generates the same tokens, and the run fails if any path's tokens differ.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .ranks import failure_text, start_ranks, wait_ranks
+
+MODES = ("single", "full", "shard-aware", "pre-sharded")
+NEW_TOKENS = 8
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_config_model(spec: str, out: Path) -> Path:
+    """A random Llama of hidden,layers,heads,intermediate,vocab, saved as safetensors (tied embeddings)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, inter, vocab = (int(x) for x in spec.split(","))
+    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
+                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out, max_shard_size="2GB")
+    return out
+
+
+def _worker(mode: str, model_dir: str, out_json: str) -> int:
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .arguments import DeepSpeedInferenceArguments
+    from .loading import load_model
+    from .policy import policy_for_run
+    from .shard import init_deepspeed_comm, shard_model
+    from .topology import Topology, init_process_groups
+
+    import deepspeed  # noqa: F401  (every mode imports the same libraries)
+
+    topology = Topology.from_env()
+    if mode != "single":
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    baseline = _rss_mb()
+    start = time.perf_counter()
+    config = AutoConfig.from_pretrained(model_dir)
+    if mode == "single":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        report = ""
+    else:
+        groups = init_process_groups(topology, "cpu")
+        init_deepspeed_comm(topology)
+        start = time.perf_counter()
+        args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
+        policy = policy_for_run("auto", config, topology.tp_size)
+        model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=torch.float32,
+                           mode=mode)
+        model, shard = shard_model(model, args, topology, groups, policy, torch.float32)
+        report = str(shard)
+    ready = time.perf_counter() - start
+    peak_loading = _peak_mb()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    with torch.no_grad():
+        tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                do_sample=False, pad_token_id=0)
+    Path(out_json).write_text(json.dumps({
+        "mode": mode, "rank": topology.rank, "ready_s": round(ready, 3), "baseline_rss_mb": round(baseline, 1),
+        "peak_rss_mb": round(peak_loading, 1), "tokens": tokens[0].tolist(), "report": report}))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float) -> list[dict]:
+    outs = [work / f"{mode}_{r}.json" for r in range(1 if mode == "single" else tp)]
+    if mode == "single":
+        proc = subprocess.run([sys.executable, "-m", "ds_inference_integration.bench_memory", "--worker", mode,
+                               str(model_dir), str(outs[0])], timeout=timeout, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"single-process load failed: {proc.stderr[-1500:]}")
+    else:
+        procs = start_ranks(tp, "ds_inference_integration.bench_memory",
+                            ["--worker", mode, str(model_dir), str(work / f"{mode}_{{rank}}.json")])
+        codes = wait_ranks(procs, timeout)
+        if any(codes):
+            raise RuntimeError(f"{mode} failed: {failure_text(procs, codes)}")
+    return [json.loads(p.read_text()) for p in outs]
+
+
+def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None = None,
+                 timeout: float = 1200) -> int:
+    from .preshard import run_shard
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_memory_"))
+    t0 = time.perf_counter()
+    src = Path(model_dir) if model_dir else build_config_model(config_spec, work / "model")
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    print(f"model: {src} ({size / 2**20:.0f} MiB of safetensors; built in {time.perf_counter() - t0:.0f} s)", flush=True)
+    presharded = work / f"presharded_tp{tp}"
+    t0 = time.perf_counter()
+    if run_shard(str(src), tp, str(presharded), timeout=timeout) != 0:
+        return 1
+    shard_seconds = time.perf_counter() - t0
+    rows = []
+    for mode in MODES:
+        for r in _run_mode(mode, presharded if mode == "pre-sharded" else src, tp, work, timeout):
+            rows.append(r)
+            print(f"{mode:<12} rank {r['rank']}: peak RSS {r['peak_rss_mb']:8.1f} MB (after imports "
+                  f"{r['baseline_rss_mb']:.1f}), ready in {r['ready_s']:.2f} s", flush=True)
+    single = next(r for r in rows if r["mode"] == "single")
+    tokens_same = all(r["tokens"] == single["tokens"] for r in rows)
+
+    def worst(mode, key):
+        return max(r[key] for r in rows if r["mode"] == mode)
+
+    ratios = {
+        "peak_rss_per_rank_over_single": {m: round(worst(m, "peak_rss_mb") / single["peak_rss_mb"], 3)
+                                          for m in MODES[1:]},
+        "ready_time_over_full": {m: round(worst(m, "ready_s") / worst("full", "ready_s"), 3) for m in MODES[1:]},
+    }
+    result = {"model_dir": str(src), "checkpoint_mb": round(size / 2**20, 1), "config": config_spec, "tp": tp,
+              "shard_command_s": round(shard_seconds, 2), "rows": rows, "ratios": ratios,
+              "tokens_identical": tokens_same}
+    (out_dir / "bench_memory.json").write_text(json.dumps(result, indent=2))
+    lines = [f"Model: {config_spec or model_dir}, {size / 2**20:.0f} MiB fp32 safetensors; tp {tp}; "
+             f"`ds-inference shard` took {shard_seconds:.1f} s.", "",
+             "| path | rank | peak RSS MB | RSS after imports MB | ready s | peak / single | ready / full |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["mode"]
+        vs_full = "" if m == "single" else f"{r['ready_s'] / worst('full', 'ready_s'):.2f}"
+        lines.append(f"| {m} | {r['rank']} | {r['peak_rss_mb']:.0f} | {r['baseline_rss_mb']:.0f} | {r['ready_s']:.2f} | "
+                     f"{r['peak_rss_mb'] / single['peak_rss_mb']:.2f} | {vs_full} |")
+    lines += ["", f"Greedy tokens identical across all paths: {tokens_same}"]
+    (out_dir / "bench_memory.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if tokens_same else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        import os
+
+        rank = os.environ.get("RANK", "0")
+        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4].replace("{rank}", rank)))
+    print("usage: ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] [--tp-size N]", file=sys.stderr)
+    sys.exit(2)

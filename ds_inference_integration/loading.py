@@ -1,0 +1,544 @@
+"""Load only your shard: build the model without initialising it, then read only what this rank keeps.
+
+Three ways to a sharded model, chosen by `load_model` (under `--deepspeed_inference`):
+
+* **pre-sharded**: the model directory was written by `ds-inference shard` (it has `manifest.json`):
+  each rank reads its own `rank-R-of-N.safetensors` and nothing else;
+* **shard-aware**: the model directory has safetensors weights (one file, or shards with an index):
+  each rank reads the replicated tensors whole and, of every tensor DeepSpeed splits, only its rows
+  or columns;
+* **full** (the naive path, and the fallback): `from_pretrained` on every rank, then `init_inference`.
+
+The first two build a skeleton: parameters on the `meta` device (no memory, no random init),
+buffers real (they are computed from the config: rotary frequencies, masks). `shard_model` then
+fills it in two steps around `deepspeed.init_inference`, which splits meta tensors as metadata only:
+
+1. before: parameters that no linear layer owns (embeddings, norms, relative position biases) are
+   read whole; they are replicated, and DeepSpeed slices the few it splits itself;
+2. after: each linear's parameter, now of its shard's shape, is read from the checkpoint. Where its
+   rows/columns come from is taken from what the splitting recorded: DeepSpeed's per-parameter
+   partition metadata (dimension, sizes, this rank's index), and our own `ColumnShard.source_rows`
+   for attention heads split here. Every read is checked against the shape DeepSpeed produced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .arguments import InferenceSetupError
+from .checkpoint import SafetensorsCheckpoint, checkpoint_files, fingerprint, ranges_of
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "ds-inference-presharded/1"
+DEFERRED_TYPES = ("Linear", "Conv1D", "ColumnShard")  # modules whose parameters wait for the split
+
+
+def rank_file(rank: int, tp_size: int) -> str:
+    return f"rank-{rank:05d}-of-{tp_size:05d}.safetensors"
+
+
+def is_skeleton(model: nn.Module) -> bool:
+    return getattr(model, "_ds_inference_loader", None) is not None
+
+
+def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _owners(model: nn.Module) -> dict[int, list[nn.Module]]:
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(module)
+    return owners
+
+
+def _replace_meta(model: nn.Module, make, only=None, also: set[str] = frozenset()) -> int:
+    """Give every meta parameter (for which `only(param, owners)` holds), and every parameter named in `also`,
+    a real tensor `make(names, module, param)`; parameters shared between modules stay shared.
+    Returns the number of tensors made."""
+    names = _names_by_param(model)
+    owners = _owners(model)
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None or not (p.is_meta or any(n in also for n in names[id(p)])):
+                continue
+            if id(p) not in made:
+                if only is not None and not only(p, owners[id(p)]):
+                    continue
+                tensor = make(names[id(p)], module, p)
+                if tuple(tensor.shape) != tuple(p.shape):
+                    raise InferenceSetupError(f"checkpoint tensor for {names[id(p)][0]} has shape {list(tensor.shape)}, "
+                                              f"the model wants {list(p.shape)}")
+                made[id(p)] = nn.Parameter(tensor, requires_grad=False)
+            module._parameters[attr] = made[id(p)]
+    return len(made)
+
+
+def _not_deferred(param, owners) -> bool:
+    return not all(isinstance(m, nn.Linear) or type(m).__name__ in DEFERRED_TYPES for m in owners)
+
+
+@dataclass
+class Loader:
+    """Fills a skeleton's meta parameters; subclasses say where each tensor comes from."""
+
+    model_dir: Path
+    dtype: torch.dtype
+    kind: str = ""
+    seconds: float = 0.0
+    bytes_read: int = 0
+    key_of: dict[str, str] = field(default_factory=dict)  # parameter name -> checkpoint key
+    transposed: set[str] = field(default_factory=set)  # Conv1D weights: stored [in, out]
+    deferred: set[str] = field(default_factory=set)  # parameters still on meta when DeepSpeed splits
+    ready_seconds: float = 0.0  # from load_model to a filled, sharded model
+
+    missing: set[str] = field(default_factory=set)  # not in the checkpoint: initialised as from_pretrained does
+    buffers: dict[str, str] = field(default_factory=dict)  # persistent buffer name -> checkpoint key
+
+    def fill_replicated(self, model: nn.Module, device: torch.device) -> None:
+        """Before the split: whole tensors of everything that is not (only) a linear's. The model's first
+        parameter is always made real, since DeepSpeed takes a model whose first parameter is on `meta`
+        for an all-meta model and gives every tensor, buffers included, uninitialised memory."""
+        start = time.perf_counter()
+        first = next(model.parameters())
+
+        refill: set[str] = set()
+
+        def make(names, module, p):
+            if names[0] in self.missing:
+                return torch.empty(p.shape, dtype=p.dtype, device=device)
+            if not self._whole_before_split(p):  # a placeholder for DeepSpeed to slice; read after the split
+                refill.update(names)
+                return torch.zeros(p.shape, dtype=p.dtype, device=device)
+            return self._read_whole(names, p).to(device)
+
+        _replace_meta(model, make, only=lambda p, owners: p is first or _not_deferred(p, owners))
+        if self.missing:  # what from_pretrained does for weights a checkpoint lacks (sinusoidal positions...)
+            with torch.no_grad():
+                for name, module in model.named_modules():
+                    if any((f"{name}.{a}" if name else a) in self.missing for a in module._parameters):
+                        model._init_weights(module)
+            logger.warning("deepspeed_inference: not in the checkpoint, initialised by the model as "
+                           "from_pretrained does: %s", sorted(self.missing))
+        for name, key in self.buffers.items():
+            buf = model.get_buffer(name)
+            with torch.no_grad():
+                buf.copy_(self._read_buffer(key, buf))
+        # DeepSpeed gives some of these real (unfilled) memory when it replaces their module: lm_head
+        self.deferred = {n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta} | refill
+        self.seconds += time.perf_counter() - start
+
+    def _whole_before_split(self, p) -> bool:
+        return True
+
+    def _read_buffer(self, key: str, buf: torch.Tensor) -> torch.Tensor:
+        before = self.ckpt.bytes_read
+        t = self.ckpt.read(key, dtype=buf.dtype)
+        self.bytes_read += self.ckpt.bytes_read - before
+        return t
+
+    def fill_sharded(self, model: nn.Module, tp_rank: int, device: torch.device) -> None:
+        start = time.perf_counter()
+        _replace_meta(model, lambda names, module, p: self._read_shard(names, module, p, tp_rank).to(device),
+                      also=self.deferred)
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise InferenceSetupError(f"{self.kind} loading left parameters unloaded: {left[:3]}")
+        self.seconds += time.perf_counter() - start
+
+    def summary(self) -> str:
+        ready = f", model ready {self.ready_seconds:.2f} s after loading began" if self.ready_seconds else ""
+        return f"model loaded {self.kind}: read {self.bytes_read / 2**20:.1f} MiB in {self.seconds:.2f} s{ready}"
+
+
+class ShardAwareLoader(Loader):
+    """Reads from the original safetensors checkpoint, only the rows/columns this rank keeps."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, ckpt: SafetensorsCheckpoint, plan: "KeyPlan"):
+        super().__init__(Path(model_dir), dtype, kind="shard-aware", key_of=plan.key_of, transposed=plan.transposed,
+                         missing=plan.missing, buffers=plan.buffers)
+        self.ckpt = ckpt
+
+    def _key(self, names: list[str]) -> str:
+        for n in names:
+            if n in self.key_of:
+                return self.key_of[n]
+        raise InferenceSetupError(f"no checkpoint tensor for parameter {names[0]}")
+
+    def _read_whole(self, names, p) -> torch.Tensor:
+        before = self.ckpt.bytes_read
+        t = self.ckpt.read(self._key(names), dtype=self.dtype)
+        self.bytes_read += self.ckpt.bytes_read - before
+        return t
+
+    def _read_shard(self, names, module, p, tp_rank) -> torch.Tensor:
+        name = names[0]
+        key = self._key(names)
+        src = self.ckpt.shape(key)
+        transposed = name in self.transposed
+        full = tuple(reversed(src)) if transposed else tuple(src)
+        want = tuple(p.shape)
+        if p.numel() == 0:  # DeepSpeed's 64-grain split can leave trailing ranks nothing of a narrow tensor
+            return torch.empty(want, dtype=self.dtype)
+        rows = getattr(module, "source_rows", None)
+        if rows is not None:  # a ColumnShard: our own head split recorded its rows
+            pieces, at = [], 0
+            for a, b in ranges_of(rows):
+                pieces.append(((a,) + (0,) * (len(full) - 1), (at,) + (0,) * (len(full) - 1), (b - a,) + full[1:]))
+                at += b - a
+        elif want == full:
+            pieces = [((0,) * len(full), (0,) * len(full), full)]
+        else:
+            pieces = _deepspeed_pieces(name, module, p, full, tp_rank)
+        out = torch.empty(want, dtype=self.dtype)
+        before = self.ckpt.bytes_read
+        for s_at, d_at, shape in pieces:
+            region = tuple(slice(d, d + n) for d, n in zip(d_at, shape))
+            sel = [[(a, a + n)] for a, n in zip(s_at, shape)]
+            if transposed:
+                part = self.ckpt.read(key, rows=sel[1], cols=sel[0], dtype=self.dtype).t()
+            else:
+                part = self.ckpt.read(key, rows=sel[0], cols=sel[1] if len(sel) == 2 else None, dtype=self.dtype)
+            out[region] = part.reshape(shape)
+        self.bytes_read += self.ckpt.bytes_read - before
+        return out
+
+
+def _unravel(offset: int, shape: tuple) -> tuple:
+    at = []
+    for n in reversed(shape):
+        at.append(offset % n)
+        offset //= n
+    return tuple(reversed(at))
+
+
+def _row_major(shape) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return list(reversed(strides))
+
+
+def _deepspeed_pieces(name: str, module: nn.Module, p: torch.Tensor, full: tuple, tp_rank: int) -> list:
+    """Which blocks of the full tensor (shape `full`) DeepSpeed put where in this rank's shard, read from the
+    layout it records on each parameter it splits (its universal-checkpoint affine map): a list of
+    (start in the full tensor, start in the shard, block shape)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    want = tuple(p.shape)
+    meta = getattr(p, DS_AUTOTP_UC_META, None) or {}
+    rank = getattr(module, "tp_index", tp_rank)
+    amap = (meta.get("conversion") or {}).get("affine_map") or {}
+    info = (amap.get("ranks") or {}).get(rank) or (amap.get("ranks") or {}).get(str(rank))
+    if not info or tuple(amap.get("logical_shape", ())) != full or tuple(info["shard_shape"]) != want:
+        raise InferenceSetupError(f"cannot tell which part of {name} ({list(full)} -> {list(want)}) this rank "
+                                  "holds (DeepSpeed recorded no layout for it); use --loading full")
+    pieces = []
+    for piece in info["pieces"]:
+        shape = tuple(piece["shape"])
+        (s_off, s_strides), (d_off, d_strides) = piece["source"], piece["dest"]
+        if list(s_strides) != _row_major(full) or list(d_strides) != _row_major(want):
+            raise InferenceSetupError(f"{name}: DeepSpeed's layout for this rank is strided in a way this loader "
+                                      "does not read; use --loading full")
+        pieces.append((_unravel(s_off, full), _unravel(d_off, want), shape))
+    covered = sum(int(torch.Size(shape).numel()) for _, _, shape in pieces)
+    if covered != p.numel():
+        raise InferenceSetupError(f"{name}: DeepSpeed's layout covers {covered} of {p.numel()} elements; use --loading full")
+    return pieces
+
+
+class PreShardedLoader(Loader):
+    """Reads this rank's own file of a directory written by `ds-inference shard`."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, ckpt: SafetensorsCheckpoint):
+        super().__init__(Path(model_dir), dtype, kind="pre-sharded")
+        self.ckpt = ckpt
+        self._names: dict[int, list[str]] = {}
+
+    def fill_replicated(self, model: nn.Module, device: torch.device) -> None:
+        self._names = _names_by_param(model)
+        self.buffers = {n: n for n, _ in model.named_buffers() if n in self.ckpt}
+        super().fill_replicated(model, device)
+
+    def _get(self, names) -> torch.Tensor:
+        for n in names:
+            if n in self.ckpt:
+                before = self.ckpt.bytes_read
+                t = self.ckpt.read(n, dtype=self.dtype)
+                self.bytes_read += self.ckpt.bytes_read - before
+                return t
+        raise InferenceSetupError(f"pre-sharded file {self.ckpt.files[0].name} has no tensor {names[0]}")
+
+    def _read_whole(self, names, p) -> torch.Tensor:
+        return self._get(names)
+
+    def _whole_before_split(self, p) -> bool:
+        """A tensor DeepSpeed slices outside linears (T5's relative position bias) is stored sliced: it waits."""
+        names = self._names.get(id(p), [])
+        stored = next((self.ckpt.shape(n) for n in names if n in self.ckpt), None)
+        return stored is None or tuple(stored) == tuple(p.shape)
+
+    def _read_shard(self, names, module, p, tp_rank) -> torch.Tensor:
+        return self._get(names)
+
+
+# Choosing the path ---------------------------------------------------------------------------------
+
+def _checkpoint_names(model: nn.Module, ckpt: SafetensorsCheckpoint) -> tuple[dict[str, str], str | None]:
+    """Model name -> checkpoint key, renamed the way `from_pretrained` renames them (transformers' own
+    key renamings and base-model prefix); a reason instead when a key needs more than renaming."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta_state = dict(model.state_dict())
+    out: dict[str, str] = {}
+    for key in ckpt.entries:
+        name, converter = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
+                                            meta_state)
+        if converter is not None:
+            return {}, f"checkpoint tensor {key} needs conversion ({converter}), not only slicing"
+        out.setdefault(name, key)
+    return out, None
+
+
+@dataclass
+class KeyPlan:
+    key_of: dict[str, str]  # parameter name -> checkpoint key
+    transposed: set[str]  # Conv1D weights, stored [in, out]
+    missing: set[str]  # replicated parameters the checkpoint lacks (the model initialises them)
+    buffers: dict[str, str]  # persistent buffers the checkpoint has
+
+
+def plan_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> tuple[KeyPlan | None, str | None]:
+    """Map every parameter of a skeleton to a checkpoint tensor of the right shape.
+    Returns (plan, None) or (None, a reason why the checkpoint does not fit)."""
+    key_by_name, reason = _checkpoint_names(model, ckpt)
+    if reason:
+        return None, reason
+    plan = KeyPlan({}, set(), set(), {})
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if type(module).__name__ == "Conv1D":
+            plan.transposed.add(f"{module_name}.weight" if module_name else "weight")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    owners = _owners(model)
+    for group in _names_by_param(model).values():
+        found = next((key_by_name[n] for n in group if n in key_by_name), None)
+        if found is None:
+            if not _not_deferred(None, owners[id(params[group[0]])]):
+                return None, f"the checkpoint has no tensor for {group[0]}"
+            plan.missing.update(group)
+            continue
+        if tuple(ckpt.shape(found)) != shapes[group[0]]:
+            return None, (f"checkpoint tensor {found} has shape {list(ckpt.shape(found))}, the model wants "
+                          f"{list(shapes[group[0]])}")
+        for name in group:
+            plan.key_of[name] = found
+    persistent = set(model.state_dict().keys())
+    for name, buf in model.named_buffers():
+        if name in persistent and name in key_by_name and tuple(ckpt.shape(key_by_name[name])) == tuple(buf.shape):
+            plan.buffers[name] = key_by_name[name]
+    return plan, None
+
+
+def build_skeleton(model_cls, config, dtype: torch.dtype, model_dir: Path) -> nn.Module:
+    """The model with parameters on `meta` (no memory, no initialisation) and real buffers."""
+    from accelerate import init_empty_weights
+    from transformers import GenerationConfig
+
+    with init_empty_weights(include_buffers=False):
+        model = model_cls.from_config(config, dtype=dtype)
+    model.tie_weights()  # from_config skips tying when the parameters are on meta
+    model.eval()
+    if (Path(model_dir) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model
+
+
+def read_manifest(model_dir: Path) -> dict | None:
+    path = Path(model_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if data.get("format") == FORMAT else None
+
+
+def check_manifest(manifest: dict, model_dir: Path, tp_size: int, policy_id: str) -> None:
+    """One clear error when a pre-sharded directory does not fit this run."""
+    if manifest["tp_size"] != tp_size:
+        raise InferenceSetupError(
+            f"{model_dir} is pre-sharded for --tp_size {manifest['tp_size']}, this run has tp {tp_size}: re-run "
+            f"`ds-inference shard {manifest['source']['path']} --tp-size {tp_size} OUT_DIR`, or load the source directory"
+        )
+    if manifest["policy"] != policy_id:
+        raise InferenceSetupError(
+            f"{model_dir} was sharded with policy {manifest['policy']}, this run resolves {policy_id}: re-run ds-inference shard"
+        )
+    source = Path(manifest["source"]["path"])
+    files = checkpoint_files(source) if source.is_dir() else None
+    if files is None:
+        return  # the source is gone: the directory stands on its own
+    if _stats(files) != manifest["source"]["stats"] and fingerprint(files) != manifest["source"]["sha256"]:
+        raise InferenceSetupError(
+            f"the source checkpoint {source} changed since {model_dir} was sharded (sha256 differs from "
+            f"{manifest['source']['sha256'][:12]}): re-run `ds-inference shard {source} --tp-size {tp_size} {model_dir}`"
+        )
+
+
+def _stats(files: list[Path]) -> list:
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(files, key=lambda p: p.name)]
+
+
+def policy_id(policy) -> str:
+    """A stable name for the policy a run resolves: autotp, or the policy's name and content hash."""
+    import hashlib
+
+    from .policy import Policy, policy_to_toml
+
+    if not isinstance(policy, Policy):
+        return "autotp" if policy in (None, "autotp") else str(policy)
+    return f"{policy.name}:{hashlib.sha256(policy_to_toml(policy).encode()).hexdigest()[:12]}"
+
+
+def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=None, training_args=None,
+               dtype: torch.dtype | None = None, mode: str | None = None, **from_pretrained_kwargs) -> nn.Module:
+    """`model_cls.from_pretrained`, or under `--deepspeed_inference` a skeleton that `shard_model` fills
+    with only this rank's shard (see the module docstring). `mode` (default: `--loading`): auto, full,
+    shard-aware, pre-sharded; auto takes the first that the directory allows, in the order pre-sharded,
+    shard-aware, full."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    enabled = inference_args is not None and inference_args.deepspeed_inference
+    mode = mode or (inference_args.loading if enabled else "full")
+    if mode not in ("auto", "full", "shard-aware", "pre-sharded"):
+        raise InferenceSetupError(f"--loading {mode!r} is unknown; valid: auto, full, shard-aware, pre-sharded")
+    if enabled and inference_args.replace_with_kernel_inject and mode != "full":
+        if mode != "auto":
+            raise InferenceSetupError(f"--loading {mode} does not work with --replace_with_kernel_inject; use --loading full")
+        mode = "full"
+    if dtype is None and inference_args is not None:
+        dtype = inference_args.resolve_dtype(fp16=getattr(training_args, "fp16", False),
+                                             bf16=getattr(training_args, "bf16", False))
+    dtype = dtype or torch.float32
+    config = config or AutoConfig.from_pretrained(model_dir)
+    start = time.perf_counter()
+    reason = None
+    if mode in ("auto", "pre-sharded"):
+        manifest = read_manifest(model_dir)
+        if manifest is not None:
+            model = build_skeleton(model_cls, config, dtype, model_dir)
+            manifest["_dir"] = str(model_dir)
+            model._ds_inference_loader = ("pre-sharded", manifest)  # opened per rank in shard_model
+            model._ds_inference_loader_start = start
+            return model
+        if mode == "pre-sharded":
+            raise InferenceSetupError(f"{model_dir} has no {MANIFEST}: it was not written by `ds-inference shard`")
+    if mode in ("auto", "shard-aware"):
+        ckpt = SafetensorsCheckpoint.open(model_dir)
+        if ckpt is None:
+            reason = "no safetensors weights"
+        else:
+            model = build_skeleton(model_cls, config, dtype, model_dir)
+            plan, reason = plan_keys(model, ckpt)
+            if reason is None:
+                model._ds_inference_loader = ShardAwareLoader(model_dir, dtype, ckpt, plan)
+                model._ds_inference_loader_start = start
+                return model
+        if mode == "shard-aware":
+            raise InferenceSetupError(f"--loading shard-aware: {model_dir}: {reason}; valid here: --loading full")
+    model = model_cls.from_pretrained(model_dir, config=config, **from_pretrained_kwargs)
+    if enabled:
+        why = f" ({reason})" if reason else ""
+        logger.warning("deepspeed_inference: model loaded full on every rank%s in %.2f s", why, time.perf_counter() - start)
+    return model
+
+
+def open_loader(model: nn.Module, tp_size: int, tp_rank: int, policy_identity: str, dtype: torch.dtype) -> Loader | None:
+    """The skeleton's loader for this rank (pre-sharded directories are checked here, once the policy is known)."""
+    loader = getattr(model, "_ds_inference_loader", None)
+    if loader is None or isinstance(loader, Loader):
+        return loader
+    _, manifest = loader
+    model_dir = Path(manifest["_dir"])
+    check_manifest(manifest, model_dir, tp_size, policy_identity)
+    ckpt = SafetensorsCheckpoint([model_dir / manifest["files"][tp_rank]])
+    return PreShardedLoader(model_dir, dtype, ckpt)
+
+
+# Writing pre-sharded directories ------------------------------------------------------------------
+
+def write_rank_file(model: nn.Module, out_dir: Path, tp_rank: int, tp_size: int) -> int:
+    """Save this rank's parameters (each shared tensor once, under its first name)."""
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        tensors[name] = p.detach().to("cpu").contiguous()
+    persistent = set(model.state_dict().keys())
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            tensors[name] = buf.detach().to("cpu").contiguous()
+    save_file(tensors, str(out_dir / rank_file(tp_rank, tp_size)), metadata={"tp_rank": str(tp_rank)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_manifest(source: Path, out_dir: Path, tp_size: int, policy_identity: str, dtype: torch.dtype,
+                   rank_bytes: list[int]) -> dict:
+    files = checkpoint_files(source)
+    manifest = {
+        "format": FORMAT, "tp_size": tp_size, "policy": policy_identity, "dtype": str(dtype).removeprefix("torch."),
+        "files": [rank_file(r, tp_size) for r in range(tp_size)], "bytes": rank_bytes,
+        "source": {"path": str(source.resolve()), "sha256": fingerprint(files), "stats": _stats(files)},
+    }
+    for item in source.iterdir():  # config, generation config, tokenizer: the directory is a model directory
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name not in (
+                "model.safetensors.index.json", MANIFEST):
+            shutil.copy2(item, out_dir / item.name)
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def write_presharded(model: nn.Module, source: Path, out_dir: Path, topology, groups, policy_identity: str,
+                     dtype: torch.dtype) -> dict | None:
+    """Every rank writes its file; rank 0 writes the manifest once all are written. Returns the manifest on rank 0."""
+    import torch.distributed as dist
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mine = torch.tensor([write_rank_file(model, out_dir, topology.tp_rank, topology.tp_size)], dtype=torch.long)
+    sizes = [mine]
+    if topology.tp_size > 1:
+        sizes = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
+        dist.all_gather(sizes, mine, group=groups.tp)
+    if topology.tp_rank == 0:
+        manifest = write_manifest(Path(source), out_dir, topology.tp_size, policy_identity, dtype,
+                                  [int(s) for s in sizes])
+    else:
+        manifest = None
+    if topology.tp_size > 1:
+        dist.barrier(group=groups.tp)
+    return manifest

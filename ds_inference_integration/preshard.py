@@ -1,0 +1,113 @@
+"""`ds-inference shard MODEL_DIR --tp-size N OUT_DIR`: write a pre-sharded copy of a model directory.
+
+It starts N local ranks (CPU processes when there is no GPU). Each builds the model on `meta`, reads
+only its slices of the safetensors checkpoint (shard-aware loading), lets DeepSpeed split it exactly
+as `--deepspeed_inference` does, and saves what it holds to `rank-R-of-N.safetensors`. Rank 0 adds
+`manifest.json` (tp size, policy and its hash, dtype, the source path and its sha256) and copies the
+config and tokenizer files, so OUT_DIR is a model directory: `--model_name_or_path OUT_DIR` with the
+same tp size makes every rank read its own file and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from .ranks import failure_text, start_ranks, wait_ranks
+
+
+def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", dtype: str = "fp32",
+              timeout: float = 1800) -> int:
+    from .arguments import DTYPES
+    from .checkpoint import checkpoint_files
+
+    src, out = Path(model_dir), Path(out_dir)
+    if not (src / "config.json").is_file():
+        print(f"error: {src} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    if checkpoint_files(src) is None:
+        print(f"error: {src} has no safetensors weights (model.safetensors or model.safetensors.index.json); "
+              "save it with save_pretrained(safe_serialization=True)", file=sys.stderr)
+        return 2
+    if tp_size < 1:
+        print(f"error: --tp-size {tp_size} is invalid: it must be a positive integer", file=sys.stderr)
+        return 2
+    if dtype not in DTYPES:
+        print(f"error: --dtype {dtype!r} is invalid; valid: {', '.join(DTYPES)}", file=sys.stderr)
+        return 2
+    if out.resolve() == src.resolve():
+        print("error: OUT_DIR must differ from MODEL_DIR", file=sys.stderr)
+        return 2
+    if out.exists() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        print(f"error: {out} exists and is not a pre-sharded directory; choose an empty or new directory",
+              file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    status = Path(tempfile.mkdtemp(prefix="ds_inference_shard_"))
+    procs = start_ranks(tp_size, "ds_inference_integration.preshard",
+                        ["--worker", str(src), str(out), policy, dtype, str(status)])
+    codes = wait_ranks(procs, timeout)
+    result = status / "result.json"
+    if not all(c == 0 for c in codes) or not result.is_file():
+        error = status / "error.txt"
+        print(f"error: {error.read_text().strip() if error.is_file() else failure_text(procs, codes)}",
+              file=sys.stderr)
+        return 1
+    report = json.loads(result.read_text())
+    print(f"wrote {out}: {tp_size} rank files ({', '.join(f'{b / 2**20:.1f} MiB' for b in report['bytes'])}), "
+          f"policy {report['policy']}, source sha256 {report['source']['sha256'][:12]}")
+    return 0
+
+
+def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from .arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
+    from .loading import load_model, policy_id, write_presharded
+    from .policy import policy_for_run
+    from .shard import init_deepspeed_comm, shard_model
+    from .topology import Topology, init_process_groups
+
+    topology = Topology.from_env()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=300))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", topology.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    try:
+        groups = init_process_groups(topology, device.type)
+        init_deepspeed_comm(topology)
+        dtype = DTYPES[dtype_name]
+        config = AutoConfig.from_pretrained(src)
+        cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+        args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size,
+                                           injection_policy=policy_spec)
+        policy = None if policy_spec == "autotp" else policy_for_run(policy_spec, config, topology.tp_size)
+        model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware")
+        model, report = shard_model(model, args, topology, groups, policy, dtype, device=device)
+        manifest = write_presharded(model, Path(src), Path(out), topology, groups, policy_id(policy), dtype)
+        if manifest is not None:
+            Path(status, "result.json").write_text(json.dumps(manifest))
+    except InferenceSetupError as e:
+        if topology.rank == 0:
+            Path(status, "error.txt").write_text(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
+        code = _worker(*sys.argv[2:])
+        sys.stdout.flush()
+        import os
+
+        os._exit(code)  # no process-group teardown (gloo can abort at interpreter exit)
+    print("usage: ds-inference shard MODEL_DIR --tp-size N OUT_DIR", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,56 @@
+"""Start N local ranks of a worker module (CPU gloo, or one GPU each) and wait for them without hanging:
+used by the commands that start their own ranks (`policy check`, `shard`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(n: int, module: str, args: list[str]) -> list[subprocess.Popen]:
+    """`python -m module args...` as ranks 0..n-1 of one world; rank 0 prints, the others are captured."""
+    port = free_port()
+    procs = []
+    for rank in range(n):
+        env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
+               **os.environ, "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "LOCAL_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env,
+                                      stdout=subprocess.PIPE if rank else None,
+                                      stderr=subprocess.STDOUT if rank else None, text=True))
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Exit codes; once one rank fails (after 5 s for its peers to report) or at the deadline, the rest are killed."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if failed is not None or time.monotonic() > deadline:
+            time.sleep(5 if failed is not None else 0)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    return [p.wait() for p in procs]
+
+
+def failure_text(procs: list[subprocess.Popen], codes: list[int]) -> str:
+    """Why the ranks failed, with the last lines of the first failed rank whose output was captured."""
+    why = f"a rank failed, exit codes {codes}" if any(c not in (0, -9) for c in codes) else "timed out"
+    failed = [i for i, c in enumerate(codes) if c not in (0, -9) and procs[i].stdout] or [
+        i for i in range(len(procs)) if procs[i].stdout]
+    tail = procs[failed[0]].stdout.read()[-1500:] if failed else ""
+    return why + (f"\nrank {failed[0]}:\n{tail}" if tail else "")
