@@ -4,6 +4,7 @@ The flow, one module per step:
     arguments  -> DeepSpeedInferenceArguments (the --deepspeed_inference flag family)
     topology   -> Topology (world = tp x dp), process groups, the mesh accelerate reads
     policy     -> policies/*.toml, validated against the real model
+    loading    -> the model built on meta; each rank reads only its shard (checkpoint: the reader)
     shard      -> deepspeed.init_inference, in place
     trainer    -> same batches per TP group, gather once per replica, rows in input order
 """
@@ -11,6 +12,7 @@ The flow, one module per step:
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, prepare_argv, translate_legacy_args
 from .policy import (Policy, available_policies, build_injection_policy, check_head_counts, load_policy,
                      policy_for_run, resolve_policy)
+from .loading import load_model
 from .topology import Topology
 from .trainer import LockstepError, DeepSpeedInferenceMixin, DeepSpeedInferenceSeq2SeqTrainer, DeepSpeedInferenceTrainer
 
@@ -28,6 +30,7 @@ __all__ = [
     "available_policies",
     "build_injection_policy",
     "check_head_counts",
+    "load_model",
     "load_policy",
     "policy_for_run",
     "prepare_argv",

@@ -1,22 +1,24 @@
 """`ds-inference bench memory`: peak host memory and time to a ready model, per loading path, side by side.
 
-On one `--config`-built Llama saved as safetensors (default about 3.3 GB in fp32), in one run:
+On one `--config`-built Llama saved as safetensors (default about 6.3 GB in fp32), in one run:
 
 * single: one process, `from_pretrained` (the reference: a full load);
 * full (naive): tp ranks, each `from_pretrained` then `deepspeed.init_inference`;
 * shard-aware: tp ranks, model built on meta, each reads only its slices of the checkpoint;
 * pre-sharded: tp ranks, each reads its own file written by `ds-inference shard` (timed too).
 
-Every rank is its own process; peak RSS is the process's high-water mark (`ru_maxrss`), which includes
-the interpreter and imported libraries (the post-import RSS is reported too). Time to ready runs from
-the start of loading (after imports and process-group start) to a sharded model, before any forward.
-Each path then greedy-generates the same tokens, and the run fails if any path's tokens differ.
+Every rank is its own process; peak RSS is the process's high-water mark (VmHWM), which includes
+the interpreter and imported libraries (the post-import RSS is reported too), taken after a first
+greedy generation (8 new tokens): by then every weight has been used, so weights that are mapped
+from the checkpoint file rather than copied (`from_pretrained` does this, and so do we for
+contiguous slices) are resident and counted. Time to ready runs from the start of loading (after
+imports and process-group start) to a sharded model; the first generation is timed separately, so a
+path that defers reads to first use shows it there. The run fails if any path's tokens differ.
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -38,7 +40,12 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS (VmHWM). Not ru_maxrss: Linux carries that over from the parent across exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def build_config_model(spec: str, out: Path) -> Path:
@@ -59,6 +66,7 @@ def build_config_model(spec: str, out: Path) -> Path:
 
 def _worker(mode: str, model_dir: str, out_json: str) -> int:
     import datetime
+    import importlib
     import os
 
     import torch
@@ -71,7 +79,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
     from .shard import init_deepspeed_comm, shard_model
     from .topology import Topology, init_process_groups
 
-    import deepspeed  # noqa: F401  (every mode imports the same libraries)
+    importlib.import_module("deepspeed")  # every mode imports the same libraries
 
     topology = Topology.from_env()
     if mode != "single":
@@ -93,14 +101,17 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
         model, shard = shard_model(model, args, topology, groups, policy, torch.float32)
         report = str(shard)
     ready = time.perf_counter() - start
-    peak_loading = _peak_mb()
+    peak_ready = _peak_mb()
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    start = time.perf_counter()
     with torch.no_grad():
         tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                 do_sample=False, pad_token_id=0)
+    first_generate = time.perf_counter() - start
     Path(out_json).write_text(json.dumps({
-        "mode": mode, "rank": topology.rank, "ready_s": round(ready, 3), "baseline_rss_mb": round(baseline, 1),
-        "peak_rss_mb": round(peak_loading, 1), "tokens": tokens[0].tolist(), "report": report}))
+        "mode": mode, "rank": topology.rank, "ready_s": round(ready, 3), "generate_s": round(first_generate, 3),
+        "baseline_rss_mb": round(baseline, 1), "peak_rss_at_ready_mb": round(peak_ready, 1),
+        "peak_rss_mb": round(_peak_mb(), 1), "tokens": tokens[0].tolist(), "report": report}))
     sys.stdout.flush()
     os._exit(0)
 
@@ -128,7 +139,10 @@ def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     t0 = time.perf_counter()
-    src = Path(model_dir) if model_dir else build_config_model(config_spec, work / "model")
+    src = Path(model_dir) if model_dir else work / "model"
+    if not model_dir:  # in a child process: this one stays small, and so do the ranks it starts
+        subprocess.run([sys.executable, "-m", "ds_inference_integration.bench_memory", "--build", config_spec,
+                        str(src)], check=True, timeout=timeout)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"model: {src} ({size / 2**20:.0f} MiB of safetensors; built in {time.perf_counter() - t0:.0f} s)", flush=True)
     presharded = work / f"presharded_tp{tp}"
@@ -141,17 +155,28 @@ def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None
         for r in _run_mode(mode, presharded if mode == "pre-sharded" else src, tp, work, timeout):
             rows.append(r)
             print(f"{mode:<12} rank {r['rank']}: peak RSS {r['peak_rss_mb']:8.1f} MB (after imports "
-                  f"{r['baseline_rss_mb']:.1f}), ready in {r['ready_s']:.2f} s", flush=True)
+                  f"{r['baseline_rss_mb']:.1f}), ready in {r['ready_s']:.2f} s, first generate {r['generate_s']:.2f} s",
+                  flush=True)
     single = next(r for r in rows if r["mode"] == "single")
     tokens_same = all(r["tokens"] == single["tokens"] for r in rows)
 
     def worst(mode, key):
         return max(r[key] for r in rows if r["mode"] == mode)
 
+    def both(r):
+        return r["ready_s"] + r["generate_s"]
+
+    full_both = max(both(r) for r in rows if r["mode"] == "full")
     ratios = {
         "peak_rss_per_rank_over_single": {m: round(worst(m, "peak_rss_mb") / single["peak_rss_mb"], 3)
                                           for m in MODES[1:]},
+        # the same without what the interpreter and libraries hold before loading starts
+        "model_rss_per_rank_over_single": {
+            m: round(max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in rows if r["mode"] == m)
+                     / (single["peak_rss_mb"] - single["baseline_rss_mb"]), 3) for m in MODES[1:]},
         "ready_time_over_full": {m: round(worst(m, "ready_s") / worst("full", "ready_s"), 3) for m in MODES[1:]},
+        "ready_plus_first_generate_over_full": {
+            m: round(max(both(r) for r in rows if r["mode"] == m) / full_both, 3) for m in MODES[1:]},
     }
     result = {"model_dir": str(src), "checkpoint_mb": round(size / 2**20, 1), "config": config_spec, "tp": tp,
               "shard_command_s": round(shard_seconds, 2), "rows": rows, "ratios": ratios,
@@ -159,20 +184,28 @@ def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None
     (out_dir / "bench_memory.json").write_text(json.dumps(result, indent=2))
     lines = [f"Model: {config_spec or model_dir}, {size / 2**20:.0f} MiB fp32 safetensors; tp {tp}; "
              f"`ds-inference shard` took {shard_seconds:.1f} s.", "",
-             "| path | rank | peak RSS MB | RSS after imports MB | ready s | peak / single | ready / full |",
-             "|---|---|---|---|---|---|---|"]
+             "| path | rank | peak RSS MB | RSS after imports MB | ready s | first generate s | peak / single "
+             "| ready / full | ready+generate / full |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["mode"]
-        vs_full = "" if m == "single" else f"{r['ready_s'] / worst('full', 'ready_s'):.2f}"
+        vs_full = "| | |" if m == "single" else (f"| {r['ready_s'] / worst('full', 'ready_s'):.2f} | "
+                                               f"{both(r) / full_both:.2f} |")
         lines.append(f"| {m} | {r['rank']} | {r['peak_rss_mb']:.0f} | {r['baseline_rss_mb']:.0f} | {r['ready_s']:.2f} | "
-                     f"{r['peak_rss_mb'] / single['peak_rss_mb']:.2f} | {vs_full} |")
-    lines += ["", f"Greedy tokens identical across all paths: {tokens_same}"]
+                     f"{r['generate_s']:.2f} | {r['peak_rss_mb'] / single['peak_rss_mb']:.2f} {vs_full}")
+    lines += ["", f"Greedy tokens identical across all paths: {tokens_same}", "",
+              "Worst rank over single process (peak RSS; and peak minus RSS after imports): " + ", ".join(
+                  f"{m} {ratios['peak_rss_per_rank_over_single'][m]:.2f} ({ratios['model_rss_per_rank_over_single'][m]:.2f})"
+                  for m in MODES[1:])]
     (out_dir / "bench_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if tokens_same else 1
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--build":
+        build_config_model(sys.argv[2], Path(sys.argv[3]))
+        sys.exit(0)
     if len(sys.argv) == 5 and sys.argv[1] == "--worker":
         import os
 

@@ -3,15 +3,17 @@
 A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, byte offsets)
 and the raw row-major data. `SafetensorsCheckpoint` indexes one model directory (a single
 `model.safetensors` or shards listed in `model.safetensors.index.json`) from the headers alone, and
-`read` copies the selected rows/columns of one tensor straight into a tensor of the target dtype,
-through a bounded buffer with plain file reads (no mmap, so nothing beyond the buffer is counted in
-the process's resident memory).
+`read` copies the selected rows/columns of one tensor straight into a tensor of the target dtype
+with positioned reads (through a bounded buffer when the dtype changes), or, for one contiguous
+range in the file's dtype, returns a copy-on-write view of the mapped file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +73,7 @@ class SafetensorsCheckpoint:
         self.files = files
         self.entries: dict[str, Entry] = {}
         self.bytes_read = 0
+        self._maps: dict[Path, mmap.mmap] = {}
         for path in files:
             header, start = read_header(path)
             for name, info in header.items():
@@ -97,14 +100,28 @@ class SafetensorsCheckpoint:
         return sum(e.nbytes for e in self.entries.values())
 
     def read(self, name: str, rows: Ranges | None = None, cols: Ranges | None = None,
-             dtype: torch.dtype | None = None) -> torch.Tensor:
+             dtype: torch.dtype | None = None, view: bool = False) -> torch.Tensor:
         """Rows `rows` (dim 0) and columns `cols` (dim 1) of tensor `name`, in `dtype`; None = all.
 
         Tensors of more than two dimensions are read as [dim 0, the rest] (then only `rows` may be given).
+        With `view`, a selection that is one contiguous byte range in the file's dtype is returned as a
+        copy-on-write view of the mapped file (as `from_pretrained` does): nothing is copied, and only
+        the pages of that range ever become resident, when first used.
         """
         e = self.entries[name]
         dtype = dtype or e.dtype
         shape = e.shape
+        if cols is not None and len(shape) == 2 and list(cols) == [(0, shape[1])]:
+            cols = None  # every column
+        if view and dtype == e.dtype and cols is None and len(shape) > 0 and (rows is None or len(rows) == 1):
+            a, b = rows[0] if rows else (0, shape[0])
+            row_bytes = e.nbytes // max(1, shape[0])
+            offset = e.offset + a * row_bytes
+            if offset % e.dtype.itemsize == 0 and b > a:
+                self.bytes_read += (b - a) * row_bytes
+                flat = torch.frombuffer(self._map(e.file), dtype=e.dtype, offset=offset,
+                                        count=(b - a) * row_bytes // e.dtype.itemsize)
+                return flat.view(b - a, *shape[1:])
         if len(shape) == 0:
             return self._read_bytes(e, 0, e.nbytes).view(e.dtype).reshape(()).to(dtype)
         n_rows = shape[0]
@@ -125,50 +142,57 @@ class SafetensorsCheckpoint:
         out_cols = sum(b - a for a, b in col_ranges)
         out = torch.empty(out_rows, out_cols, dtype=dtype)
         item = e.dtype.itemsize
-        whole_rows = cols is None
-        pos = 0
-        per_chunk = max(1, CHUNK_BYTES // max(1, row_len * item))
-        # Column runs of at least a page are read row by row (only their bytes); shorter ones as whole rows.
-        segments = not whole_rows and min((c1 - c0) * item for c0, c1 in col_ranges) >= SEGMENT_BYTES
-        if segments:
-            per_chunk = max(1, CHUNK_BYTES // max(1, out_cols * item))
-        for a, b in rows:
-            for start in range(a, b, per_chunk):
-                stop = min(b, start + per_chunk)
-                if segments:
-                    block = self._read_segments(e, start, stop, row_len, col_ranges, out_cols)
-                else:
-                    block = self._read_bytes(e, start * row_len * item, (stop - start) * row_len * item)
-                    block = block.view(e.dtype).view(stop - start, row_len)
-                    if not whole_rows:
-                        block = torch.cat([block[:, c0:c1] for c0, c1 in col_ranges], dim=1)
-                out[pos:pos + stop - start].copy_(block)
-                pos += stop - start
+        # Column runs of at least a page are read alone, row by row (only their bytes); shorter ones as whole rows.
+        segments = cols is None or min((c1 - c0) * item for c0, c1 in col_ranges) >= SEGMENT_BYTES
+        if out.numel() == 0:
+            pass
+        elif segments and dtype == e.dtype:  # straight into the result: no buffer, no copy
+            with _File(e.file) as f:
+                self._read_rows_into(f, e, rows, col_ranges, row_len, _bytes_of(out))
+        else:  # through a bounded buffer, converted to `dtype` chunk by chunk
+            width = out_cols if segments else row_len
+            per_chunk = max(1, CHUNK_BYTES // max(1, width * item))
+            pos = 0
+            with _File(e.file) as f:
+                for a, b in rows:
+                    for start in range(a, b, per_chunk):
+                        stop = min(b, start + per_chunk)
+                        block = torch.empty(stop - start, width, dtype=e.dtype)
+                        if segments:
+                            self._read_rows_into(f, e, [(start, stop)], col_ranges, row_len, _bytes_of(block))
+                        else:
+                            self._read_rows_into(f, e, [(start, stop)], [(0, row_len)], row_len, _bytes_of(block))
+                            block = torch.cat([block[:, c0:c1] for c0, c1 in col_ranges], dim=1)
+                        out[pos:pos + stop - start].copy_(block)
+                        pos += stop - start
         if cols is None and len(shape) != 2:
             out = out.view(out_rows, *shape[1:])
         return out
 
-    def _read_segments(self, e: Entry, start: int, stop: int, row_len: int, col_ranges: Ranges,
-                       out_cols: int) -> torch.Tensor:
-        """Rows start..stop, only the given columns, one positioned read per row and column run."""
-        import os
-
+    def _read_rows_into(self, f: "_File", e: Entry, rows: Ranges, col_ranges: Ranges, row_len: int,
+                        dest: memoryview) -> None:
+        """Rows `rows`, columns `col_ranges`, packed into `dest` (bytes) in order: one positioned read per
+        row range when whole rows are wanted, else one per row and column run."""
         item = e.dtype.itemsize
-        buf = bytearray((stop - start) * out_cols * item)
-        view = memoryview(buf)
-        fd = os.open(e.file, os.O_RDONLY)
-        try:
-            at = 0
-            for r in range(start, stop):
+        at = 0
+        for a, b in rows:
+            if col_ranges == [(0, row_len)]:
+                n = (b - a) * row_len * item
+                f.read_into(dest[at:at + n], e.offset + a * row_len * item)
+                at += n
+                continue
+            for r in range(a, b):
                 for c0, c1 in col_ranges:
                     n = (c1 - c0) * item
-                    if os.preadv(fd, [view[at:at + n]], e.offset + (r * row_len + c0) * item) != n:
-                        raise ValueError(f"{e.file} is truncated")
+                    f.read_into(dest[at:at + n], e.offset + (r * row_len + c0) * item)
                     at += n
-        finally:
-            os.close(fd)
-        self.bytes_read += len(buf)
-        return torch.frombuffer(buf, dtype=e.dtype).view(stop - start, out_cols)
+        self.bytes_read += at
+
+    def _map(self, path: Path) -> mmap.mmap:
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[path]
 
     def _read_bytes(self, e: Entry, offset: int, n: int) -> torch.Tensor:
         buf = bytearray(n)
@@ -179,6 +203,33 @@ class SafetensorsCheckpoint:
             raise ValueError(f"{e.file} is truncated: wanted {n} bytes at {e.offset + offset}, got {got}")
         self.bytes_read += n
         return torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+
+
+class _File:
+    """A file descriptor for positioned reads into a buffer."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> "_File":
+        self.fd = os.open(self.path, os.O_RDONLY)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+    def read_into(self, dest: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(dest):  # one call reads at most ~2 GiB
+            got = os.preadv(self.fd, [dest[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"{self.path} is truncated: wanted {len(dest)} bytes at {offset}")
+            done += got
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def ranges_of(indices: list[int]) -> Ranges:

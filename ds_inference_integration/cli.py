@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output-dir", default="bench_out")
     gen.set_defaults(func=_bench_generation)
     mem = bsub.add_parser("memory", help="peak RSS and time to ready per loading path, side by side")
-    mem.add_argument("--config", default="2048,16,16,5504,8192",
-                     help="Llama hidden,layers,heads,intermediate,vocab (default: about 3.3 GB in fp32)")
+    mem.add_argument("--config", default="2048,32,16,5504,8192",
+                     help="Llama hidden,layers,heads,intermediate,vocab (default: about 6.3 GB in fp32)")
     mem.add_argument("--model", default=None, help="an existing safetensors model directory instead of --config")
     mem.add_argument("--tp-size", type=int, default=2)
     mem.add_argument("--timeout", type=float, default=1200)

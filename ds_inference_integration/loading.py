@@ -183,7 +183,7 @@ class ShardAwareLoader(Loader):
 
     def _read_whole(self, names, p) -> torch.Tensor:
         before = self.ckpt.bytes_read
-        t = self.ckpt.read(self._key(names), dtype=self.dtype)
+        t = self.ckpt.read(self._key(names), dtype=self.dtype, view=True)
         self.bytes_read += self.ckpt.bytes_read - before
         return t
 
@@ -206,8 +206,15 @@ class ShardAwareLoader(Loader):
             pieces = [((0,) * len(full), (0,) * len(full), full)]
         else:
             pieces = _deepspeed_pieces(name, module, p, full, tp_rank)
-        out = torch.empty(want, dtype=self.dtype)
         before = self.ckpt.bytes_read
+        if len(pieces) == 1 and tuple(pieces[0][2]) == want and not transposed:  # one block: read it in place
+            s_at, _, shape = pieces[0]
+            sel = [[(a, a + n)] for a, n in zip(s_at, shape)]
+            t = self.ckpt.read(key, rows=sel[0], cols=sel[1] if len(sel) == 2 else None, dtype=self.dtype,
+                               view=True)
+            self.bytes_read += self.ckpt.bytes_read - before
+            return t.reshape(want)
+        out = torch.empty(want, dtype=self.dtype)
         for s_at, d_at, shape in pieces:
             region = tuple(slice(d, d + n) for d, n in zip(d_at, shape))
             sel = [[(a, a + n)] for a, n in zip(s_at, shape)]
@@ -281,7 +288,7 @@ class PreShardedLoader(Loader):
         for n in names:
             if n in self.ckpt:
                 before = self.ckpt.bytes_read
-                t = self.ckpt.read(n, dtype=self.dtype)
+                t = self.ckpt.read(n, dtype=self.dtype, view=True)
                 self.bytes_read += self.ckpt.bytes_read - before
                 return t
         raise InferenceSetupError(f"pre-sharded file {self.ckpt.files[0].name} has no tensor {names[0]}")
