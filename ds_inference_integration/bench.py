@@ -180,7 +180,7 @@ def _config_model(tokenizer, out: Path, spec: str) -> Path:
 
 
 def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes: list[int], prompts_file: str,
-                     max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str]) -> int:
+                     max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,6 +201,7 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
         if _cuda():
             model = model.cuda()
         n_params = sum(p.numel() for p in model.parameters())
+        _in_process("generate_loop", model, tokenizer, prompts[:2], 2, 2)  # warm-up, untimed
         for bs in batch_sizes:
             for method in methods:
                 if method == "pipeline_per_sample" and bs != batch_sizes[0]:
@@ -210,11 +211,14 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
                     seconds, count = m["predict_runtime"], m["predict_outputs"] * new_tokens
                     rss = [float(x) for x in m["predict_peak_rss_mb_per_rank"].split(",")]
                 else:
+                    runs = []
                     with _PeakRss() as peak:
-                        if method == "trainer":
-                            seconds, count = _trainer(model, tokenizer, prompts, bs, new_tokens)
-                        else:
-                            seconds, count = _in_process(method, model, tokenizer, prompts, bs, new_tokens)
+                        for _ in range(repeats):  # the median of `repeats` runs: single runs of < 1 s are noise
+                            if method == "trainer":
+                                runs.append(_trainer(model, tokenizer, prompts, bs, new_tokens))
+                            else:
+                                runs.append(_in_process(method, model, tokenizer, prompts, bs, new_tokens))
+                    seconds, count = sorted(runs)[len(runs) // 2]
                     rss = [peak.mb]
                 row = {"model": label, "params_m": round(n_params / 1e6, 2), "method": method,
                        "batch_size": None if method == "pipeline_per_sample" else bs, "seconds": round(seconds, 4),
@@ -222,7 +226,8 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
                 rows.append(row)
                 print(f"{label:<22} {method:<20} bs {str(row['batch_size']):>4}  {row['seconds']:8.3f} s  "
                       f"{row['tokens_per_s']:9.1f} tok/s", flush=True)
-    _write_report(rows, out_dir, dict(prompts=len(prompts), new_tokens=new_tokens, batch_sizes=batch_sizes))
+    _write_report(rows, out_dir, dict(prompts=len(prompts), new_tokens=new_tokens, batch_sizes=batch_sizes,
+                                      repeats=repeats))
     return 0
 
 
@@ -246,7 +251,9 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
             "trainer_tp2_over_trainer_bs8": _ratio(rows, model, "trainer_tp2", "trainer", 8),
         }
     (out_dir / "bench.json").write_text(json.dumps({"setup": setup, "rows": rows, "ratios": ratios}, indent=2))
-    lines = [f"Prompts: {setup['prompts']}, {setup['new_tokens']} new tokens each (greedy, min = max new tokens).", ""]
+    lines = [f"Prompts: {setup['prompts']}, {setup['new_tokens']} new tokens each (greedy, min = max new tokens); "
+             f"in-process methods: median of {setup.get('repeats', 1)} runs; trainer_tp2: one launch, its predict "
+             "runtime.", ""]
     lines += ["| model | method | batch | seconds | new tokens | tokens/s | peak RSS MB (per rank) |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

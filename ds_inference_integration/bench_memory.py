@@ -31,19 +31,12 @@ MODES = ("single", "full", "shard-aware", "pre-sharded")
 NEW_TOKENS = 8
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status, in MB: VmRSS now, or VmHWM, its peak (not
+    ru_maxrss: Linux carries that over from the parent across exec)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _peak_mb() -> float:
-    """This process's peak RSS (VmHWM). Not ru_maxrss: Linux carries that over from the parent across exec."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -84,7 +77,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
     topology = Topology.from_env()
     if mode != "single":
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    baseline = _rss_mb()
+    baseline = _status_mb("VmRSS")
     start = time.perf_counter()
     config = AutoConfig.from_pretrained(model_dir)
     if mode == "single":
@@ -101,7 +94,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
         model, shard = shard_model(model, args, topology, groups, policy, torch.float32)
         report = str(shard)
     ready = time.perf_counter() - start
-    peak_ready = _peak_mb()
+    peak_ready = _status_mb("VmHWM")
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
     start = time.perf_counter()
     with torch.no_grad():
@@ -111,7 +104,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
     Path(out_json).write_text(json.dumps({
         "mode": mode, "rank": topology.rank, "ready_s": round(ready, 3), "generate_s": round(first_generate, 3),
         "baseline_rss_mb": round(baseline, 1), "peak_rss_at_ready_mb": round(peak_ready, 1),
-        "peak_rss_mb": round(_peak_mb(), 1), "tokens": tokens[0].tolist(), "report": report}))
+        "peak_rss_mb": round(_status_mb("VmHWM"), 1), "tokens": tokens[0].tolist(), "report": report}))
     sys.stdout.flush()
     os._exit(0)
 

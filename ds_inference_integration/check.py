@@ -210,12 +210,16 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         mine = dict(model.named_parameters(remove_duplicate=False))
         bad = [n for n in want if n not in mine or mine[n].shape != want[n].shape or not torch.equal(mine[n], want[n])]
         bad += [n for n in mine if n not in want]
+        # tied weights stay tied: names that share one tensor in the naive model share one here too
+        ties = [(a, b) for a in want for b in want if a < b and want[a] is want[b]]
+        bad += [f"{a} (no longer tied to {b})" for a, b in ties if a in mine and b in mine and mine[a] is not mine[b]]
         with torch.no_grad():
             pad = config.pad_token_id if config.pad_token_id is not None else 0
             greedy = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS, pad_token_id=pad)
         same = greedy.shape == naive_greedy.shape and torch.equal(greedy, naive_greedy)
         yield (not bad and same and metas > 0,
                f"loading {mode}: {len(mine) - len(bad)}/{len(mine)} tensors bitwise equal to the naive path"
+               + (f", {len(ties)} ties kept" if ties else "")
                + (f" (first different: {bad[0]})" if bad else "")
                + f", greedy ids {'identical' if same else 'DIFFERENT'}; built on meta: {metas} tensors; {report.loading}")
         if mode == "shard-aware":

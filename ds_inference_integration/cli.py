@@ -84,7 +84,8 @@ def _bench_generation(ns: argparse.Namespace) -> int:
     from .bench import METHODS, bench_generation
 
     return bench_generation(ns.model, ns.config, [int(b) for b in ns.batch_sizes.split(",")], ns.prompts,
-                            ns.max_prompts, ns.new_tokens, Path(ns.output_dir), ns.methods.split(",") if ns.methods else list(METHODS))
+                            ns.max_prompts, ns.new_tokens, Path(ns.output_dir),
+                            ns.methods.split(",") if ns.methods else list(METHODS), ns.repeats)
 
 
 def _shard(ns: argparse.Namespace) -> int:
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-prompts", type=int, default=32)
     gen.add_argument("--new-tokens", type=int, default=16)
     gen.add_argument("--methods", default=None, help="comma-separated subset of the methods")
+    gen.add_argument("--repeats", type=int, default=3, help="in-process methods: median of this many runs")
     gen.add_argument("--output-dir", default="bench_out")
     gen.set_defaults(func=_bench_generation)
     mem = bsub.add_parser("memory", help="peak RSS and time to ready per loading path, side by side")

@@ -51,3 +51,26 @@ def test_num_return_sequences_with_sampling(tmp_path):
     assert len(run.predictions()) == 12
     rows = [json.loads(line) for line in (tmp_path / "generated_predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and all(len(r["generations"]) == 2 for r in rows)
+
+
+def test_bench_generation_writes_table_json_and_a_png_that_opens(tmp_path):
+    """The benchmark command on a small slice (in-process methods only; trainer_tp2 is exercised by the
+    tp2 generation test above): one row per method x batch size, the table, and the plot."""
+    import subprocess
+
+    from conftest import BIN
+    from PIL import Image
+
+    proc = subprocess.run([str(BIN / "ds-inference"), "bench", "generation", "--methods",
+                           "pipeline_per_sample,pipeline_batched,generate_loop,trainer", "--batch-sizes", "1,4",
+                           "--max-prompts", "8", "--new-tokens", "4", "--repeats", "1", "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["method"], r["batch_size"]) for r in rows] == [
+        ("pipeline_per_sample", None), ("pipeline_batched", 1), ("generate_loop", 1), ("trainer", 1),
+        ("pipeline_batched", 4), ("generate_loop", 4), ("trainer", 4)]
+    assert all(r["new_tokens"] == 8 * 4 and r["tokens_per_s"] > 0 and r["peak_rss_mb"][0] > 0 for r in rows)
+    assert "| embedded | generate_loop | 4 |" in (tmp_path / "bench.md").read_text()
+    with Image.open(tmp_path / "bench.png") as png:
+        assert png.size[0] > 300 and png.size[1] > 200

@@ -47,6 +47,7 @@ def test_tp2_predict_equals_single_process(single, tmp_path, num_beams):
     # Metrics are printed and written by one rank only.
     assert tp.output.count("***** predict metrics *****") == 1
     assert "deepspeed_inference: world 2 = tp 2 x dp 1" in tp.output
+    assert tp.output.count("model loaded shard-aware: read") == 2  # the default for a safetensors checkpoint
 
 
 def test_proposal_command_eval_bleu_equals_single_process(single, tmp_path):
@@ -114,7 +115,8 @@ def test_torchrun_launcher_gives_the_same_predictions(single, tmp_path):
     args = [*PREDICT[:-len(TRANSLATE_ARGS)], *TRANSLATE_ARGS, "--max_predict_samples", "37",
             "--per_device_eval_batch_size", "8"]
     ref = single("dp37", args)
-    tp = run_example([*args, "--deepspeed_inference"], tmp_path, nprocs=2, launcher="torchrun")
+    tp = run_example([*args, "--deepspeed_inference", "--loading", "full"], tmp_path, nprocs=2, launcher="torchrun")
     assert_ok(tp)
     assert tp.predictions() == ref.predictions()
+    assert tp.output.count("model loaded full on every rank") == 2
     assert tp.results("predict")["tp_size"] == 2
