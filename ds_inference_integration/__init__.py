@@ -12,11 +12,27 @@ The flow, one module per step:
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, prepare_argv, translate_legacy_args
 from .policy import (Policy, available_policies, build_injection_policy, check_head_counts, load_policy,
                      policy_for_run, resolve_policy)
-from .loading import load_model
 from .topology import Topology
-from .trainer import LockstepError, DeepSpeedInferenceMixin, DeepSpeedInferenceSeq2SeqTrainer, DeepSpeedInferenceTrainer
 
 __version__ = "0.1.0"
+
+# The Trainer classes and the loader import transformers' Trainer (seconds): loaded on first use, so the
+# command line (`ds-inference policy list`, ...) does not pay for them.
+_LAZY = {
+    "load_model": "loading",
+    "LockstepError": "trainer",
+    "DeepSpeedInferenceMixin": "trainer",
+    "DeepSpeedInferenceSeq2SeqTrainer": "trainer",
+    "DeepSpeedInferenceTrainer": "trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "DeepSpeedInferenceArguments",

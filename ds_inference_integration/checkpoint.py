@@ -117,7 +117,7 @@ class SafetensorsCheckpoint:
             a, b = rows[0] if rows else (0, shape[0])
             row_bytes = e.nbytes // max(1, shape[0])
             offset = e.offset + a * row_bytes
-            if offset % e.dtype.itemsize == 0 and b > a:
+            if offset % e.dtype.itemsize == 0 and b > a and row_bytes > 0:
                 self.bytes_read += (b - a) * row_bytes
                 flat = torch.frombuffer(self._map(e.file), dtype=e.dtype, offset=offset,
                                         count=(b - a) * row_bytes // e.dtype.itemsize)
