@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= output_dir/demo
 NUM_GPUS ?= 2
 
-.PHONY: demo test install clean
+.PHONY: demo test test-all install clean
 
 install: $(STAMP)
 
@@ -26,6 +26,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+test-all: $(STAMP)  # also the slow benchmark-command runs
+	$(BIN)/python -m pytest -q tests -m ""
 
 clean:
 	rm -rf output_dir .pytest_cache

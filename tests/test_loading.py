@@ -140,6 +140,7 @@ def test_shard_command_rejects_bad_input(tmp_path):
     assert proc.returncode == 2 and "--dtype 'fp8' is invalid; valid: fp32, fp16, bf16" in proc.stderr
 
 
+@pytest.mark.slow  # 5 launches, about 50 s: `make test-all` runs it
 def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
     proc = cli("bench", "memory", "--config", "128,2,4,256,96", "--tp-size", "2", "--output-dir", str(tmp_path),
                timeout=400)
