@@ -25,20 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .ranks import failure_text, start_ranks, wait_ranks
+from .ranks import failure_text, memory_mb, start_ranks, wait_ranks
 
 MODES = ("single", "full", "shard-aware", "pre-sharded")
 NEW_TOKENS = 8
-
-
-def _status_mb(field: str) -> float:
-    """A memory figure of this process from /proc/self/status, in MB: VmRSS now, or VmHWM, its peak (not
-    ru_maxrss: Linux carries that over from the parent across exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def build_config_model(spec: str, out: Path) -> Path:
@@ -77,7 +67,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
     topology = Topology.from_env()
     if mode != "single":
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    baseline = _status_mb("VmRSS")
+    baseline = memory_mb("VmRSS")
     start = time.perf_counter()
     config = AutoConfig.from_pretrained(model_dir)
     if mode == "single":
@@ -94,7 +84,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
         model, shard = shard_model(model, args, topology, groups, policy, torch.float32)
         report = str(shard)
     ready = time.perf_counter() - start
-    peak_ready = _status_mb("VmHWM")
+    peak_ready = memory_mb("VmHWM")
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
     start = time.perf_counter()
     with torch.no_grad():
@@ -104,7 +94,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
     Path(out_json).write_text(json.dumps({
         "mode": mode, "rank": topology.rank, "ready_s": round(ready, 3), "generate_s": round(first_generate, 3),
         "baseline_rss_mb": round(baseline, 1), "peak_rss_at_ready_mb": round(peak_ready, 1),
-        "peak_rss_mb": round(_status_mb("VmHWM"), 1), "tokens": tokens[0].tolist(), "report": report}))
+        "peak_rss_mb": round(memory_mb("VmHWM"), 1), "tokens": tokens[0].tolist(), "report": report}))
     sys.stdout.flush()
     os._exit(0)
 

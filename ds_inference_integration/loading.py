@@ -455,8 +455,7 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
         manifest = read_manifest(model_dir)
         if manifest is not None:
             model = build_skeleton(model_cls, config, dtype, model_dir)
-            manifest["_dir"] = str(model_dir)
-            model._ds_inference_loader = ("pre-sharded", manifest)  # opened per rank in shard_model
+            model._ds_inference_loader = (manifest, model_dir)  # opened per rank in shard_model
             model._ds_inference_loader_start = start
             return model
         if mode == "pre-sharded":
@@ -486,8 +485,7 @@ def open_loader(model: nn.Module, tp_size: int, tp_rank: int, policy_identity: s
     loader = getattr(model, "_ds_inference_loader", None)
     if loader is None or isinstance(loader, Loader):
         return loader
-    _, manifest = loader
-    model_dir = Path(manifest["_dir"])
+    manifest, model_dir = loader
     check_manifest(manifest, model_dir, tp_size, policy_identity)
     ckpt = SafetensorsCheckpoint([model_dir / manifest["files"][tp_rank]])
     return PreShardedLoader(model_dir, dtype, ckpt)

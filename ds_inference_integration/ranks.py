@@ -1,5 +1,5 @@
 """Start N local ranks of a worker module (CPU gloo, or one GPU each) and wait for them without hanging:
-used by the commands that start their own ranks (`policy check`, `shard`)."""
+used by the commands that start their own ranks (`policy check`, `shard`); and what a rank's memory is."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def memory_mb(field: str = "VmHWM") -> float:
+    """A memory figure of this process from /proc/self/status, in MB: VmHWM (its peak RSS, the default) or
+    VmRSS (now). Not ru_maxrss: Linux carries that over from the parent across exec, so a rank started by a
+    big launcher or benchmark process would report the parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def free_port() -> int:

@@ -27,6 +27,7 @@ from ds_inference_integration import (DeepSpeedInferenceArguments, DeepSpeedInfe
                                       InferenceSetupError, policy_for_run, prepare_argv)
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
+from ds_inference_integration.ranks import memory_mb
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -72,11 +73,9 @@ def read_prompts(path: str, column: str, limit: int | None) -> list[str]:
 
 def peak_rss_mb_per_rank() -> list[float]:
     """This process's peak resident memory, gathered from every rank."""
-    import resource
-
     import torch.distributed as dist
 
-    mine = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    mine = round(memory_mb("VmHWM"), 1)
     if not (dist.is_available() and dist.is_initialized()):
         return [mine]
     every = [None] * dist.get_world_size()
