@@ -9,7 +9,8 @@ The flow, one module per step:
     trainer    -> same batches per TP group, gather once per replica, rows in input order
 """
 
-from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, prepare_argv, translate_legacy_args
+from .arguments import (DeepSpeedInferenceArguments, InferenceSetupError, parse_args_into_dataclasses, prepare_argv,
+                        translate_legacy_args)
 from .policy import (Policy, available_policies, build_injection_policy, check_head_counts, load_policy,
                      policy_for_run, resolve_policy)
 from .topology import Topology
@@ -48,6 +49,7 @@ __all__ = [
     "check_head_counts",
     "load_model",
     "load_policy",
+    "parse_args_into_dataclasses",
     "policy_for_run",
     "prepare_argv",
     "resolve_policy",

@@ -97,6 +97,21 @@ class DeepSpeedInferenceArguments:
             )
 
 
+def parse_args_into_dataclasses(parser, argv: list[str]) -> tuple:
+    """`parser.parse_args_into_dataclasses(argv)` (or a single .json file), with a bad or unknown argument (a
+    ValueError from HfArgumentParser or from a dataclass's checks) turned into one `error:` line."""
+    import os
+
+    try:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+        return parser.parse_args_into_dataclasses(args=argv)
+    except InferenceSetupError:
+        raise
+    except ValueError as e:
+        raise InferenceSetupError(" ".join(str(e).split())) from None
+
+
 def world_size_from_env() -> int:
     """The number of ranks the launcher started (1 without a launcher)."""
     return int(os.environ.get("WORLD_SIZE", "1"))

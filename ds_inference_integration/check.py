@@ -194,7 +194,8 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
     import torch
 
     from .checkpoint import checkpoint_files
-    from .loading import load_model, policy_id, write_presharded
+    from .loading import load_model, policy_id
+    from .presharded import start_writing, write_presharded
     from .shard import shard_model
 
     if checkpoint_files(Path(model_dir)) is None:
@@ -223,6 +224,8 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
                + (f" (first different: {bad[0]})" if bad else "")
                + f", greedy ids {'identical' if same else 'DIFFERENT'}; built on meta: {metas} tensors; {report.loading}")
         if mode == "shard-aware":
+            if topology.rank == 0:
+                start_writing(out)
             write_presharded(model, Path(model_dir), out, topology, groups, policy_id(policy), torch.float32)
 
 

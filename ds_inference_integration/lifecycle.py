@@ -32,6 +32,13 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         main(argv)
+    except SystemExit as e:  # argparse's --help (code 0) and usage errors (code 2): its own message, its own code
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            sys.stderr.write(f"error: {e.code}\n")
+        if code == 0:
+            return 0
+        _exit_now(code)
     except (InferenceSetupError, LockstepError) as e:
         # One write, starting on a fresh line: ranks share the launcher's stream (and tqdm's \r lines).
         sys.stderr.write(f"\nerror: {e} [rank {rank}]\n")

@@ -23,9 +23,7 @@ fills it in two steps around `deepspeed.init_inference`, which splits meta tenso
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,17 +32,12 @@ import torch
 from torch import nn
 
 from .arguments import InferenceSetupError
-from .checkpoint import SafetensorsCheckpoint, checkpoint_files, fingerprint, ranges_of
+from .checkpoint import SafetensorsCheckpoint, ranges_of
+from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-FORMAT = "ds-inference-presharded/1"
 DEFERRED_TYPES = ("Linear", "Conv1D", "ColumnShard")  # modules whose parameters wait for the split
-
-
-def rank_file(rank: int, tp_size: int) -> str:
-    return f"rank-{rank:05d}-of-{tp_size:05d}.safetensors"
 
 
 def is_skeleton(model: nn.Module) -> bool:
@@ -90,6 +83,20 @@ def _replace_meta(model: nn.Module, make, only=None, also: set[str] = frozenset(
     return len(made)
 
 
+def initialise_missing(model: nn.Module, missing: set[str]) -> None:
+    """Initialise the parameters named in `missing`, and nothing else, the way `from_pretrained` does: every other
+    parameter is flagged `_is_hf_initialized`, which transformers' init functions skip, then the model's own
+    `initialize_weights` runs. (Calling `_init_weights(module)` on the module would also reset the tensors of
+    that module that were just read: a LayerNorm missing only its bias would get its weight reset to 1.)"""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in missing:
+            p._is_hf_initialized = True
+    for module in model.modules():  # from_config marked every module done when it built the (meta) skeleton
+        module.__dict__.pop("_is_hf_initialized", None)
+    with torch.no_grad():
+        model.initialize_weights()
+
+
 def _not_deferred(param, owners) -> bool:
     return not all(isinstance(m, nn.Linear) or type(m).__name__ in DEFERRED_TYPES for m in owners)
 
@@ -129,11 +136,8 @@ class Loader:
             return self._read_whole(names, p).to(device)
 
         _replace_meta(model, make, only=lambda p, owners: p is first or _not_deferred(p, owners))
-        if self.missing:  # what from_pretrained does for weights a checkpoint lacks (sinusoidal positions...)
-            with torch.no_grad():
-                for name, module in model.named_modules():
-                    if any((f"{name}.{a}" if name else a) in self.missing for a in module._parameters):
-                        model._init_weights(module)
+        if self.missing:
+            initialise_missing(model, self.missing)
             logger.warning("deepspeed_inference: not in the checkpoint, initialised by the model as "
                            "from_pretrained does: %s", sorted(self.missing))
         for name, key in self.buffers.items():
@@ -382,49 +386,13 @@ def build_skeleton(model_cls, config, dtype: torch.dtype, model_dir: Path) -> nn
     return model
 
 
-def read_manifest(model_dir: Path) -> dict | None:
-    path = Path(model_dir) / MANIFEST
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    return data if data.get("format") == FORMAT else None
-
-
-def check_manifest(manifest: dict, model_dir: Path, tp_size: int, policy_id: str) -> None:
-    """One clear error when a pre-sharded directory does not fit this run."""
-    if manifest["tp_size"] != tp_size:
-        raise InferenceSetupError(
-            f"{model_dir} is pre-sharded for --tp_size {manifest['tp_size']}, this run has tp {tp_size}: re-run "
-            f"`ds-inference shard {manifest['source']['path']} --tp-size {tp_size} OUT_DIR`, or load the source directory"
-        )
-    if manifest["policy"] != policy_id:
-        raise InferenceSetupError(
-            f"{model_dir} was sharded with policy {manifest['policy']}, this run resolves {policy_id}: re-run ds-inference shard"
-        )
-    source = Path(manifest["source"]["path"])
-    files = checkpoint_files(source) if source.is_dir() else None
-    if files is None:
-        return  # the source is gone: the directory stands on its own
-    if _stats(files) != manifest["source"]["stats"] and fingerprint(files) != manifest["source"]["sha256"]:
-        raise InferenceSetupError(
-            f"the source checkpoint {source} changed since {model_dir} was sharded (sha256 differs from "
-            f"{manifest['source']['sha256'][:12]}): re-run `ds-inference shard {source} --tp-size {tp_size} {model_dir}`"
-        )
-
-
-def _stats(files: list[Path]) -> list:
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(files, key=lambda p: p.name)]
-
-
 def policy_id(policy) -> str:
     """A stable name for the policy a run resolves: autotp, or the policy's name and content hash."""
-    import hashlib
-
-    from .policy import Policy, policy_to_toml
+    from .policy import Policy, policy_identity
 
     if not isinstance(policy, Policy):
         return "autotp" if policy in (None, "autotp") else str(policy)
-    return f"{policy.name}:{hashlib.sha256(policy_to_toml(policy).encode()).hexdigest()[:12]}"
+    return f"{policy.name}:{policy_identity(policy)}"
 
 
 def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=None, training_args=None,
@@ -452,7 +420,7 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
     start = time.perf_counter()
     reason = None
     if mode in ("auto", "pre-sharded"):
-        manifest = read_manifest(model_dir)
+        manifest = read_manifest(model_dir)  # refuses a half-written or foreign-format directory
         if manifest is not None:
             model = build_skeleton(model_cls, config, dtype, model_dir)
             model._ds_inference_loader = (manifest, model_dir)  # opened per rank in shard_model
@@ -480,70 +448,15 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
     return model
 
 
-def open_loader(model: nn.Module, tp_size: int, tp_rank: int, policy_identity: str, dtype: torch.dtype) -> Loader | None:
-    """The skeleton's loader for this rank (pre-sharded directories are checked here, once the policy is known)."""
+def open_loader(model: nn.Module, tp_size: int, tp_rank: int, policy_identity: str, dtype: torch.dtype,
+                group=None) -> Loader | None:
+    """The skeleton's loader for this rank. A pre-sharded directory is checked here, once the policy is known:
+    the manifest against the run, then the rank files (`presharded.verify_in_group`, agreed over `group`)."""
     loader = getattr(model, "_ds_inference_loader", None)
     if loader is None or isinstance(loader, Loader):
         return loader
     manifest, model_dir = loader
-    check_manifest(manifest, model_dir, tp_size, policy_identity)
-    ckpt = SafetensorsCheckpoint([model_dir / manifest["files"][tp_rank]])
-    return PreShardedLoader(model_dir, dtype, ckpt)
-
-
-# Writing pre-sharded directories ------------------------------------------------------------------
-
-def write_rank_file(model: nn.Module, out_dir: Path, tp_rank: int, tp_size: int) -> int:
-    """Save this rank's parameters (each shared tensor once, under its first name)."""
-    from safetensors.torch import save_file
-
-    tensors, seen = {}, set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        tensors[name] = p.detach().to("cpu").contiguous()
-    persistent = set(model.state_dict().keys())
-    for name, buf in model.named_buffers():
-        if name in persistent:
-            tensors[name] = buf.detach().to("cpu").contiguous()
-    save_file(tensors, str(out_dir / rank_file(tp_rank, tp_size)), metadata={"tp_rank": str(tp_rank)})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def write_manifest(source: Path, out_dir: Path, tp_size: int, policy_identity: str, dtype: torch.dtype,
-                   rank_bytes: list[int]) -> dict:
-    files = checkpoint_files(source)
-    manifest = {
-        "format": FORMAT, "tp_size": tp_size, "policy": policy_identity, "dtype": str(dtype).removeprefix("torch."),
-        "files": [rank_file(r, tp_size) for r in range(tp_size)], "bytes": rank_bytes,
-        "source": {"path": str(source.resolve()), "sha256": fingerprint(files), "stats": _stats(files)},
-    }
-    for item in source.iterdir():  # config, generation config, tokenizer: the directory is a model directory
-        if item.is_file() and not item.name.endswith(".safetensors") and item.name not in (
-                "model.safetensors.index.json", MANIFEST):
-            shutil.copy2(item, out_dir / item.name)
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
-
-
-def write_presharded(model: nn.Module, source: Path, out_dir: Path, topology, groups, policy_identity: str,
-                     dtype: torch.dtype) -> dict | None:
-    """Every rank writes its file; rank 0 writes the manifest once all are written. Returns the manifest on rank 0."""
-    import torch.distributed as dist
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mine = torch.tensor([write_rank_file(model, out_dir, topology.tp_rank, topology.tp_size)], dtype=torch.long)
-    sizes = [mine]
-    if topology.tp_size > 1:
-        sizes = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
-        dist.all_gather(sizes, mine, group=groups.tp)
-    if topology.tp_rank == 0:
-        manifest = write_manifest(Path(source), out_dir, topology.tp_size, policy_identity, dtype,
-                                  [int(s) for s in sizes])
-    else:
-        manifest = None
-    if topology.tp_size > 1:
-        dist.barrier(group=groups.tp)
-    return manifest
+    check_manifest(manifest, model_dir, tp_size, policy_identity, dtype)
+    verify_in_group(manifest, model_dir, tp_rank, group)
+    record = next(r for r in manifest["files"] if r["rank"] == tp_rank)
+    return PreShardedLoader(model_dir, dtype, SafetensorsCheckpoint([model_dir / record["name"]]))

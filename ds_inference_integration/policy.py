@@ -293,7 +293,7 @@ def derive_policy(model: nn.Module) -> Policy:
 
 
 def policy_to_toml(policy: Policy) -> str:
-    """A policy file's text (what `ds-inference policy suggest` prints)."""
+    """A policy file's text (what `ds-inference policy suggest` prints); `load_policy` reads it back unchanged."""
     def q(v: object) -> str:
         return str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
 
@@ -303,4 +303,25 @@ def policy_to_toml(policy: Policy) -> str:
         lines.append("match = { " + ", ".join(f"{k} = {q(v)}" for k, v in policy.match) + " }")
     for pattern, names in policy.layers.items():
         lines += ["", f"[layers.{q(pattern)}]", f"row_parallel = [{', '.join(map(q, names))}]"]
+    spec = policy.attention
+    if spec is not None:
+        lines += ["", "[attention]", f"query_heads = {q(spec.query_heads)}", f"kv_heads = {q(spec.kv_heads)}"]
+        if spec.fused_qkv:
+            lines += [f"fused_qkv = {q(spec.fused_qkv)}", f"layout = {q(spec.layout)}"]
+        else:
+            lines += [f"{k} = {q(getattr(spec, k))}" for k in ("query", "key", "value")]
+        if spec.local:
+            lines.append("local = { " + ", ".join(f"{k} = {q(v)}" for k, v in spec.local) + " }")
     return "\n".join(lines) + "\n"
+
+
+def policy_identity(policy: Policy) -> str:
+    """A content hash of everything in a policy that changes how a model is split: model types, match, head
+    counts, layers and the whole [attention] table (not its description or file path)."""
+    import dataclasses
+    import hashlib
+    import json
+
+    fields = {k: v for k, v in dataclasses.asdict(policy).items() if k not in ("source", "description")}
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

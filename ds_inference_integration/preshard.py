@@ -22,6 +22,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
               timeout: float = 1800) -> int:
     from .arguments import DTYPES
     from .checkpoint import checkpoint_files
+    from .presharded import start_writing
 
     src, out = Path(model_dir), Path(out_dir)
     if not (src / "config.json").is_file():
@@ -40,25 +41,34 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
     if out.resolve() == src.resolve():
         print("error: OUT_DIR must differ from MODEL_DIR", file=sys.stderr)
         return 2
-    if out.exists() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+    if out.exists() and any(out.iterdir()) and not _presharded_before(out):
         print(f"error: {out} exists and is not a pre-sharded directory; choose an empty or new directory",
               file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    status = Path(tempfile.mkdtemp(prefix="ds_inference_shard_"))
-    procs = start_ranks(tp_size, "ds_inference_integration.preshard",
-                        ["--worker", str(src), str(out), policy, dtype, str(status)])
-    codes = wait_ranks(procs, timeout)
-    result = status / "result.json"
-    if not all(c == 0 for c in codes) or not result.is_file():
-        error = status / "error.txt"
-        print(f"error: {error.read_text().strip() if error.is_file() else failure_text(procs, codes)}",
-              file=sys.stderr)
-        return 1
-    report = json.loads(result.read_text())
-    print(f"wrote {out}: {tp_size} rank files ({', '.join(f'{b / 2**20:.1f} MiB' for b in report['bytes'])}), "
+    start_writing(out)  # the old manifest goes first: until the new one is written, the directory does not load
+    with tempfile.TemporaryDirectory(prefix="ds_inference_shard_") as status:
+        procs = start_ranks(tp_size, "ds_inference_integration.preshard",
+                            ["--worker", str(src), str(out), policy, dtype, status])
+        codes = wait_ranks(procs, timeout)
+        result, error = Path(status, "result.json"), Path(status, "error.txt")
+        if not all(c == 0 for c in codes) or not result.is_file():
+            print(f"error: {error.read_text().strip() if error.is_file() else failure_text(procs, codes)}",
+                  file=sys.stderr)
+            return 1
+        report = json.loads(result.read_text())
+    sizes = ", ".join(f"{f['bytes'] / 2**20:.1f} MiB" for f in report["files"])
+    print(f"wrote {out}: {tp_size} rank files ({sizes}), "
           f"policy {report['policy']}, source sha256 {report['source']['sha256'][:12]}")
     return 0
+
+
+def _presharded_before(out: Path) -> bool:
+    """A directory `shard` wrote before, completely or not (a manifest, rank files, or their temporary files)."""
+    from .presharded import MANIFEST, RANK_FILE
+
+    return any(p.name == MANIFEST or RANK_FILE.fullmatch(p.name) or (p.name.startswith(".rank-") and
+                                                                      p.name.endswith(".tmp"))
+               for p in out.iterdir())
 
 
 def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) -> int:
@@ -69,7 +79,8 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from .arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
-    from .loading import load_model, policy_id, write_presharded
+    from .loading import load_model, policy_id
+    from .presharded import write_presharded
     from .policy import policy_for_run
     from .shard import init_deepspeed_comm, shard_model
     from .topology import Topology, init_process_groups

@@ -231,7 +231,7 @@ def shard_model(
 
     from .loading import open_loader, policy_id
 
-    loader = open_loader(model, topology.tp_size, topology.tp_rank, policy_id(policy), dtype)
+    loader = open_loader(model, topology.tp_size, topology.tp_rank, policy_id(policy), dtype, groups.tp)
     load_start = getattr(model, "_ds_inference_loader_start", None)
     device = torch.device(device)
     derived = False

@@ -24,7 +24,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqL
                           DataCollatorWithPadding, HfArgumentParser, Seq2SeqTrainingArguments)
 
 from ds_inference_integration import (DeepSpeedInferenceArguments, DeepSpeedInferenceSeq2SeqTrainer,
-                                      InferenceSetupError, policy_for_run, prepare_argv)
+                                      InferenceSetupError, parse_args_into_dataclasses, policy_for_run,
+                                      prepare_argv)
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.ranks import memory_mb
@@ -86,7 +87,7 @@ def peak_rss_mb_per_rank() -> list[float]:
 def main(argv: list[str]) -> None:
     argv, _ = prepare_argv(argv)
     parser = HfArgumentParser((GenerationArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
-    gen_args, training_args, inference_args = parser.parse_args_into_dataclasses(args=argv)
+    gen_args, training_args, inference_args = parse_args_into_dataclasses(parser, argv)
     training_args.predict_with_generate = True
     training_args.remove_unused_columns = False
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)])

@@ -38,6 +38,7 @@ from ds_inference_integration import (
     DeepSpeedInferenceArguments,
     DeepSpeedInferenceSeq2SeqTrainer,
     InferenceSetupError,
+    parse_args_into_dataclasses,
     policy_for_run,
     prepare_argv,
 )
@@ -113,9 +114,7 @@ class DataTrainingArguments:
 def parse_args(argv: list[str]):
     argv, legacy = prepare_argv(argv)
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return (*parser.parse_json_file(json_file=os.path.abspath(argv[0])), legacy)
-    return (*parser.parse_args_into_dataclasses(args=argv), legacy)
+    return (*parse_args_into_dataclasses(parser, argv), legacy)
 
 
 def main(argv: list[str]) -> None:

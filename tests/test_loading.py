@@ -16,7 +16,8 @@ from tiny_models import save_decoder
 
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
-from ds_inference_integration.loading import check_manifest, is_skeleton, load_model, read_manifest
+from ds_inference_integration.loading import is_skeleton, load_model
+from ds_inference_integration.presharded import check_manifest, read_manifest
 
 ON = DeepSpeedInferenceArguments(deepspeed_inference=True)
 
@@ -84,10 +85,12 @@ def test_checkpoint_without_safetensors_falls_back_or_fails_clearly(tmp_path, ca
 
 @pytest.fixture(scope="module")
 def presharded(tmp_path_factory):
-    """The embedded translation model, copied, and pre-sharded for tp 2 by the command."""
+    """The embedded translation model, copied (with a pytorch_model.bin beside its safetensors, which the
+    command must not copy), and pre-sharded for tp 2 by the command."""
     root = tmp_path_factory.mktemp("preshard")
     src = root / "t5"
     shutil.copytree(DEFAULT_MODEL, src)
+    torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
     proc = cli("shard", str(src), "--tp-size", "2", str(root / "t5_tp2"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return src, root / "t5_tp2", proc.stdout
@@ -96,16 +99,23 @@ def presharded(tmp_path_factory):
 def test_shard_command_writes_one_file_per_rank_and_a_manifest(presharded):
     src, out, stdout = presharded
     manifest = read_manifest(out)
-    assert manifest["tp_size"] == 2 and manifest["files"] == [f"rank-{r:05d}-of-00002.safetensors" for r in (0, 1)]
+    names = [f"rank-{r:05d}-of-00002.safetensors" for r in (0, 1)]
+    assert manifest["tp_size"] == 2 and [f["name"] for f in manifest["files"]] == names
     assert manifest["policy"].startswith("t5:") and len(manifest["source"]["sha256"]) == 64
+    for record in manifest["files"]:  # size, content hash and rank of each file, and the rank inside the file
+        path = out / record["name"]
+        assert record["bytes"] == path.stat().st_size and len(record["sha256"]) == 64
+        meta = SafetensorsCheckpoint([path]).metadata[path]
+        assert (meta["tp_rank"], meta["tp_size"], meta["shard_id"]) == (str(record["rank"]), "2", manifest["shard_id"])
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert not (out / "pytorch_model.bin").exists() and not list(out.glob(".*.tmp"))
     full = sum(t.numel() for t in load_file(src / "model.safetensors").values())
-    per_rank = [sum(t.numel() for t in load_file(out / f).values()) for f in manifest["files"]]
+    per_rank = [sum(t.numel() for t in load_file(out / f).values()) for f in names]
     assert all(0.45 * full < n < 0.65 * full for n in per_rank), (per_rank, full)  # about half each
     assert "wrote" in stdout and "2 rank files" in stdout
 
 
-def test_presharded_predictions_equal_the_source_and_mismatches_fail_clearly(presharded, tmp_path):
+def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     src, out, _ = presharded
     args = ["--do_predict", "--max_predict_samples", "24", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]
     ref = run_example(["--model_name_or_path", str(src), *args], tmp_path / "ref")
@@ -114,11 +124,56 @@ def test_presharded_predictions_equal_the_source_and_mismatches_fail_clearly(pre
     assert_ok(tp)
     assert tp.predictions() == ref.predictions() and len(ref.predictions()) == 24
     assert tp.output.count("model loaded pre-sharded: read") == 2  # one line per rank, naming the path
-    manifest = read_manifest(out)
+    # end to end, one process (a world of one: tp 1): one line naming both tp sizes, exit 2, no traceback
+    bad = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "bad")
+    assert bad.returncode == 2
+    assert "is pre-sharded for --tp_size 2, this run has tp 1" in bad.output and "Traceback" not in bad.output
+    # a damaged rank-1 file, which only rank 1 hashes: both ranks stop with the same line, before generating
+    _, damaged, manifest = _copy(presharded, tmp_path / "copy")
+    _rewrite(damaged / manifest["files"][1]["name"], _bump)
+    run = run_example(["--model_name_or_path", str(damaged), *args, "--deepspeed_inference"], tmp_path / "damaged",
+                      nprocs=2)
+    assert run.returncode != 0 and "Traceback" not in run.output
+    errors = run.error_lines()
+    assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]
+    assert all("does not hold what was written (sha256 differs" in e and "(found by TP rank 1)" in e for e in errors)
+    assert not (tmp_path / "damaged" / "predict_results.json").exists()
+
+
+def _copy(presharded, tmp_path):
+    """A copy of the source and of its pre-sharded directory (the copy's manifest points at the copied source)."""
+    import json
+
+    src, out, _ = presharded
+    tmp_path.mkdir(exist_ok=True)
+    shutil.copytree(src, tmp_path / "t5")
+    shutil.copytree(out, tmp_path / "t5_tp2")
+    manifest = json.loads((tmp_path / "t5_tp2" / "manifest.json").read_text())
+    manifest["source"]["path"] = str(tmp_path / "t5")
+    (tmp_path / "t5_tp2" / "manifest.json").write_text(json.dumps(manifest))
+    return tmp_path / "t5", tmp_path / "t5_tp2", manifest
+
+
+def _problem(out, manifest, rank):
+    from ds_inference_integration.presharded import verify_rank_files
+
+    return verify_rank_files(manifest, out, rank)
+
+
+def test_presharded_directory_that_does_not_fit_the_run_is_refused(presharded, tmp_path):
+    src, out, manifest = _copy(presharded, tmp_path)
+    policy, f32 = manifest["policy"], torch.float32
+    check_manifest(manifest, out, 2, policy, f32)
+    assert _problem(out, manifest, 0) is None and _problem(out, manifest, 1) is None  # a copy: hashed, and equal
     with pytest.raises(InferenceSetupError, match=r"pre-sharded for --tp_size 2, this run has tp 4: re-run"):
-        check_manifest(manifest, out, 4, manifest["policy"])
+        check_manifest(manifest, out, 4, policy, f32)
     with pytest.raises(InferenceSetupError, match="sharded with policy"):
-        check_manifest(manifest, out, 2, "autotp")
+        check_manifest(manifest, out, 2, "autotp", f32)
+    with pytest.raises(InferenceSetupError, match="was sharded in float32, this run uses bfloat16: pass --inference_dtype fp32"):
+        check_manifest(manifest, out, 2, policy, torch.bfloat16)
+    outside = {**manifest, "files": [{**manifest["files"][0], "name": "../t5/model.safetensors"}, manifest["files"][1]]}
+    with pytest.raises(InferenceSetupError, match="outside the model directory"):
+        check_manifest(outside, out, 2, policy, f32)
     # a changed source checkpoint: same shapes, one value different
     state = load_file(src / "model.safetensors")
     name = next(iter(state))
@@ -126,11 +181,74 @@ def test_presharded_predictions_equal_the_source_and_mismatches_fail_clearly(pre
     state[name].view(-1)[0] += 1
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(InferenceSetupError, match="the source checkpoint .* changed since .* was sharded"):
-        check_manifest(manifest, out, 2, manifest["policy"])
-    # end to end, one process (a world of one: tp 1): one line naming both tp sizes, exit 2, no traceback
-    bad = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "bad")
-    assert bad.returncode == 2
-    assert "is pre-sharded for --tp_size 2, this run has tp 1" in bad.output and "Traceback" not in bad.output
+        check_manifest(manifest, out, 2, policy, f32)
+
+
+def _rewrite(path, change=None, metadata=None):
+    """Re-save a rank file: `change` edits its tensors, `metadata` its safetensors metadata."""
+    ck = SafetensorsCheckpoint([path])
+    meta = {**ck.metadata[path], **(metadata or {})}
+    tensors = {k: v.clone() for k, v in load_file(path).items()}
+    if change:
+        change(tensors)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def _bump(tensors):
+    name = sorted(tensors)[5]
+    tensors[name].view(-1)[0] += 1
+
+
+@pytest.mark.parametrize("case", ["other_model", "forged_metadata", "corrupted", "half_reshard", "swapped_ranks",
+                                  "missing_file", "truncated"])
+def test_mixed_or_damaged_rank_files_are_refused(presharded, tmp_path, case):
+    import os
+
+    src, out, manifest = _copy(presharded, tmp_path)
+    r0, r1 = (out / f["name"] for f in manifest["files"])
+    if case == "other_model":  # another model's rank file with the same shapes, from another sharding
+        _rewrite(r1, _bump, {"shard_id": "0" * 32})
+        expect, rank = "belongs to another sharding (shard_id", 0
+    elif case == "forged_metadata":  # the same, claiming this sharding's id: only the content hash can tell
+        _rewrite(r1, _bump)
+        expect, rank = "does not hold what was written (sha256 differs", 1
+    elif case == "corrupted":  # bytes changed inside the data, same size, header intact
+        raw = bytearray(r0.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        r0.write_bytes(bytes(raw))
+        expect, rank = "does not hold what was written", 0
+    elif case == "half_reshard":  # old manifest, new rank 0 (an interrupted re-shard of changed weights)
+        _rewrite(r0, _bump, {"shard_id": "1" * 32})
+        expect, rank = "belongs to another sharding (shard_id", 1
+    elif case == "swapped_ranks":
+        os.replace(r0, tmp_path / "r0")
+        os.replace(r1, r0)
+        os.replace(tmp_path / "r0", r1)
+        expect, rank = "belongs to another sharding (tp_rank", 0
+    elif case == "missing_file":
+        r1.unlink()
+        expect, rank = "is missing", 0
+    else:
+        r1.write_bytes(r1.read_bytes()[:-64])
+        expect, rank = "bytes, the manifest recorded", 0
+    problem = _problem(out, manifest, rank)
+    assert problem is not None and expect in problem, problem
+
+
+def test_interrupted_shard_leaves_a_directory_that_is_refused_and_can_be_redone(presharded, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    src, out, manifest = _copy(presharded, tmp_path)
+    (out / "manifest.json").unlink()  # what `shard` does first; a run killed before the end leaves this
+    with pytest.raises(InferenceSetupError, match="has rank files but no manifest.json: an interrupted"):
+        load_model(AutoModelForSeq2SeqLM, out, inference_args=ON)
+    (out / "manifest.json").write_text('{"format": "ds-inference-presharded/1", "tp_size": 2}')
+    with pytest.raises(InferenceSetupError, match="has format 'ds-inference-presharded/1', this version reads"):
+        load_model(AutoModelForSeq2SeqLM, out, inference_args=ON)
+    # a re-run over it is allowed, and a failing one removes the manifest before anything else
+    proc = cli("shard", str(src), "--tp-size", "2", str(out), "--policy", str(tmp_path / "nope.toml"))
+    assert proc.returncode != 0 and not (out / "manifest.json").exists()
+    assert "--injection_policy" in proc.stderr and proc.stderr.count("\nerror: ") + proc.stderr.startswith("error: ") >= 1
 
 
 def test_shard_command_rejects_bad_input(tmp_path):
@@ -152,3 +270,110 @@ def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
     assert all(r["peak_rss_mb"] > r["baseline_rss_mb"] > 0 and r["ready_s"] > 0 for r in result["rows"])
     assert "model loaded shard-aware" in next(r for r in result["rows"] if r["mode"] == "shard-aware")["report"]
     assert (tmp_path / "bench_memory.md").read_text().count("| pre-sharded |") == 2
+
+
+# A checkpoint that lacks some tensors: only those are initialised, exactly as from_pretrained does ------------
+
+def test_missing_tensors_are_initialised_alone_bitwise_as_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16)).eval()
+    with torch.no_grad():  # trained-looking (non-default) norms, so a re-initialisation would show
+        for name, p in model.named_parameters():
+            if ".ln_" in name:
+                p.uniform_(2, 3)
+    model.config.save_pretrained(tmp_path)
+    dropped = {"transformer.ln_f.bias", "transformer.h.1.ln_1.bias", "lm_head.weight"}  # lm_head: tied to wte
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k not in dropped},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    skeleton = load_model(AutoModelForCausalLM, tmp_path, inference_args=ON, dtype=torch.float32, mode="shard-aware")
+    loader = skeleton._ds_inference_loader
+    assert loader.missing == {"transformer.ln_f.bias", "transformer.h.1.ln_1.bias"}
+    loader.fill_replicated(skeleton, torch.device("cpu"))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    mine = dict(skeleton.named_parameters())
+    compared = 0
+    for name, want in ref.named_parameters():
+        if not mine[name].is_meta and mine[name].abs().sum() > 0 or name in loader.missing:
+            assert torch.equal(mine[name], want), name
+            compared += 1
+    assert compared >= 8 and torch.equal(mine["transformer.ln_f.weight"], model.transformer.ln_f.weight)
+    for name, buf in ref.named_buffers():
+        assert torch.equal(dict(skeleton.named_buffers())[name], buf), name
+
+
+# Malformed checkpoints: what safetensors (and so from_pretrained) refuses is refused, naming file and tensor ----
+
+def _write_raw(path, header, data: bytes):
+    import json
+    import struct
+
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def _malformed(tmp_path, case: str):
+    """A copy of the embedded model whose checkpoint is broken in one way; returns (model dir, expected text)."""
+    import json
+    import struct
+
+    d = tmp_path / case
+    shutil.copytree(DEFAULT_MODEL, d)
+    path = d / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    name = sorted(k for k in header if k != "__metadata__")[3]
+    entry = header[name]
+    if case == "dtype_f64":  # the issue's case: same offsets, dtype changed in the header
+        entry["dtype"] = "F64"
+        return d, _write_raw(path, header, data) or f"tensor {name!r} (F64"
+    if case == "short_offsets":
+        entry["data_offsets"][1] -= 4
+        return d, _write_raw(path, header, data) or f"tensor {name!r}"
+    if case == "overlap":  # another tensor's offsets point into this one
+        other = sorted(k for k in header if k != "__metadata__")[4]
+        header[other]["data_offsets"] = list(entry["data_offsets"])
+        return d, _write_raw(path, header, data) or "tensor"
+    if case == "truncated":
+        path.write_bytes(raw[:-100])
+        return d, "truncated"
+    if case == "not_json":
+        path.write_bytes(struct.pack("<Q", 8) + b"notjson!" + data)
+        return d, "not valid JSON"
+    if case.startswith("index_"):  # an index checkpoint whose index names a file outside the directory, or none
+        path.rename(d / "model-1.safetensors")
+        weight_map = {k: "model-1.safetensors" for k in header if k != "__metadata__"}
+        weight_map[name] = {"index_outside": "../t5/model.safetensors", "index_missing_file": "model-2.safetensors"}[case]
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        return d, {"index_outside": "outside the model directory",
+                   "index_missing_file": "names 'model-2.safetensors', which is not in"}[case]
+    raise ValueError(case)
+
+
+MALFORMED = ["dtype_f64", "short_offsets", "overlap", "truncated", "not_json", "index_outside", "index_missing_file"]
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_checkpoints_are_refused_naming_file_and_tensor(tmp_path, case):
+    from transformers import AutoModelForSeq2SeqLM
+
+    model_dir, expected = _malformed(tmp_path, case)
+    with pytest.raises(Exception):  # noqa: B017 - from_pretrained refuses it too (safetensors' own error)
+        AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    with pytest.raises(InferenceSetupError) as info:
+        load_model(AutoModelForSeq2SeqLM, model_dir, inference_args=ON)
+    message = str(info.value)
+    assert "\n" not in message and expected in message, message
+    assert str(model_dir) in message or "index" in case, message
+
+
+def test_malformed_checkpoint_run_ends_in_one_line_before_generating(tmp_path):
+    model_dir, expected = _malformed(tmp_path, "dtype_f64")
+    run = run_example(["--model_name_or_path", str(model_dir), "--do_predict", "--max_predict_samples", "4",
+                       *TRANSLATE_ARGS, "--deepspeed_inference"], tmp_path / "out")
+    assert run.returncode == 2, run.output[-3000:]
+    assert [e for e in run.error_lines() if expected in e and "model.safetensors is not a valid safetensors file" in e]
+    assert "Traceback" not in run.output and not (tmp_path / "out" / "predict_results.json").exists()

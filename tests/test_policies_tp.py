@@ -120,15 +120,40 @@ def test_policy_cli_list_show_suggest(model_dirs):
     assert bad.returncode == 2 and bad.stderr.startswith("error: no policy for model_type 'nope'")
 
 
-def test_policy_to_toml_round_trips(tmp_path):
-    from ds_inference_integration.policy import shipped_policies
+def test_policy_to_toml_round_trips_every_shipped_policy(tmp_path):
+    from ds_inference_integration.policy import policy_identity, shipped_policies
 
-    for policy in shipped_policies():
-        if policy.attention is None:
-            path = tmp_path / f"{policy.name}.toml"
-            path.write_text(policy_to_toml(policy))
-            again = load_policy(path)
-            assert (again.layers, again.model_types, again.match) == (policy.layers, policy.model_types, policy.match)
+    policies = shipped_policies()
+    assert sum(p.attention is not None for p in policies) >= 4  # fused QKV and KV-replicating files are in the set
+    for policy in policies:
+        path = tmp_path / f"{policy.name}.toml"
+        path.write_text(policy_to_toml(policy))
+        again = load_policy(path)
+        assert (again.layers, again.model_types, again.match, again.head_count_attributes, again.attention) == (
+            policy.layers, policy.model_types, policy.match, policy.head_count_attributes, policy.attention)
+        assert policy_identity(again) == policy_identity(policy)
+
+
+def test_policy_id_covers_the_attention_table(tmp_path):
+    """A directory pre-sharded under one head layout must not load under another: the id hashes [attention]."""
+    import dataclasses
+
+    from ds_inference_integration.loading import policy_id
+    from ds_inference_integration.policy import POLICY_DIR
+
+    gpt2 = load_policy(POLICY_DIR / "gpt2.toml")
+    variants = [
+        dataclasses.replace(gpt2.attention, layout="per_head"),
+        dataclasses.replace(gpt2.attention, kv_heads=1),
+        dataclasses.replace(gpt2.attention, local=gpt2.attention.local[:-1]),
+        None,
+    ]
+    ids = {policy_id(gpt2)} | {policy_id(dataclasses.replace(gpt2, attention=a)) for a in variants}
+    assert len(ids) == 1 + len(variants)
+    moved = tmp_path / "elsewhere" / "gpt2.toml"  # the same content in another file: the same id
+    moved.parent.mkdir()
+    moved.write_text((POLICY_DIR / "gpt2.toml").read_text())
+    assert policy_id(load_policy(moved)) == policy_id(gpt2)
 
 
 # The attention split itself, on numbers small enough to read -----------------------------------------
