@@ -101,19 +101,29 @@ def _bench_memory(ns: argparse.Namespace) -> int:
 
 
 def _summary(ns: argparse.Namespace) -> int:
+    """One line per results file of the newest run in OUTPUT_DIR; files of earlier runs are named, not shown."""
     out = Path(ns.output_dir)
-    lines = []
+    found = {}
     for prefix in ("eval", "predict"):
         path = out / f"{prefix}_results.json"
         if path.is_file():
-            m = json.loads(path.read_text())
-            lines.append(
-                f"{prefix}: BLEU {m.get(prefix + '_bleu', float('nan')):.2f} | "
-                f"{m.get(prefix + '_samples_per_second', float('nan')):.1f} samples/s | "
-                f"{m.get(prefix + '_samples')} examples | tp {m.get('tp_size')} x dp {m.get('dp_size')}"
-            )
-    if not lines:
+            try:
+                found[prefix] = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError:
+                raise InferenceSetupError(f"{path} is not valid JSON") from None
+    if not found:
         raise InferenceSetupError(f"no eval_results.json or predict_results.json in {out}")
+    newest = max(str(m.get("run_id", "")) for m in found.values())  # run ids start with their start time
+    lines = []
+    for prefix, m in found.items():
+        if str(m.get("run_id", "")) != newest:
+            lines.append(f"({prefix}_results.json is from an earlier run ({m.get('run_id', 'unstamped')}): not shown)")
+            continue
+        lines.append(
+            f"{prefix}: BLEU {m.get(prefix + '_bleu', float('nan')):.2f} | "
+            f"{m.get(prefix + '_samples_per_second', float('nan')):.1f} samples/s | "
+            f"{m.get(prefix + '_samples')} examples | tp {m.get('tp_size')} x dp {m.get('dp_size')} | run {newest}"
+        )
     print("\n".join(lines))
     return 0
 

@@ -3,18 +3,24 @@ data-parallel replica, and return exactly one row per input example, in input or
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
 import logging
 import math
 import os
-import signal
 import time
+import uuid
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate.utils import recursively_apply
 from transformers import Seq2SeqTrainer, Trainer
 
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, world_size_from_env
+from .files import write_text_atomic
 from .policy import Policy, check_head_counts, policy_for_run
 from .loading import is_skeleton
 from .shard import ShardReport, init_deepspeed_comm, shard_model
@@ -37,23 +43,6 @@ def fingerprint(inputs: dict) -> torch.Tensor:
             weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
             parts += [*value.shape, int((flat * weights).sum()), int(flat.sum())]
     return torch.tensor(parts, dtype=torch.int64)
-
-
-def _inject_fault(rank: int, batch: int, inputs: dict) -> None:
-    """Test hook: DS_INFERENCE_FAULT="KIND:RANK:BATCH" makes that rank, at that batch, raise ("raise"),
-    die by SIGKILL ("kill"), or generate from a different batch than its peers ("skew")."""
-    spec = os.environ.get("DS_INFERENCE_FAULT")
-    if not spec:
-        return
-    kind, fault_rank, fault_batch = spec.split(":")
-    if int(fault_rank) != rank or int(fault_batch) != batch:
-        return
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "skew":
-        inputs["input_ids"] = inputs["input_ids"].flip(0)
-        return
-    raise RuntimeError(f"injected fault on rank {rank} at batch {batch} (DS_INFERENCE_FAULT)")
 
 
 class DeepSpeedInferenceMixin:
@@ -80,6 +69,9 @@ class DeepSpeedInferenceMixin:
         self.topology = Topology.create(world, self.args.process_index, self.inference_args.tp_size if enabled else 1)
         self.process_groups = ProcessGroups(tp=None, dp=None, mesh=None)
         self.shard_report: ShardReport | None = None
+        # This run's identity, stamped into every results file: a later run into the same --output_dir never
+        # merges its results with an earlier run's, and `ds-inference summary` shows one run's files only.
+        self.run_id = f"{datetime.datetime.now():%Y%m%dT%H%M%S.%f}-{uuid.uuid4().hex[:6]}"
         self._batch_index = -1
         self.lockstep_seconds = 0.0
         if enabled:
@@ -167,21 +159,41 @@ class DeepSpeedInferenceMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         self._batch_index += 1
-        _inject_fault(self.topology.rank, self._batch_index, inputs)
         if self.topology.tp_size > 1 and self.inference_args.lockstep_guard:
             start = time.perf_counter()
             self._check_lockstep(inputs)
             self.lockstep_seconds += time.perf_counter() - start
-        # One seed per batch of the whole data set: equal on the ranks of a TP group, and equal to the
-        # single-process run's seed for the same batch, so sampling gives the same tokens.
-        torch.manual_seed(self.args.seed + self._batch_index * self.topology.dp_size + self.topology.dp_rank)
         prompt_width = inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
-        loss, tokens, labels = super().prediction_step(
-            model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        with self._batch_seed(gen_kwargs):
+            loss, tokens, labels = super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
         if tokens is not None and getattr(self.args, "predict_with_generate", False) and not getattr(
                 self.model.config, "is_encoder_decoder", False):
             tokens = tokens[:, prompt_width:]  # decoder-only: return the new tokens, not the (left-padded) prompt
         return loss, tokens, labels
+
+    def _samples(self, gen_kwargs: dict) -> bool:
+        """Whether this prediction step draws random numbers: generation with sampling."""
+        if not getattr(self.args, "predict_with_generate", False):
+            return False
+        kwargs = gen_kwargs or getattr(self, "_gen_kwargs", None) or {}
+        config = getattr(self.model, "generation_config", None)
+        return bool(kwargs.get("do_sample", getattr(config, "do_sample", False)))
+
+    @contextlib.contextmanager
+    def _batch_seed(self, gen_kwargs: dict):
+        """When sampling, one seed per batch of the whole data set: equal on the ranks of a TP group, and equal to
+        the single-process run's seed for the same batch, so sampling gives the same tokens. The global random
+        state is forked and given back afterwards: a training run that evaluates now and then keeps its own
+        random sequence (dropout) instead of restarting it from this seed after every evaluation."""
+        if not self._samples(gen_kwargs):
+            yield
+            return
+        device = self.args.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                   device_type=device.type if device.type == "cuda" else "cuda"):
+            torch.manual_seed(self.args.seed + self._batch_index * self.topology.dp_size + self.topology.dp_rank)
+            yield
 
     def evaluation_loop(self, dataloader, *args, **kwargs):
         # Seq2SeqTrainer.predict/evaluate reset gather_function before every call: set ours here.
@@ -194,6 +206,27 @@ class DeepSpeedInferenceMixin:
                 if len(rows) % max(n, 1) or (n == 0 and len(rows)):
                     raise RuntimeError(f"{name}: gathered {len(rows)} rows for {n} examples; rows were lost or duplicated")
         return output
+
+    # Results files -----------------------------------------------------------------------------------
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """Upstream's `save_metrics`, with every file written atomically and stamped with this run's `run_id`;
+        `all_results.json` gathers this run's splits only (an earlier run's are not merged in). Scripts write
+        their predictions first and metrics last, so metrics on disk always describe a completed output."""
+        if not self.is_world_process_zero():
+            return
+        out = Path(self.args.output_dir)
+        stamped = {**metrics, "run_id": self.run_id}
+        write_text_atomic(out / f"{split}_results.json", json.dumps(stamped, indent=4, sort_keys=True))
+        if combined:
+            path = out / "all_results.json"
+            try:
+                earlier = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                earlier = {}
+            merged = {**(earlier if isinstance(earlier, dict) and earlier.get("run_id") == self.run_id else {}),
+                      **stamped}
+            write_text_atomic(path, json.dumps(merged, indent=4, sort_keys=True))
 
     # Speed metrics count samples per replica, not per rank ------------------------------------------
 
@@ -260,15 +293,44 @@ def padding_fraction(lengths: list[int], batch_size: int) -> float:
 
 
 def _unsort(rows, order: list[int]):
-    """Put rows produced in `order` back in input order (k rows per example when k divides evenly)."""
+    """Put rows produced in `order` back in input order (k rows per example when k divides evenly).
+
+    `rows` is what predict returns: an array, a tuple/list/dict of them (seq2seq logits come as (logits,
+    encoder states)), or, with `eval_do_concat_batches=False`, a list of per-batch arrays."""
     if rows is None or len(order) == 0:
         return rows
-    per = len(rows) // len(order)
+    if isinstance(rows, dict):
+        return {k: _unsort(v, order) for k, v in rows.items()}
+    if isinstance(rows, list) and rows and all(isinstance(b, np.ndarray) for b in rows):
+        return _unsort_batches(rows, order)
+    if isinstance(rows, (tuple, list)):
+        return type(rows)(_unsort(r, order) for r in rows)
+    return rows[_picks(len(rows), order)]
+
+
+def _picks(n_rows: int, order: list[int]) -> list[int]:
+    per = n_rows // len(order)
     inverse = [0] * len(order)
     for position, index in enumerate(order):
         inverse[index] = position
-    picks = [inverse[i] * per + j for i in range(len(order)) for j in range(per)]
-    return rows[picks]
+    return [inverse[i] * per + j for i in range(len(order)) for j in range(per)]
+
+
+def _unsort_batches(batches: list, order: list[int], pad: int = -100) -> list:
+    """`eval_do_concat_batches=False`: each batch is padded to its own width, so rows are taken one by one,
+    put in input order, and re-batched with the same batch sizes (padded with the Trainer's -100)."""
+    rows = [row for batch in batches for row in batch]
+    rows = [rows[i] for i in _picks(len(rows), order)]
+    out, at = [], 0
+    for size in (len(b) for b in batches):
+        chunk = rows[at:at + size]
+        at += size
+        if chunk and chunk[0].ndim >= 1:
+            width = max(r.shape[0] for r in chunk)
+            chunk = [np.concatenate([r, np.full((width - r.shape[0], *r.shape[1:]), pad, dtype=r.dtype)])
+                     if r.shape[0] < width else r for r in chunk]
+        out.append(np.stack(chunk) if chunk else np.empty((0,)))
+    return out
 
 
 class DeepSpeedInferenceSeq2SeqTrainer(DeepSpeedInferenceMixin, Seq2SeqTrainer):

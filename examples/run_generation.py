@@ -26,6 +26,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqL
 from ds_inference_integration import (DeepSpeedInferenceArguments, DeepSpeedInferenceSeq2SeqTrainer,
                                       InferenceSetupError, parse_args_into_dataclasses, policy_for_run,
                                       prepare_argv)
+from ds_inference_integration.files import write_text_atomic
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.ranks import memory_mb
@@ -131,15 +132,16 @@ def main(argv: list[str]) -> None:
                     "predict_new_tokens": new_tokens,
                     "predict_new_tokens_per_second": round(new_tokens / metrics["predict_runtime"], 2),
                     "tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size})
-    trainer.log_metrics("predict", metrics)
-    trainer.save_metrics("predict", metrics)
+    # Predictions first, metrics last, each file atomically: metrics on disk always describe written predictions.
     if trainer.is_world_process_zero():
         out = Path(training_args.output_dir)
-        (out / "generated_predictions.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+        write_text_atomic(out / "generated_predictions.txt", "\n".join(texts) + "\n")
         k = gen_args.num_return_sequences
-        with open(out / "generated_predictions.jsonl", "w", encoding="utf-8") as f:
-            for i, prompt in enumerate(prompts):
-                f.write(json.dumps({"prompt": prompt, "generations": texts[i * k:(i + 1) * k]}, ensure_ascii=False) + "\n")
+        write_text_atomic(out / "generated_predictions.jsonl", "".join(
+            json.dumps({"prompt": prompt, "generations": texts[i * k:(i + 1) * k]}, ensure_ascii=False) + "\n"
+            for i, prompt in enumerate(prompts)))
+    trainer.log_metrics("predict", metrics)
+    trainer.save_metrics("predict", metrics)
 
 
 if __name__ == "__main__":

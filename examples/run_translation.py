@@ -42,6 +42,7 @@ from ds_inference_integration import (
     policy_for_run,
     prepare_argv,
 )
+from ds_inference_integration.files import write_text_atomic
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.topology import Topology
@@ -311,13 +312,14 @@ def main(argv: list[str]) -> None:
         metrics = predict_results.metrics
         metrics["predict_samples"] = len(predict_dataset)
         metrics.update(parallel)
-        trainer.log_metrics("predict", metrics)
-        trainer.save_metrics("predict", metrics)
+        # Predictions first, metrics last, each file atomically: metrics on disk always describe written predictions.
         if trainer.is_world_process_zero() and training_args.predict_with_generate:
             preds = np.where(predict_results.predictions != -100, predict_results.predictions, tokenizer.pad_token_id)
             predictions = tokenizer.batch_decode(preds, skip_special_tokens=True, clean_up_tokenization_spaces=True)
-            with open(os.path.join(training_args.output_dir, "generated_predictions.txt"), "w", encoding="utf-8") as f:
-                f.write("\n".join(p.strip() for p in predictions) + "\n")
+            write_text_atomic(os.path.join(training_args.output_dir, "generated_predictions.txt"),
+                              "\n".join(p.strip() for p in predictions) + "\n")
+        trainer.log_metrics("predict", metrics)
+        trainer.save_metrics("predict", metrics)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,15 @@ class Run:
         return [line for line in self.output.splitlines() if line.startswith("error: ")]
 
 
+FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: the fault hooks, never in the package
+
+
 def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, launcher: str = "deepspeed",
-                script: Path = RUN_TRANSLATION, timeout: float = 240) -> Run:
-    """Run an example script single-process (nprocs None) or under a real launcher; never hangs."""
+                script: Path = RUN_TRANSLATION, timeout: float = 240, fault: str | None = None,
+                env: dict | None = None) -> Run:
+    """Run an example script single-process (nprocs None) or under a real launcher; never hangs, and leaves no
+    process behind (the whole process group is killed afterwards, stopped ranks included). `fault` sets
+    DS_INFERENCE_FAULT with the tests' fault hooks on the path (tests/faults/sitecustomize.py)."""
     script_args = [str(script), "--output_dir", str(output_dir), *args]
     if nprocs is None:
         cmd = [sys.executable, *script_args]
@@ -58,17 +64,32 @@ def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, la
         raise ValueError(launcher)
     env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
            **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+           "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **(env or {})}
+    if fault:
+        env.update(DS_INFERENCE_FAULT=fault, PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH")])))
     if nprocs:  # CPU ranks share the cores, as torchrun would set it (the deepspeed launcher does not)
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
     start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}")
-    return Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, output_dir)
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{(out + err)[-3000:]}")
+    finally:
+        _kill_group(proc.pid)
+    return Run(proc.returncode, out + err, time.monotonic() - start, output_dir)
+
+
+def _kill_group(pgid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def assert_ok(run: Run) -> None:

@@ -45,26 +45,23 @@ def _no_results(out) -> None:
     assert not (out / "predict_results.json").exists() and not (out / "generated_predictions.txt").exists()
 
 
-def test_killed_rank_ends_the_run_within_the_timeout(tmp_path, monkeypatch):
-    monkeypatch.setenv("DS_INFERENCE_FAULT", "kill:1:3")
-    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200)
+def test_killed_rank_ends_the_run_within_the_timeout(tmp_path):
+    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="kill:1:3")
     assert run.returncode != 0
     assert run.seconds < 60 + 30, run.seconds
     _no_results(tmp_path)
 
 
-def test_rank_that_raises_takes_the_others_down_promptly(tmp_path, monkeypatch):
-    monkeypatch.setenv("DS_INFERENCE_FAULT", "raise:1:3")
-    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200)
+def test_rank_that_raises_takes_the_others_down_promptly(tmp_path):
+    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="raise:1:3")
     assert run.returncode != 0
     assert "error: rank 1 failed: RuntimeError: injected fault on rank 1 at batch 3" in run.output
     assert run.seconds < 45, run.seconds  # well before the 60 s collective timeout
     _no_results(tmp_path)
 
 
-def test_lockstep_guard_stops_mixed_inputs_on_every_rank(tmp_path, monkeypatch):
-    monkeypatch.setenv("DS_INFERENCE_FAULT", "skew:1:2")
-    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200)
+def test_lockstep_guard_stops_mixed_inputs_on_every_rank(tmp_path):
+    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="skew:1:2")
     assert run.returncode != 0
     errors = run.error_lines()
     assert any("[rank 0]" in e for e in errors) and any("[rank 1]" in e for e in errors), run.output[-2000:]

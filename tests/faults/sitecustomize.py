@@ -1,0 +1,91 @@
+"""Fault injection for the tests, kept out of the package: a test puts this directory on PYTHONPATH and sets
+DS_INFERENCE_FAULT, and every Python process it starts (launcher, ranks) patches the named piece of the
+package when that module is first imported.
+
+    DS_INFERENCE_FAULT=KIND:RANK:BATCH    at that batch, that rank: raise | kill (SIGKILL) | stop (SIGSTOP)
+                                          | skew (generate from a different batch than its TP peers)
+    DS_INFERENCE_FAULT=fail_write:NAME    writing the output file NAME fails halfway (nothing renamed into place)
+    DS_INFERENCE_FAULT=check_logits:RANK  that rank's `policy check` sees its sharded logits off by 1.0
+"""
+
+import importlib.abc
+import importlib.machinery
+import os
+import signal
+import sys
+
+SPEC = os.environ.get("DS_INFERENCE_FAULT", "")
+KIND, _, ARG = SPEC.partition(":")
+
+
+def _patch_trainer(module):
+    rank, batch = (int(x) for x in ARG.split(":"))
+    original = module.DeepSpeedInferenceMixin.prediction_step
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        if self.topology.rank == rank and self._batch_index + 1 == batch:
+            if KIND == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif KIND == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif KIND == "skew":
+                inputs["input_ids"] = inputs["input_ids"].flip(0)
+            else:
+                raise RuntimeError(f"injected fault on rank {rank} at batch {batch} (DS_INFERENCE_FAULT)")
+        return original(self, model, inputs, *args, **kwargs)
+
+    module.DeepSpeedInferenceMixin.prediction_step = prediction_step
+
+
+def _patch_files(module):
+    import contextlib
+
+    original = module.atomic_path
+
+    @contextlib.contextmanager
+    def atomic_path(path):
+        with original(path) as tmp:
+            yield tmp
+            if os.path.basename(str(path)) == ARG:  # written, not yet renamed: as if killed here
+                raise OSError(f"injected write failure for {ARG} (DS_INFERENCE_FAULT)")
+
+    module.atomic_path = atomic_path
+
+
+def _patch_check(module):
+    rank = int(ARG)
+    original = module._run_model_naming_failures
+
+    def run(model, inputs, patterns, torch):
+        out = original(model, inputs, patterns, torch)
+        if int(os.environ.get("RANK", "0")) == rank:
+            out["logits"] = out["logits"] + 1.0
+        return out
+
+    module._run_model_naming_failures = run
+
+
+PATCHES = {"ds_inference_integration.files": _patch_files} if KIND == "fail_write" else (
+    {"ds_inference_integration.check": _patch_check} if KIND == "check_logits" else
+    {"ds_inference_integration.trainer": _patch_trainer} if KIND else {})
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            PATCHES[name](module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if PATCHES:
+    sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,118 @@
+"""The Trainer mixin in one process (no launcher): random state, results files and run identity, rows in
+input order for every prediction structure."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, save_tiny_model
+
+from ds_inference_integration.trainer import _unsort
+
+SOURCES = ["one hundred", "seven", "twenty two", "nine thousand", "forty", "three", "eleven", "sixty five", "two"]
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory):
+    return save_tiny_model("t5", tmp_path_factory.mktemp("tiny") / "t5")
+
+
+def make_trainer(model_dir, output_dir, **args):
+    from datasets import Dataset
+    from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq,
+                              Seq2SeqTrainingArguments)
+
+    from ds_inference_integration import DeepSpeedInferenceSeq2SeqTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = Dataset.from_dict({**tok(SOURCES), "labels": tok(text_target=SOURCES)["input_ids"]})
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    training_args = Seq2SeqTrainingArguments(output_dir=str(output_dir), per_device_eval_batch_size=4,
+                                             predict_with_generate=True, report_to="none", seed=3, **args)
+    trainer = DeepSpeedInferenceSeq2SeqTrainer(model=model, args=training_args, processing_class=tok,
+                                               data_collator=DataCollatorForSeq2Seq(tok, model=model))
+    return trainer, data
+
+
+def test_sampling_seeds_each_batch_without_resetting_the_global_random_state(tiny_t5, tmp_path):
+    """A training run that evaluates now and then must not restart its random sequence from --seed + batch."""
+    trainer, data = make_trainer(tiny_t5, tmp_path)
+    draws, predictions = [], []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        out = trainer.predict(data, do_sample=True, top_k=0, max_new_tokens=6)
+        predictions.append(out.predictions)
+        draws.append(torch.rand(4))
+    assert np.array_equal(*predictions)  # sampling itself is seeded per batch: the same tokens both times
+    assert not torch.equal(*draws)  # and the caller's random sequence continues from where it was
+
+
+def test_a_new_run_never_merges_into_or_shows_as_an_earlier_run(tiny_t5, tmp_path, capsys):
+    from ds_inference_integration.cli import main as cli_main
+
+    first, _ = make_trainer(tiny_t5, tmp_path)
+    first.save_metrics("eval", {"eval_bleu": 10.0, "eval_samples": 9, "tp_size": 1, "dp_size": 1})
+    second, _ = make_trainer(tiny_t5, tmp_path)
+    assert second.run_id > first.run_id
+    second.save_metrics("predict", {"predict_bleu": 20.0, "predict_samples": 9, "tp_size": 1, "dp_size": 1})
+    second.save_metrics("eval", {"eval_bleu": 30.0, "eval_samples": 9, "tp_size": 1, "dp_size": 1}, combined=False)
+    merged = json.loads((tmp_path / "all_results.json").read_text())
+    assert merged["run_id"] == second.run_id and "predict_bleu" in merged and "eval_bleu" not in merged
+    third, _ = make_trainer(tiny_t5, tmp_path)
+    third.save_metrics("predict", {"predict_bleu": 40.0, "predict_samples": 9, "tp_size": 1, "dp_size": 1})
+    assert cli_main(["summary", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["(eval_results.json is from an earlier run (" + second.run_id
+                                                       + ")", "predict"], lines
+    assert "BLEU 40.00" in lines[1] and third.run_id in lines[1]
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
+
+
+def test_a_failed_run_leaves_the_earlier_good_run_whole(tmp_path):
+    args = ["--do_predict", "--max_predict_samples", "8", *TRANSLATE_ARGS]
+    good = run_example(args, tmp_path)
+    assert_ok(good)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert {"generated_predictions.txt", "predict_results.json", "all_results.json"} <= set(before)
+    # the next run dies while its predictions are being written (after generating, before the rename)
+    bad = run_example([*args, "--max_predict_samples", "5"], tmp_path, fault="fail_write:generated_predictions.txt")
+    assert bad.returncode != 0 and "injected write failure" in bad.output
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert after == before  # no metrics of the failed run, no half-written predictions, nothing of the good run lost
+
+
+def test_unsort_restores_input_order_for_every_prediction_structure():
+    order = [2, 0, 1]  # rows were produced for examples 2, 0, 1
+    rows = np.array([[30], [10], [20]])
+    assert _unsort(rows, order).tolist() == [[10], [20], [30]]
+    two = np.array([[30], [31], [10], [11], [20], [21]])  # num_return_sequences 2
+    assert _unsort(two, order)[:, 0].tolist() == [10, 11, 20, 21, 30, 31]
+    logits, hidden = np.array([[3.0], [1.0], [2.0]]), np.array([[[3.0]], [[1.0]], [[2.0]]])
+    nested = _unsort((logits, (hidden, None)), order)  # seq2seq logits tuples (logits, encoder states)
+    assert nested[0][:, 0].tolist() == [1.0, 2.0, 3.0] and nested[1][0][:, 0, 0].tolist() == [1.0, 2.0, 3.0]
+    assert nested[1][1] is None
+    batches = [np.array([[30, -100], [10, 11]]), np.array([[20, 21, 22]])]  # eval_do_concat_batches=False
+    back = _unsort(batches, order)
+    assert [b.shape[0] for b in back] == [2, 1]
+    assert back[0].tolist() == [[10, 11], [20, 21]] or back[0].tolist() == [[10, 11, -100], [20, 21, 22]]
+    assert back[1][0, 0] == 30
+
+
+def test_group_by_length_predicts_tuples_in_input_order(tiny_t5, tmp_path):
+    """Without predict_with_generate a seq2seq model's predictions are a tuple (logits, encoder states)."""
+    trainer, data = make_trainer(tiny_t5, tmp_path, train_sampling_strategy="group_by_length")
+    trainer.args.predict_with_generate = False
+    grouped = trainer.predict(data).predictions
+    trainer.args.train_sampling_strategy = "random"
+    plain = trainer.predict(data).predictions
+    assert isinstance(grouped, tuple) and len(grouped) == len(plain) == 2
+    # rows are padded per batch: compare each example over its own length (labels for logits, inputs for states)
+    for a, b, lengths in zip(grouped, plain, ([len(x) for x in data["labels"]], [len(x) for x in data["input_ids"]])):
+        assert len(a) == len(b) == len(SOURCES)
+        for i, n in enumerate(lengths):
+            assert np.allclose(a[i, :n], b[i, :n], atol=1e-4), i
+
+
+def test_the_default_model_is_what_the_tests_use():
+    assert (DEFAULT_MODEL / "config.json").is_file()
