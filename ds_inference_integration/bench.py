@@ -129,15 +129,16 @@ def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: 
 
     from .trainer import DeepSpeedInferenceSeq2SeqTrainer
 
-    args = Seq2SeqTrainingArguments(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=batch_size,
-                                    predict_with_generate=True, remove_unused_columns=False, report_to=[],
-                                    use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-    trainer = DeepSpeedInferenceSeq2SeqTrainer(model=model, args=args, processing_class=tokenizer,
-                                               data_collator=DataCollatorWithPadding(tokenizer))
-    dataset = Dataset.from_dict(dict(tokenizer(prompts)))
-    start = time.perf_counter()
-    out = trainer.predict(dataset, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="bench_trainer_") as output_dir:
+        args = Seq2SeqTrainingArguments(output_dir=output_dir, per_device_eval_batch_size=batch_size,
+                                        predict_with_generate=True, remove_unused_columns=False, report_to=[],
+                                        use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+        trainer = DeepSpeedInferenceSeq2SeqTrainer(model=model, args=args, processing_class=tokenizer,
+                                                   data_collator=DataCollatorWithPadding(tokenizer))
+        dataset = Dataset.from_dict(dict(tokenizer(prompts)))
+        start = time.perf_counter()
+        out = trainer.predict(dataset, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        seconds = time.perf_counter() - start
     assert out.predictions.shape[0] == len(prompts) and out.predictions.shape[1] >= new_tokens
     return seconds, len(prompts) * new_tokens  # min_new_tokens = max_new_tokens
 
@@ -181,14 +182,22 @@ def _config_model(tokenizer, out: Path, spec: str) -> Path:
 
 def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes: list[int], prompts_file: str,
                      max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
     base_tok = AutoTokenizer.from_pretrained(model_dir or DEFAULT_LM)
     models = {"embedded": Path(model_dir or DEFAULT_LM)}
-    tmp = Path(tempfile.mkdtemp(prefix="bench_models_"))
+    with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:  # the --config model: removed at the end
+        return _bench_generation(models, base_tok, Path(tmp), config_spec, batch_sizes, prompts, prompts_file,
+                                 max_prompts, new_tokens, out_dir, methods, repeats)
+
+
+def _bench_generation(models, base_tok, tmp, config_spec, batch_sizes, prompts, prompts_file, max_prompts,
+                      new_tokens, out_dir, methods, repeats) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if config_spec:
         models[f"config({config_spec})"] = _config_model(base_tok, tmp / "config_model", config_spec)
     rows = []

@@ -74,7 +74,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         report = ""
     else:
-        groups = init_process_groups(topology, "cpu")
+        groups = init_process_groups(topology, "cpu", timeout=600)
         init_deepspeed_comm(topology)
         start = time.perf_counter()
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
@@ -108,7 +108,7 @@ def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float) -
             raise RuntimeError(f"single-process load failed: {proc.stderr[-1500:]}")
     else:
         procs = start_ranks(tp, "ds_inference_integration.bench_memory",
-                            ["--worker", mode, str(model_dir), str(work / f"{mode}_{{rank}}.json")])
+                            ["--worker", mode, str(model_dir), str(work / f"{mode}_{{rank}}.json")], log_dir=work)
         codes = wait_ranks(procs, timeout)
         if any(codes):
             raise RuntimeError(f"{mode} failed: {failure_text(procs, codes)}")
@@ -117,10 +117,14 @@ def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float) -
 
 def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None = None,
                  timeout: float = 1200) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as work:  # the model and its copies: gigabytes
+        return _bench_memory(config_spec, tp, out_dir, model_dir, timeout, Path(work))
+
+
+def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None, timeout: float, work: Path) -> int:
     from .preshard import run_shard
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     t0 = time.perf_counter()
     src = Path(model_dir) if model_dir else work / "model"
     if not model_dir:  # in a child process: this one stays small, and so do the ranks it starts

@@ -20,24 +20,48 @@ NEW_TOKENS = 8
 
 
 def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout: float = 300) -> int:
-    """Start `tp_size` ranks, run the checks, print one line per check and a summary; never hangs."""
+    """Start `tp_size` ranks, run the checks, print one line per check and a summary; never hangs. A check
+    passes only if it passes on every rank; the temporary directory (pre-sharded copies) is removed."""
     for d in model_dirs:
         if not (Path(d) / "config.json").is_file():
             print(f"error: {d} is not a model directory (no config.json)", file=sys.stderr)
             return 2
-    out = Path(tempfile.mkdtemp(prefix="ds_inference_check_"))
-    procs = start_ranks(tp_size, "ds_inference_integration.check", ["--worker", str(out), policy, *model_dirs])
-    codes = wait_ranks(procs, timeout)
-    result = out / "result.json"
-    report = json.loads(result.read_text()) if result.is_file() else {"lines": [], "passed": 0, "total": 0, "ok": False}
-    for line in report["lines"]:
+    with tempfile.TemporaryDirectory(prefix="ds_inference_check_") as out:
+        procs = start_ranks(tp_size, "ds_inference_integration.check", ["--worker", out, policy, *model_dirs],
+                            log_dir=out)
+        codes = wait_ranks(procs, timeout)
+        reports = [json.loads(p.read_text()) if p.is_file() else None
+                   for p in (Path(out, f"result-{r}.json") for r in range(tp_size))]
+        failure = None if all(c == 0 for c in codes) else failure_text(procs, codes)
+    lines, passed, total = merge_rank_results(reports)
+    for line in lines:
         print(line)
-    ok = report["ok"] and all(c == 0 for c in codes)
-    if not all(c == 0 for c in codes):
-        print(f"FAIL rank processes ({failure_text(procs, codes)})")
-    print(f"{'PASS' if ok else 'FAIL'}: {report['passed']} of {report['total']} checks passed "
-          f"({len(model_dirs)} model(s), tp {tp_size})")
+    ok = passed == total and failure is None and all(r is not None for r in reports)
+    if failure is not None:
+        print(f"FAIL rank processes ({failure})")
+    print(f"{'PASS' if ok else 'FAIL'}: {passed} of {total} checks passed ({len(model_dirs)} model(s), tp {tp_size})")
     return 0 if ok else 1
+
+
+def merge_rank_results(reports: list[dict | None]) -> tuple[list[str], int, int]:
+    """One line per check from every rank's own results: PASS only where every rank passed; a FAIL line is the
+    first failing rank's, naming the ranks it failed on; a rank with no results, or fewer, fails the check."""
+    longest = max((len(r["checks"]) for r in reports if r), default=0)
+    lines, passed = [], 0
+    for i in range(longest):
+        seen = [(rank, r["checks"][i] if r and i < len(r["checks"]) else None) for rank, r in enumerate(reports)]
+        failing = [rank for rank, c in seen if c is None or not c[0]]
+        text = next((c[1] for _, c in seen if c is not None and (not failing or not c[0])), "(no result)")
+        if failing:
+            lines.append(f"FAIL {text}" + (f" [on rank {', '.join(map(str, failing))} of {len(reports)}]"
+                                           if len(reports) > 1 else ""))
+        else:
+            lines.append(f"PASS {text}")
+            passed += 1
+    missing = [rank for rank, r in enumerate(reports) if r is None]
+    if missing:
+        lines.append(f"FAIL ranks {missing} wrote no results")
+    return lines, passed, longest + bool(missing)
 
 
 # Worker side ---------------------------------------------------------------------------------------
@@ -110,7 +134,7 @@ def _layer_weight_bytes(model, patterns) -> int:
     return total
 
 
-def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[str],
+def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[tuple[bool, str]],
                work_dir: Path | None = None) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
@@ -143,7 +167,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[s
         nonlocal passed, total
         total += 1
         passed += ok
-        lines.append(f"{'PASS' if ok else 'FAIL'} {name} tp{topology.tp_size} {text}")
+        lines.append((bool(ok), f"{name} tp{topology.tp_size} {text}"))
 
     scale = max(1.0, want["logits"].abs().max().item())
     diff = (got["logits"] - want["logits"]).abs().max().item()
@@ -207,7 +231,7 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         source = out if mode == "pre-sharded" else model_dir
         model = load_model(cls, source, mode=mode, inference_args=args, dtype=torch.float32)
         metas = sum(p.is_meta for p in model.parameters())
-        model, report = shard_model(model, args, topology, groups, policy, torch.float32)
+        model, report = shard_model(model, args, topology, groups, policy, torch.float32, verify=False)
         mine = dict(model.named_parameters(remove_duplicate=False))
         bad = [n for n in want if n not in mine or mine[n].shape != want[n].shape or not torch.equal(mine[n], want[n])]
         bad += [n for n in mine if n not in want]
@@ -244,28 +268,22 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.rank % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    groups = init_process_groups(topology, "cuda" if torch.cuda.is_available() else "cpu")
+    groups = init_process_groups(topology, "cuda" if torch.cuda.is_available() else "cpu", timeout=120)
     init_deepspeed_comm(topology)
-    lines: list[str] = []
-    passed = total = 0
+    checks: list[tuple[bool, str]] = []
 
-    def save() -> None:
-        if topology.rank == 0:
-            Path(out_dir, "result.json").write_text(json.dumps(
-                {"lines": lines, "passed": passed, "total": total, "ok": passed == total}))
+    def save() -> None:  # every rank its own results: the parent counts a check as passed only if all passed
+        Path(out_dir, f"result-{topology.rank}.json").write_text(json.dumps({"checks": checks}))
 
     try:
         for d in model_dirs:
             try:
-                p, t = _check_one(d, policy_spec, topology, groups, lines, Path(out_dir))
+                _check_one(d, policy_spec, topology, groups, checks, Path(out_dir))
             except InferenceSetupError as e:
-                p, t = 0, 1
-                lines.append(f"FAIL {Path(d).name} tp{topology.tp_size} setup: {e}")
+                checks.append((False, f"{Path(d).name} tp{topology.tp_size} setup: {e}"))
             except Exception as e:  # a rank that raised mid-collective: report it and stop here
-                lines.append(f"FAIL {Path(d).name} tp{topology.tp_size} {type(e).__name__}: {str(e)[:300]}")
-                total += 1
+                checks.append((False, f"{Path(d).name} tp{topology.tp_size} {type(e).__name__}: {str(e)[:300]}"))
                 raise
-            passed, total = passed + p, total + t
             save()
     finally:
         save()
@@ -275,6 +293,10 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[1] == "--worker":
-        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
+        # Run the worker from the imported module, not from __main__: one copy of its functions, the same
+        # ones a test's fault hook (tests/faults) patches on import.
+        from ds_inference_integration import check
+
+        sys.exit(check._worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
     print("usage: ds-inference policy check MODEL_DIR --tp-size N", file=sys.stderr)
     sys.exit(2)

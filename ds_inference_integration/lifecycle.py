@@ -13,6 +13,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from .arguments import InferenceSetupError
+from . import watchdog
 from .trainer import LockstepError
 
 
@@ -50,6 +51,7 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
         traceback.print_exc()
         sys.stderr.write(f"\nerror: rank {rank} failed: {type(e).__name__}: {e}\n")
         _exit_now(1)
+    watchdog.finished()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         # gloo with a device mesh can abort (SIGABRT) in interpreter teardown after a clean run:

@@ -48,7 +48,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
     start_writing(out)  # the old manifest goes first: until the new one is written, the directory does not load
     with tempfile.TemporaryDirectory(prefix="ds_inference_shard_") as status:
         procs = start_ranks(tp_size, "ds_inference_integration.preshard",
-                            ["--worker", str(src), str(out), policy, dtype, status])
+                            ["--worker", str(src), str(out), policy, dtype, status], log_dir=status)
         codes = wait_ranks(procs, timeout)
         result, error = Path(status, "result.json"), Path(status, "error.txt")
         if not all(c == 0 for c in codes) or not result.is_file():
@@ -92,7 +92,7 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
         device = torch.device("cuda", topology.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     try:
-        groups = init_process_groups(topology, device.type)
+        groups = init_process_groups(topology, device.type, timeout=300)
         init_deepspeed_comm(topology)
         dtype = DTYPES[dtype_name]
         config = AutoConfig.from_pretrained(src)

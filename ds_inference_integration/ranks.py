@@ -28,8 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(n: int, module: str, args: list[str]) -> list[subprocess.Popen]:
-    """`python -m module args...` as ranks 0..n-1 of one world; rank 0 prints, the others are captured."""
+def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path) -> list[subprocess.Popen]:
+    """`python -m module args...` as ranks 0..n-1 of one world. Rank 0 prints to this process's output; every
+    other rank writes to `log_dir/rank-R.log`, a file, not a pipe: a rank that prints more than a pipe holds
+    would block (and its peers wait for the timeout) if nobody read the pipe while it runs."""
     port = free_port()
     procs = []
     for rank in range(n):
@@ -37,9 +39,15 @@ def start_ranks(n: int, module: str, args: list[str]) -> list[subprocess.Popen]:
                **os.environ, "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "LOCAL_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env,
-                                      stdout=subprocess.PIPE if rank else None,
-                                      stderr=subprocess.STDOUT if rank else None, text=True))
+        log = None
+        if rank:
+            log = open(Path(log_dir) / f"rank-{rank}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
+                                stderr=subprocess.STDOUT if log else None, text=True)
+        proc.log_path = Path(log.name) if log else None
+        if log:
+            log.close()  # the child holds its own descriptor
+        procs.append(proc)
     return procs
 
 
@@ -61,7 +69,7 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 def failure_text(procs: list[subprocess.Popen], codes: list[int]) -> str:
     """Why the ranks failed, with the last lines of the first failed rank whose output was captured."""
     why = f"a rank failed, exit codes {codes}" if any(c not in (0, -9) for c in codes) else "timed out"
-    failed = [i for i, c in enumerate(codes) if c not in (0, -9) and procs[i].stdout] or [
-        i for i in range(len(procs)) if procs[i].stdout]
-    tail = procs[failed[0]].stdout.read()[-1500:] if failed else ""
+    logged = [i for i in range(len(procs)) if getattr(procs[i], "log_path", None)]
+    failed = [i for i in logged if codes[i] not in (0, -9)] or logged
+    tail = procs[failed[0]].log_path.read_text(errors="replace")[-1500:] if failed else ""
     return why + (f"\nrank {failed[0]}:\n{tail}" if tail else "")

@@ -196,20 +196,28 @@ def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayou
         setattr(attention, attr, values[value_name])
 
 
-def _smoke_forward(model: nn.Module, policy: Policy) -> None:
-    """One tiny forward after sharding with a derived policy: a wrong derivation fails here, on every
-    rank alike (shape errors are deterministic), with a pointer to the policy tool."""
-    ids = torch.tensor([[1, 2, 3]], device=next(model.parameters()).device)
-    kwargs = {"decoder_input_ids": ids[:, :1]} if model.config.is_encoder_decoder else {}
+def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
+    """How to name `policy` if nobody has checked it on this architecture, else None: shipped files are checked
+    by the project's architecture matrix; a derived policy, DeepSpeed's automatic mode and a user's file are not."""
+    from .policy import POLICY_DIR
+
+    model_type = getattr(model.config, "model_type", "?")
+    if policy is None:
+        return f"DeepSpeed's automatic policy (autotp) for model_type {model_type!r}"
+    if str(policy.source).startswith("<derived"):
+        return f"the policy derived for model_type {model_type!r} ({dict(policy.layers)})"
+    if policy.source.resolve().parent != POLICY_DIR.resolve():
+        return f"policy {policy.source}"
+    return None
+
+
+def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
+    if isinstance(policy, Policy):
+        return list(policy.layers)
     try:
-        with torch.no_grad():
-            model(input_ids=ids, **kwargs)
-    except RuntimeError as e:
-        raise InferenceSetupError(
-            f"the policy derived for model_type {model.config.model_type!r} ({dict(policy.layers)}) does not "
-            f"work: {str(e).splitlines()[0]}; write one with `ds-inference policy suggest MODEL_DIR` and test it "
-            "with `ds-inference policy check MODEL_DIR --tp-size N --policy FILE`"
-        ) from None
+        return list(derive_policy(model).layers)  # what AutoTP will treat as layers
+    except InferenceSetupError:
+        return ["*Layer", "*Block"]
 
 
 # The whole step ------------------------------------------------------------------------------------
@@ -222,29 +230,36 @@ def shard_model(
     policy: Policy | str | None,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    verify: bool = True,
 ) -> tuple[nn.Module, ShardReport]:
     """Shard `model` in place over this rank's TP group; returns the (same) model and a report.
 
     A skeleton from `loading.load_model` (parameters on `meta`) is filled here, with only this rank's
-    part of each split tensor read from the checkpoint."""
+    part of each split tensor read from the checkpoint. A policy nobody has checked (derived, `autotp`,
+    or a file outside the shipped `policies/`) is checked numerically here first (`verify_policy`),
+    unless `verify` is False (`policy check` compares the whole model itself)."""
     import deepspeed
 
-    from .loading import open_loader, policy_id
+    from .loading import PreShardedLoader, open_loader, policy_id
+    from .verify_policy import reference_copies, verify_sharded_layers
 
     loader = open_loader(model, topology.tp_size, topology.tp_rank, policy_id(policy), dtype, groups.tp)
     load_start = getattr(model, "_ds_inference_loader_start", None)
     device = torch.device(device)
-    derived = False
     full_bytes = _param_bytes(model) * torch.finfo(dtype).bits // torch.finfo(next(model.parameters()).dtype).bits
     kwargs: dict = {"dtype": dtype, "replace_with_kernel_inject": args.replace_with_kernel_inject}
-    heads, attentions = None, []
+    heads, attentions, copies, unchecked = None, [], {}, None
     if topology.tp_size > 1:
         kwargs["tensor_parallel"] = {"tp_size": topology.tp_size, "mpu": ModelParallelUnit(groups), "tp_group": groups.tp}
         if policy == DERIVE:
             policy = derive_policy(model)
-            derived = True
             logger.warning("no policy file for model_type %r: derived row-parallel linears %s",
                            model.config.model_type, dict(policy.layers))
+        unchecked = _unchecked(policy, model) if not args.replace_with_kernel_inject else None
+        if verify and unchecked and not isinstance(loader, PreShardedLoader):  # pre-sharded: checked when sharded
+            copy_start = time.perf_counter()
+            copies = reference_copies(model, _layer_patterns(policy, model), loader)
+            copy_seconds = time.perf_counter() - copy_start
         if isinstance(policy, Policy) and not args.replace_with_kernel_inject:
             layers = _layers(model, policy)
             for layer in layers:
@@ -270,8 +285,9 @@ def shard_model(
         if load_start is not None:
             loader.ready_seconds = time.perf_counter() - load_start
         loading = loader.summary()
-    if derived:
-        _smoke_forward(sharded, policy)
+    if copies:
+        summary = verify_sharded_layers(sharded, copies, unchecked, dtype, groups.tp)
+        logger.warning("deepspeed_inference: %s (+ %.2f s to copy the reference layers)", summary, copy_seconds)
     report = ShardReport(
         policy=str(policy.source) if isinstance(policy, Policy) else (
             "kernel injection" if args.replace_with_kernel_inject else "autotp"),

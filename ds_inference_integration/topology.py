@@ -73,16 +73,26 @@ class ProcessGroups:
     mesh: object | None
 
 
-def init_process_groups(topology: Topology, device_type: str) -> ProcessGroups:
-    """Create the (dp, tp) device mesh; every rank must call this, in the same order."""
+def init_process_groups(topology: Topology, device_type: str, timeout: float | None = None) -> ProcessGroups:
+    """Create the (dp, tp) device mesh; every rank must call this, in the same order.
+
+    `timeout` (seconds) is given to the mesh's TP and DP groups too: `init_device_mesh` creates them with
+    the backend's default (gloo 30 minutes, NCCL 10), not the default group's `--ddp_timeout`."""
     if topology.world_size == 1 or not dist.is_initialized():
         return ProcessGroups(tp=None, dp=None, mesh=None)
+    import datetime
+
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(
         device_type, (topology.dp_size, topology.tp_size), mesh_dim_names=("dp_shard", "tp")
     )
-    return ProcessGroups(tp=mesh["tp"].get_group(), dp=mesh["dp_shard"].get_group(), mesh=mesh)
+    groups = ProcessGroups(tp=mesh["tp"].get_group(), dp=mesh["dp_shard"].get_group(), mesh=mesh)
+    if timeout is not None:
+        for group in (groups.tp, groups.dp):
+            # c10d's own setter (private, but the one torch offers for a group that already exists)
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
+    return groups
 
 
 class ModelParallelUnit:

@@ -8,7 +8,6 @@ import datetime
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +24,7 @@ from .policy import Policy, check_head_counts, policy_for_run
 from .loading import is_skeleton
 from .shard import ShardReport, init_deepspeed_comm, shard_model
 from .topology import ProcessGroups, Topology, init_process_groups
+from . import watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class DeepSpeedInferenceMixin:
         # merges its results with an earlier run's, and `ds-inference summary` shows one run's files only.
         self.run_id = f"{datetime.datetime.now():%Y%m%dT%H%M%S.%f}-{uuid.uuid4().hex[:6]}"
         self._batch_index = -1
+        self._local_batch_examples = 0
         self.lockstep_seconds = 0.0
         if enabled:
             self._shard(policy)
@@ -85,7 +86,8 @@ class DeepSpeedInferenceMixin:
             policy = policy_for_run(inf.injection_policy, self.model.config, self.topology.tp_size)
         else:
             check_head_counts(policy, self.model.config, self.topology.tp_size)
-        self.process_groups = init_process_groups(self.topology, self.args.device.type)
+        self.process_groups = init_process_groups(self.topology, self.args.device.type, inf.inference_timeout)
+        watchdog.start(self.topology.rank, self.topology.world_size, inf.inference_timeout)
         if self.process_groups.mesh is not None:
             # accelerate's data loader reads this mesh: ranks of one TP group get identical batches.
             self.accelerator.state.device_mesh = self.process_groups.mesh
@@ -132,16 +134,54 @@ class DeepSpeedInferenceMixin:
         gathered = recursively_apply(gather, data)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
-            rows_per_sample = max(1, len(self._first(data)) // self.args.eval_batch_size)
-            keep = state.remainder * rows_per_sample
-            gathered = recursively_apply(lambda t: t[:keep], gathered)
+            # `remainder` examples of the last gathered batch are real; each example has `per` rows in `t`
+            # (k generated sequences, or 1 label row), counted against this rank's batch, not the batch size
+            local = max(1, self._local_batch_examples)
+
+            def trim(t: torch.Tensor, local_rows: int) -> torch.Tensor:
+                per = local_rows // local if local_rows % local == 0 else 1
+                return t[:state.remainder * per]
+
+            gathered = _apply_pairs(trim, gathered, data)
         return gathered
 
-    @staticmethod
-    def _first(data) -> torch.Tensor:
-        while isinstance(data, (list, tuple, dict)):
-            data = next(iter(data.values())) if isinstance(data, dict) else data[0]
-        return data
+    # Data layout: replicas split the data, TP peers share it ----------------------------------------------
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._replica_loader(super().get_eval_dataloader, eval_dataset, "eval_dataset")
+
+    def get_test_dataloader(self, test_dataset):
+        return self._replica_loader(super().get_test_dataloader, test_dataset, "test_dataset")
+
+    def _replica_loader(self, make, dataset, name: str):
+        """The data loader, prepared by accelerate without batch dispatching under our mesh.
+
+        accelerate's dispatcher (`dispatch_batches`, also its default for an IterableDataset) does not split
+        data between the replicas of a (dp_shard, tp) mesh: it hands every rank, every replica included, the
+        same batch (it refuses TP only for mesh dimensions named dp/fsdp). Without dispatching, each replica
+        fetches its own batches (`split_batches` included), and every rank of a TP group the same ones. An
+        IterableDataset cannot be split between replicas that way (the last batches would be padded with
+        repeated examples nobody can tell apart), so it is refused when there is more than one replica."""
+        from torch.utils.data import IterableDataset
+
+        if self.process_groups.mesh is None:
+            return make(dataset)
+        data = dataset if dataset is not None else getattr(self, "eval_dataset", None)
+        if isinstance(data, str):  # the name of one of several eval datasets
+            data = self.eval_dataset[data]
+        if isinstance(data, IterableDataset) and self.topology.dp_size > 1:
+            raise InferenceSetupError(
+                f"{name} is an IterableDataset ({type(data).__name__}), which cannot be split between "
+                f"{self.topology.dp_size} data-parallel replicas; valid: a map-style dataset (datasets.Dataset, "
+                f"e.g. from `Dataset.from_generator`), or --tp_size {self.topology.world_size} (one replica)"
+            )
+        config = self.accelerator.dataloader_config
+        dispatch = config.dispatch_batches
+        config.dispatch_batches = False
+        try:
+            return make(dataset)
+        finally:
+            config.dispatch_batches = dispatch
 
     # Lock step: same inputs, same random numbers, on every rank of a TP group ---------------------
 
@@ -159,6 +199,7 @@ class DeepSpeedInferenceMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         self._batch_index += 1
+        self._local_batch_examples = _batch_examples(inputs)
         if self.topology.tp_size > 1 and self.inference_args.lockstep_guard:
             start = time.perf_counter()
             self._check_lockstep(inputs)
@@ -200,12 +241,21 @@ class DeepSpeedInferenceMixin:
         self._batch_index = -1
         self.gather_function = self._replica_gather
         output = super().evaluation_loop(dataloader, *args, **kwargs)
-        n = output.num_samples
-        for name, rows in (("predictions", output.predictions), ("label_ids", output.label_ids)):
-            if isinstance(rows, torch.Tensor) or hasattr(rows, "shape"):
-                if len(rows) % max(n, 1) or (n == 0 and len(rows)):
-                    raise RuntimeError(f"{name}: gathered {len(rows)} rows for {n} examples; rows were lost or duplicated")
+        n, k = output.num_samples, self._rows_per_example()
+        for name, rows, per in (("predictions", output.predictions, k), ("label_ids", output.label_ids, 1)):
+            for count in _row_counts(rows):
+                if count != n * per:
+                    raise RuntimeError(f"{name}: gathered {count} rows for {n} examples x {per} row(s) each; rows "
+                                       "were lost or duplicated")
         return output
+
+    def _rows_per_example(self) -> int:
+        """Rows of predictions per example: `num_return_sequences` when generating, else 1."""
+        if not getattr(self.args, "predict_with_generate", False):
+            return 1
+        kwargs = getattr(self, "_gen_kwargs", None) or {}
+        config = getattr(self.model, "generation_config", None)
+        return int(kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", None) or 1)
 
     # Results files -----------------------------------------------------------------------------------
 
@@ -276,6 +326,36 @@ class DeepSpeedInferenceMixin:
     def _get_eval_sampler(self, eval_dataset):
         # Prediction order is ours (sorted above, restored after); never a randomised length sampler here.
         return None if self.args.world_size > 1 else torch.utils.data.SequentialSampler(eval_dataset)
+
+
+def _batch_examples(inputs: dict) -> int:
+    from transformers.trainer_pt_utils import find_batch_size
+
+    return find_batch_size(inputs) or 0
+
+
+def _apply_pairs(fn, gathered, local):
+    """`fn(gathered_tensor, rows of the matching local tensor)` over two structures of the same shape."""
+    if isinstance(gathered, dict):
+        return type(gathered)({k: _apply_pairs(fn, gathered[k], local[k]) for k in gathered})
+    if isinstance(gathered, (list, tuple)):
+        return type(gathered)(_apply_pairs(fn, g, v) for g, v in zip(gathered, local))
+    if isinstance(gathered, torch.Tensor):
+        return fn(gathered, len(local) if local.ndim else 1)
+    return gathered
+
+
+def _row_counts(rows) -> list[int]:
+    """The row count of every array in a prediction structure (batches of a list counted together)."""
+    if rows is None:
+        return []
+    if isinstance(rows, dict):
+        return [c for v in rows.values() for c in _row_counts(v)]
+    if isinstance(rows, list) and rows and all(hasattr(b, "shape") for b in rows):
+        return [sum(len(b) for b in rows)]  # eval_do_concat_batches=False: one array per batch
+    if isinstance(rows, (list, tuple)):
+        return [c for v in rows for c in _row_counts(v)]
+    return [len(rows)] if hasattr(rows, "shape") and rows.ndim else []
 
 
 def _lengths(dataset) -> list[int]:

@@ -187,3 +187,26 @@ def test_fused_qkv_split_rows():
     shard, _ = split_fused_qkv(per_head, "per_head", HeadLayout(4, 4, 2, 0))
     assert shard.weight[:, 0].tolist() == list(range(12))  # heads 0, 1 with their q, k, v rows
 
+
+
+def test_a_derived_policy_that_gives_wrong_numbers_is_refused_before_generating(tmp_path):
+    """Persimmon: fused per-head QKV with q/k layer norms. AutoTP's derivation has the right shapes (a smoke
+    forward passes) and wrong numbers; the run must stop in one line naming the layer, on every rank."""
+    import transformers as tr
+    from conftest import EXAMPLES, run_example
+
+    tok = tr.AutoTokenizer.from_pretrained(EXAMPLES / "models" / "gpt2-num2words-en-ro")
+    torch.manual_seed(0)
+    cfg = tr.PersimmonConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                             vocab_size=len(tok), pad_token_id=0, bos_token_id=1, eos_token_id=1, qk_layernorm=True)
+    tr.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "persimmon")
+    tok.save_pretrained(tmp_path / "persimmon")
+    run = run_example(["--model_name_or_path", str(tmp_path / "persimmon"), "--max_new_tokens", "4",
+                       "--max_prompts", "4", "--report_to", "none", "--deepspeed_inference"], tmp_path / "out",
+                      nprocs=2, script=EXAMPLES / "run_generation.py")
+    assert run.returncode == 2, run.output[-3000:]
+    errors = run.error_lines()
+    assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]
+    assert all("the policy derived for model_type 'persimmon'" in e and "gives wrong results: layer model.layers.0 "
+               "(PersimmonDecoderLayer) differs from the unsharded layer" in e for e in errors), errors
+    assert "Traceback" not in run.output and not (tmp_path / "out" / "generated_predictions.txt").exists()

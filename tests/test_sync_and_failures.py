@@ -14,10 +14,13 @@ def single_odd(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
-def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher):
-    run = run_example([*ODD, "--deepspeed_inference", "--tp_size", "2"], tmp_path, nprocs=4, launcher=launcher,
-                      timeout=300)
+@pytest.mark.parametrize("launcher, loader", [("deepspeed", None), ("torchrun", "dispatch_batches"),
+                                              ("deepspeed", "split_batches")])
+def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader):
+    """accelerate's dispatcher would hand every replica the same batches (74 lines for 37 examples)."""
+    extra = ["--accelerator_config", f'{{"{loader}": true}}'] if loader else []
+    run = run_example([*ODD, "--deepspeed_inference", "--tp_size", "2", *extra], tmp_path, nprocs=4,
+                      launcher=launcher, timeout=300)
     assert_ok(run)
     assert run.predictions() == single_odd.predictions() and len(run.predictions()) == 37
     results = run.results("predict")
@@ -114,3 +117,111 @@ def test_long_sources_are_truncated_with_one_warning(tmp_path):
     assert_ok(run)
     assert run.output.count("of 10 test sources are longer than --max_source_length 12 tokens and were truncated") == 1
     assert len(run.predictions()) == 10
+
+
+# Commands that start their own ranks (policy check, shard, bench) ----------------------------------------------
+
+CHATTY = """
+import datetime, sys
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+if dist.get_rank() == 1:
+    sys.stdout.write("x" * 2_000_000 + "\\\\n")  # far more than a pipe holds (64 KiB)
+    sys.stdout.flush()
+dist.barrier()
+"""
+
+
+def test_a_rank_that_prints_a_lot_does_not_block_its_peers(tmp_path, monkeypatch):
+    import time
+
+    from ds_inference_integration.ranks import failure_text, start_ranks, wait_ranks
+
+    (tmp_path / "chatty_rank.py").write_text(CHATTY)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    start = time.monotonic()
+    procs = start_ranks(2, "chatty_rank", [], log_dir=tmp_path)
+    codes = wait_ranks(procs, timeout=50)
+    assert codes == [0, 0], failure_text(procs, codes)
+    assert time.monotonic() - start < 40
+    assert (tmp_path / "rank-1.log").stat().st_size > 2_000_000
+
+
+def test_policy_check_counts_every_rank_and_leaves_no_temporary_files(tmp_path):
+    """Rank 1 alone sees wrong logits (a fault hook): the check must fail, naming rank 1."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import BIN, FAULTS, save_tiny_model
+
+    model = save_tiny_model("t5", tmp_path / "t5")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "DS_INFERENCE_FAULT": "check_logits:1", "PYTHONPATH": str(FAULTS),
+           "TORCH_EXTENSIONS_DIR": str(__import__("pathlib").Path(sys.prefix) / "torch_extensions")}
+    proc = subprocess.run([str(BIN / "ds-inference"), "policy", "check", str(model), "--tp-size", "2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAIL t5 tp2 logits: max |diff| 1.00e+00" in proc.stdout and "[on rank 1 of 2]" in proc.stdout
+    assert "PASS t5 tp2 greedy token ids" in proc.stdout  # the other checks still report
+    assert "FAIL: 7 of 8 checks passed" in proc.stdout
+    assert not [p for p in tmp.iterdir() if "ds_inference" in p.name], list(tmp.iterdir())
+
+
+GROUP_TIMEOUT = """
+import datetime, sys, time
+import torch, torch.distributed as dist
+from ds_inference_integration.topology import Topology, init_process_groups
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+topology = Topology.from_env(2)
+groups = init_process_groups(topology, "cpu", timeout=3)
+if topology.rank == 1:
+    time.sleep(12)  # late for the TP collective below, but alive
+start = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1), group=groups.tp)
+    outcome = "completed"
+except RuntimeError as e:
+    outcome = "timed out" if "imeout" in str(e) or "imed out" in str(e) else "failed: " + str(e)[:200]
+open(sys.argv[1] + f"/outcome-{topology.rank}.txt", "w").write(f"{outcome} {time.monotonic() - start:.1f}")
+import os
+os._exit(0)
+"""
+
+
+def test_tp_and_dp_groups_get_the_inference_timeout(tmp_path, monkeypatch):
+    """4 ranks, tp 2: the mesh's TP groups are new process groups; gloo would give them 30 minutes."""
+    from ds_inference_integration.ranks import failure_text, start_ranks, wait_ranks
+
+    (tmp_path / "group_timeout.py").write_text(GROUP_TIMEOUT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    procs = start_ranks(4, "group_timeout", [str(tmp_path)], log_dir=tmp_path)
+    codes = wait_ranks(procs, timeout=90)
+    assert codes == [0, 0, 0, 0], failure_text(procs, codes)
+    outcome, seconds = (tmp_path / "outcome-0.txt").read_text().rsplit(" ", 1)
+    assert outcome == "timed out" and float(seconds) < 10, (outcome, seconds)
+    assert (tmp_path / "outcome-2.txt").read_text().startswith("completed")  # the other TP group is unaffected
+
+
+STOP_ARGS = ["--do_predict", "--max_predict_samples", "64", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS,
+             "--deepspeed_inference", "--tp_size", "2", "--inference_timeout", "15"]
+
+
+@pytest.mark.parametrize("nprocs", [4, 2], ids=["dp2_x_tp2_gloo", "tp2_shared_memory_all_reduce"])
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs):
+    """SIGSTOP: not dead, so no connection closes. Under DP x TP the TP all-reduce is gloo's; at tp = world on
+    one node it is DeepSpeed's shared-memory all-reduce, which busy-waits with no timeout of its own."""
+    import re
+    import time
+
+    run = run_example(STOP_ARGS, tmp_path, nprocs=nprocs, timeout=300, fault="stop:1:2")
+    ended = time.time()
+    assert run.returncode != 0
+    stopped_at = float(re.search(r"fault: rank 1 stops at ([0-9.]+)", run.output).group(1))
+    assert ended - stopped_at < 15 + 15, ended - stopped_at
+    errors = [e for e in run.error_lines() if "stopped answering" in e]
+    assert errors and all(re.match(r"error: rank 1 \(pid \d+ on .+\) stopped answering: no heartbeat for 1\d s "
+                                   r"\(--inference_timeout 15\); ending the run \[rank [023]\]$", e) for e in errors)
+    _no_results(tmp_path)

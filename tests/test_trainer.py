@@ -116,3 +116,32 @@ def test_group_by_length_predicts_tuples_in_input_order(tiny_t5, tmp_path):
 
 def test_the_default_model_is_what_the_tests_use():
     assert (DEFAULT_MODEL / "config.json").is_file()
+
+
+def test_replica_loader_refuses_iterable_data_across_replicas_and_never_dispatches():
+    """Under the (dp_shard, tp) mesh: no dispatching (accelerate would give every replica the same batches),
+    and an IterableDataset, which cannot be split exactly between replicas, refused in one line."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import IterableDataset
+
+    from ds_inference_integration import InferenceSetupError, Topology
+    from ds_inference_integration.trainer import DeepSpeedInferenceMixin
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    config = SimpleNamespace(dispatch_batches=True)
+    fake = SimpleNamespace(process_groups=SimpleNamespace(mesh=object()), topology=Topology.create(4, 0, 2),
+                           accelerator=SimpleNamespace(dataloader_config=config), eval_dataset=None)
+    seen = []
+    loader = DeepSpeedInferenceMixin._replica_loader(fake, lambda d: seen.append(config.dispatch_batches) or d,
+                                                     [1, 2, 3], "test_dataset")
+    assert loader == [1, 2, 3] and seen == [False] and config.dispatch_batches is True
+    with pytest.raises(InferenceSetupError, match=r"test_dataset is an IterableDataset \(Stream\), which cannot be "
+                                                  r"split between 2 data-parallel replicas; valid: .* --tp_size 4"):
+        DeepSpeedInferenceMixin._replica_loader(fake, lambda d: d, Stream(), "test_dataset")
+    one_replica = SimpleNamespace(**{**vars(fake), "topology": Topology.create(2, 0, 2)})
+    assert isinstance(DeepSpeedInferenceMixin._replica_loader(one_replica, lambda d: d, Stream(), "test_dataset"),
+                      Stream)

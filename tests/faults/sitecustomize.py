@@ -27,6 +27,9 @@ def _patch_trainer(module):
             if KIND == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif KIND == "stop":
+                import time
+
+                print(f"fault: rank {rank} stops at {time.time():.3f}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif KIND == "skew":
                 inputs["input_ids"] = inputs["input_ids"].flip(0)

@@ -1,0 +1,157 @@
+"""Before a run uses a policy nobody has checked (derived from the model, DeepSpeed's `autotp`, or a file
+of the user's), check it numerically: the sharded model against the same layers unsharded.
+
+Before sharding, one full copy is kept of the first layer of each distinct type (each layer class in
+each list of layers: a T5 gets its first encoder and first decoder block). After sharding, one short
+probe input (8 tokens) runs through the sharded model; hooks record each chosen layer's input and
+output, and the unsharded copy runs on the same input. A wrong split that still has the right shapes
+(heads cut in the wrong layout, a projection that should have been row-parallel) shows up as a layer
+whose output differs from its copy's, and the run stops with one line naming it.
+
+Tolerance: max |sharded - unsharded| <= RTOL[dtype] x max |unsharded output - layer input|, the size of
+what the layer adds to its input (the residual stream would hide a wrong attention block otherwise).
+The largest ratio is agreed over the TP group, so every rank reports the same layer.
+
+Cost at start-up: the weights of one layer per type (read whole from the checkpoint under shard-aware
+loading), one forward of 8 tokens through the sharded model, and one layer forward per type
+(README, "Policies").
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import logging
+import time
+
+import torch
+from torch import nn
+
+from .arguments import InferenceSetupError
+
+logger = logging.getLogger(__name__)
+
+RTOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+PROBE_TOKENS = 8
+
+
+def first_layers(model: nn.Module, patterns) -> dict[str, nn.Module]:
+    """Path -> module of the first layer of each class matching `patterns`, in each ModuleList."""
+    chosen: dict[str, nn.Module] = {}
+    seen = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        for index, child in enumerate(module):
+            name = type(child).__name__
+            if (path, name) not in seen and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                seen.add((path, name))
+                chosen[f"{path}.{index}" if path else str(index)] = child
+    return chosen
+
+
+def reference_copies(model: nn.Module, patterns, loader=None) -> dict[str, nn.Module]:
+    """Unsharded copies of `first_layers`, taken before anything is split. A skeleton's layers (parameters on
+    meta) get their weights read whole from the checkpoint through `loader`."""
+    copies = {}
+    for path, layer in first_layers(model, patterns).items():
+        ref = copy.deepcopy(layer)
+        if loader is not None:
+            for name, p in list(ref.named_parameters()):
+                if p.is_meta:
+                    full = f"{path}.{name}"
+                    if full not in loader.key_of:
+                        break  # a tensor the checkpoint lacks: this layer type cannot be checked from the file
+                    owner, _, attr = name.rpartition(".")
+                    module = ref.get_submodule(owner) if owner else ref
+                    module._parameters[attr] = nn.Parameter(loader._read_whole([full], p).clone(), requires_grad=False)
+            if any(p.is_meta for p in ref.parameters()):
+                logger.warning("deepspeed_inference: layer %s cannot be checked numerically (not all of its weights "
+                               "are in the checkpoint)", path)
+                continue
+        copies[path] = ref.eval()
+    return copies
+
+
+def _first_tensor(value):
+    while isinstance(value, (tuple, list)):
+        value = value[0]
+    return value
+
+
+def _probe_inputs(model: nn.Module, device) -> dict:
+    config = model.config
+    vocab = getattr(config.get_text_config(), "vocab_size", None) or 32
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(3, vocab - 1), vocab, (1, PROBE_TOKENS), generator=g).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    if getattr(config, "is_encoder_decoder", False):
+        start = config.decoder_start_token_id if config.decoder_start_token_id is not None else 0
+        inputs["decoder_input_ids"] = torch.cat([torch.full((1, 1), start, device=device), ids[:, :3]], dim=1)
+    return inputs
+
+
+def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what: str, dtype: torch.dtype,
+                          group=None) -> str:
+    """Compare each copied layer with its sharded self on a probe input; raise one `InferenceSetupError` naming
+    the first layer beyond tolerance (the same on every rank of `group`). Returns a one-line summary."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    device = next(sharded.parameters()).device
+    seen: dict[str, tuple] = {}
+    entered: list[str] = []
+    hooks = []
+    for path in copies:
+        layer = sharded.get_submodule(path)
+
+        def pre(module, args, kwargs, path=path):
+            entered.append(path)
+            seen[path] = (copy.copy(args), dict(kwargs))
+
+        def post(module, args, kwargs, output, path=path):
+            seen[path] = (*seen[path], _first_tensor(output).detach().clone())
+
+        hooks += [layer.register_forward_pre_hook(pre, with_kwargs=True),
+                  layer.register_forward_hook(post, with_kwargs=True)]
+    error = None
+    try:
+        with torch.no_grad():
+            sharded(**_probe_inputs(sharded, device))
+    except RuntimeError as e:
+        error = f"the sharded forward fails in {entered[-1] if entered else 'the model'}: {str(e).splitlines()[0]}"
+    finally:
+        for h in hooks:
+            h.remove()
+    ratios, details = [], []
+    rtol = RTOL.get(dtype, 1e-3)
+    for path, ref in copies.items():
+        if error is not None or len(seen.get(path, ())) != 3:
+            ratios.append(float("inf") if error is None else 0.0)
+            details.append("not reached by the probe" if error is None else "")
+            continue
+        args, kwargs, got = seen[path]
+        with torch.no_grad():
+            want = _first_tensor(ref.to(device)(*args, **kwargs))
+        x = _first_tensor(args) if args else _first_tensor(next(iter(kwargs.values()), None))
+        delta = want - x if isinstance(x, torch.Tensor) and x.shape == want.shape else want
+        scale = max(delta.float().abs().max().item(), 1e-6)
+        diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("inf")
+        ratios.append(diff / (rtol * scale))
+        details.append(f"max |diff| {diff:.2e}, tolerance {rtol * scale:.2e} ({rtol:g} x {scale:.2e}, what the "
+                       f"layer adds to its input, in {str(dtype).removeprefix('torch.')})")
+    flags = torch.tensor([*ratios, 1.0 if error else 0.0], dtype=torch.float64)
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    fix = ("write a policy with `ds-inference policy suggest MODEL_DIR > my.toml`, check it with `ds-inference "
+           "policy check MODEL_DIR --tp-size N --policy my.toml`, and pass --injection_policy my.toml")
+    if flags[-1] > 0:
+        raise InferenceSetupError(f"{what}: {error or 'the sharded forward fails on another rank'}; {fix}")
+    for (path, ref), ratio, detail in zip(copies.items(), flags[:-1].tolist(), details):
+        if ratio > 1:
+            raise InferenceSetupError(
+                f"{what} gives wrong results: layer {path} ({type(ref).__name__}) differs from the unsharded layer "
+                f"on a probe input, {detail or 'on another rank'}; {fix}")
+    worst = max(flags[:-1].tolist(), default=0.0)
+    return (f"{what} checked numerically: {len(copies)} layer type(s) within tolerance (worst {worst:.2g} of it) "
+            f"in {time.perf_counter() - start:.2f} s")
