@@ -5,6 +5,8 @@ On one `--config`-built Llama saved as safetensors (default about 6.3 GB in fp32
 * single: one process, `from_pretrained` (the reference: a full load);
 * full (naive): tp ranks, each `from_pretrained` then `deepspeed.init_inference`;
 * shard-aware: tp ranks, model built on meta, each reads only its slices of the checkpoint;
+* shard-aware-get-slice: the same, with every read through safetensors' `get_slice` alone (what the
+  reader would be without its own positioned reads for column selections and dtype changes);
 * pre-sharded: tp ranks, each reads its own file written by `ds-inference shard` (timed too).
 
 Every rank is its own process; peak RSS is the process's high-water mark (VmHWM), which includes
@@ -27,7 +29,33 @@ from pathlib import Path
 
 from .ranks import failure_text, memory_mb, start_ranks, wait_ranks
 
-MODES = ("single", "full", "shard-aware", "pre-sharded")
+MODES = ("single", "full", "shard-aware", "shard-aware-get-slice", "pre-sharded")
+GET_SLICE = "shard-aware-get-slice"  # shard-aware, every read through safetensors' get_slice (no own reads)
+
+
+def _read_with_get_slice(self, name, rows=None, cols=None, dtype=None, view=False):
+    """`SafetensorsCheckpoint.read` done with safetensors' `get_slice` alone (what the reader would be without
+    its own positioned reads): the side-by-side measurement behind keeping them for column selections and
+    dtype changes (checkpoint.py's docstring)."""
+    import torch
+
+    e = self.entries[name]
+    handle = self._handles[e.file]
+    if not e.shape:
+        t = handle.get_tensor(name)
+    else:
+        sl = handle.get_slice(name)
+        parts = []
+        for a, b in rows or [(0, e.shape[0])]:
+            if cols is None:
+                parts.append(sl[a:b])
+            else:
+                parts.append(torch.cat([sl[a:b, c0:c1] for c0, c1 in cols], dim=1))
+        t = parts[0] if len(parts) == 1 else torch.cat(parts)
+    self.bytes_read += t.numel() * t.element_size()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if view and cols is None else t.contiguous()
 NEW_TOKENS = 8
 
 
@@ -79,8 +107,12 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
         start = time.perf_counter()
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
         policy = policy_for_run("auto", config, topology.tp_size)
+        if mode == GET_SLICE:
+            from .checkpoint import SafetensorsCheckpoint
+
+            SafetensorsCheckpoint.read = _read_with_get_slice
         model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=torch.float32,
-                           mode=mode)
+                           mode="shard-aware" if mode == GET_SLICE else mode)
         model, shard = shard_model(model, args, topology, groups, policy, torch.float32)
         report = str(shard)
     ready = time.perf_counter() - start

@@ -79,3 +79,33 @@ def test_prepare_argv_validates_tp_before_anything_starts(monkeypatch):
     # The flag off: no timeout change; tp is not validated.
     argv, _ = prepare_argv(["--output_dir", "x", "--tp_size", "3"])
     assert "--ddp_timeout" not in argv
+
+
+def test_help_exits_zero_and_a_bad_argument_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import EXAMPLES
+
+    for script in ("run_generation.py", "run_translation.py"):
+        proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and "--deepspeed_inference" in proc.stdout, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "run_generation.py"), "--output_dir", str(tmp_path),
+                           "--no_such_flag", "1"], capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "--no_such_flag" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_fault_hook_is_not_in_the_package(tmp_path):
+    """DS_INFERENCE_FAULT means nothing to a production run: only the tests' sitecustomize reads it."""
+    from conftest import TRANSLATE_ARGS, assert_ok, run_example
+
+    run = run_example(["--do_predict", "--max_predict_samples", "4", *TRANSLATE_ARGS, "--deepspeed_inference"],
+                      tmp_path, env={"DS_INFERENCE_FAULT": "raise:0:0"})
+    assert_ok(run)
+    garbled = run_example(["--do_predict", "--max_predict_samples", "4", *TRANSLATE_ARGS], tmp_path / "garbled",
+                          env={"DS_INFERENCE_FAULT": "not a fault spec"})
+    assert_ok(garbled)

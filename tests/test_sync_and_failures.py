@@ -14,11 +14,12 @@ def single_odd(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("launcher, loader", [("deepspeed", None), ("torchrun", "dispatch_batches"),
-                                              ("deepspeed", "split_batches")])
+@pytest.mark.parametrize("launcher, loader", [("deepspeed", None), ("torchrun", '{"dispatch_batches": true}'),
+                                              ("deepspeed", '{"dispatch_batches": true, "split_batches": true}')],
+                         ids=["plain", "dispatch", "dispatch_split"])
 def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader):
     """accelerate's dispatcher would hand every replica the same batches (74 lines for 37 examples)."""
-    extra = ["--accelerator_config", f'{{"{loader}": true}}'] if loader else []
+    extra = ["--accelerator_config", loader] if loader else []
     run = run_example([*ODD, "--deepspeed_inference", "--tp_size", "2", *extra], tmp_path, nprocs=4,
                       launcher=launcher, timeout=300)
     assert_ok(run)
