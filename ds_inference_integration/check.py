@@ -157,7 +157,8 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[t
     inputs = _inputs(config, torch)
     want = _run_model(ref, inputs, torch)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
-    model, report = shard_model(model, args, topology, groups, policy, torch.float32)
+    # verify=False: this command's own comparisons below are the numerical check, in more detail
+    model, report = shard_model(model, args, topology, groups, policy, torch.float32, verify=False)
     policy = report.policy_object
     got = _run_model_naming_failures(model, inputs, patterns, torch)
 

@@ -50,6 +50,7 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank now, never hang
         traceback.print_exc()
         sys.stderr.write(f"\nerror: rank {rank} failed: {type(e).__name__}: {e}\n")
+        watchdog.explain_failure()  # a peer that stopped answering is the likely cause: name it
         _exit_now(1)
     watchdog.finished()
     if dist.is_available() and dist.is_initialized():

@@ -38,6 +38,10 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
     if dtype not in DTYPES:
         print(f"error: --dtype {dtype!r} is invalid; valid: {', '.join(DTYPES)}", file=sys.stderr)
         return 2
+    if policy not in ("auto", "autotp"):
+        from .policy import load_policy
+
+        load_policy(policy)  # a missing or malformed policy file: one line now, before any rank starts
     if out.resolve() == src.resolve():
         print("error: OUT_DIR must differ from MODEL_DIR", file=sys.stderr)
         return 2

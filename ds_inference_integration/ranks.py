@@ -36,7 +36,11 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path) -> li
     procs = []
     for rank in range(n):
         env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
-               **os.environ, "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               **os.environ,
+               # this interpreter's tools first (its venv's ninja): two ninja versions hash DeepSpeed's JIT build
+               # commands differently, and alternating between them rebuilds the op (~55 s) every time
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "LOCAL_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         log = None

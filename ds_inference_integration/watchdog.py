@@ -68,10 +68,33 @@ def finished() -> None:
             pass
 
 
+def explain_failure() -> None:
+    """Called by a rank that is about to exit because something failed (a collective timed out, a connection
+    closed): if a peer has also stopped beating, that is the likely cause, so say so as the watchdog would,
+    and end that peer if it runs here. A collective's own timeout can fire a moment before the watchdog."""
+    last_change = _state.get("last_change")
+    if not last_change or _state.get("done"):
+        return
+    now = time.monotonic()
+    stale = [r for r, t in last_change.items() if now - t > 3 * _state["interval"]]
+    if stale:
+        sys.stderr.write(f"\nerror: {_stopped(stale[0], now - last_change[stale[0]])} [rank {_state['rank']}]\n")
+        sys.stderr.flush()
+
+
+def _stopped(peer: int, silent: float) -> str:
+    """The line that names a stopped peer (which is SIGKILLed if it runs on this host)."""
+    where = _where(_state["store"], peer)
+    _kill_if_local(where)
+    return (f"rank {peer}{' (' + where + ')' if where else ''} stopped answering: no heartbeat for {silent:.0f} s "
+            f"(--inference_timeout {_state['timeout']:.0f}); ending the run")
+
+
 def _watch(store, rank: int, world_size: int, timeout: float, interval: float) -> None:
     peers = [r for r in range(world_size) if r != rank]
     last_value = {r: None for r in peers}
     last_change = {r: time.monotonic() for r in peers}
+    _state.update(last_change=last_change, interval=interval, timeout=timeout)
     last_store_ok = time.monotonic()
     while not _state.get("done"):
         now = time.monotonic()
@@ -93,11 +116,7 @@ def _watch(store, rank: int, world_size: int, timeout: float, interval: float) -
                            rank)
         stopped = [r for r in peers if now - last_change[r] > timeout]
         if stopped:
-            r = stopped[0]
-            where = _where(store, r)
-            _kill_if_local(where)
-            _exit_with(f"rank {r}{' (' + where + ')' if where else ''} stopped answering: no heartbeat for "
-                       f"{now - last_change[r]:.0f} s (--inference_timeout {timeout:.0f}); ending the run", rank)
+            _exit_with(_stopped(stopped[0], now - last_change[stopped[0]]), rank)
         time.sleep(interval)
 
 

@@ -20,6 +20,10 @@ RUN_TRANSLATION = EXAMPLES / "run_translation.py"
 DEFAULT_MODEL = EXAMPLES / "models" / "t5-num2words-en-ro"
 DATA = EXAMPLES / "data" / "num2words"
 BIN = Path(sys.executable).parent
+# Every process the tests start finds this venv's tools first, ninja above all: DeepSpeed JIT-builds its CPU
+# all-reduce with whichever `ninja` is on PATH, and two ninja versions (pip's 1.13 here, Debian's 1.11 in
+# /usr/bin) hash the build commands differently, so alternating between them rebuilt the op (~55 s) each time.
+os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 PREFIX = "translate English to Romanian: "
 TRANSLATE_ARGS = [
     "--predict_with_generate", "--source_lang", "en", "--target_lang", "ro", "--source_prefix", PREFIX,
@@ -90,6 +94,16 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def load_example(name: str):
+    """An example script imported as a module (its `main(argv)` runs in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_ok(run: Run) -> None:

@@ -125,10 +125,6 @@ def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     assert_ok(tp)
     assert tp.predictions() == ref.predictions() and len(ref.predictions()) == 24
     assert tp.output.count("model loaded pre-sharded: read") == 2  # one line per rank, naming the path
-    # end to end, one process (a world of one: tp 1): one line naming both tp sizes, exit 2, no traceback
-    bad = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "bad")
-    assert bad.returncode == 2
-    assert "is pre-sharded for --tp_size 2, this run has tp 1" in bad.output and "Traceback" not in bad.output
     # a damaged rank-1 file, which only rank 1 hashes: both ranks stop with the same line, before generating
     _, damaged, manifest = _copy(presharded, tmp_path / "copy")
     _rewrite(damaged / manifest["files"][1]["name"], _bump)
@@ -238,7 +234,7 @@ def test_mixed_or_damaged_rank_files_are_refused(presharded, tmp_path, case):
     assert problem is not None and expect in problem, problem
 
 
-def test_interrupted_shard_leaves_a_directory_that_is_refused_and_can_be_redone(presharded, tmp_path):
+def test_interrupted_shard_leaves_a_directory_that_is_refused_and_can_be_redone(presharded, tmp_path, monkeypatch):
     from transformers import AutoModelForSeq2SeqLM
 
     src, out, manifest = _copy(presharded, tmp_path)
@@ -248,10 +244,23 @@ def test_interrupted_shard_leaves_a_directory_that_is_refused_and_can_be_redone(
     (out / "manifest.json").write_text('{"format": "ds-inference-presharded/1", "tp_size": 2}')
     with pytest.raises(InferenceSetupError, match="has format 'ds-inference-presharded/1', this version reads"):
         load_model(AutoModelForSeq2SeqLM, out, inference_args=ON)
-    # a re-run over it is allowed, and a failing one removes the manifest before anything else
+    # a re-run over it is allowed; a bad policy file is refused before anything is touched, and a run that
+    # gets as far as starting ranks has removed the old manifest first
     proc = cli("shard", str(src), "--tp-size", "2", str(out), "--policy", str(tmp_path / "nope.toml"))
-    assert proc.returncode != 0 and not (out / "manifest.json").exists()
-    assert "--injection_policy" in proc.stderr and proc.stderr.count("\nerror: ") + proc.stderr.startswith("error: ") >= 1
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --injection_policy")
+    import ds_inference_integration.preshard as preshard
+
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    seen = []
+
+    def fail_to_start(*args, **kwargs):
+        seen.append((out / "manifest.json").exists())
+        raise RuntimeError("no ranks today")
+
+    monkeypatch.setattr(preshard, "start_ranks", fail_to_start)
+    with pytest.raises(RuntimeError, match="no ranks today"):
+        preshard.run_shard(str(src), 2, str(out))
+    assert seen == [False] and not (out / "manifest.json").exists()
 
 
 def test_shard_command_rejects_bad_input(tmp_path):
