@@ -4,9 +4,11 @@ The flow, one module per step:
     arguments  -> DeepSpeedInferenceArguments (the --deepspeed_inference flag family)
     topology   -> Topology (world = tp x dp), process groups, the mesh accelerate reads
     policy     -> policies/*.toml, validated against the real model
-    loading    -> the model built on meta; each rank reads only its shard (checkpoint: the reader)
-    shard      -> deepspeed.init_inference, in place
+    loading    -> the model built on meta; each rank reads only its shard (checkpoint: the reader,
+                  presharded: the directory format of `ds-inference shard`)
+    shard      -> deepspeed.init_inference, in place (verify_policy: a policy nobody checked, checked)
     trainer    -> same batches per TP group, gather once per replica, rows in input order
+                  (files: atomic outputs; watchdog: a rank that stops answering ends the run)
 """
 
 from .arguments import (DeepSpeedInferenceArguments, InferenceSetupError, parse_args_into_dataclasses, prepare_argv,

@@ -95,19 +95,6 @@ def test_unlisted_architectures_get_a_derived_policy(tmp_path):
     assert_all_pass(policy_cli("check", dirs[1], "--tp-size", "2", "--policy", str(path)), ["xglm"], 2)
 
 
-def test_unworkable_derived_policy_is_one_clear_failure(tmp_path):
-    import transformers as tr
-
-    torch.manual_seed(0)
-    cfg = tr.Phi3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=4, vocab_size=96, pad_token_id=0)
-    tr.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "phi3")
-    proc = policy_cli("check", str(tmp_path / "phi3"), "--tp-size", "2", timeout=200)
-    assert proc.returncode != 0
-    assert "the policy derived for model_type 'phi3'" in proc.stdout
-    assert "ds-inference policy suggest MODEL_DIR" in proc.stdout
-
-
 def test_policy_cli_list_show_suggest(model_dirs):
     listed = policy_cli("list").stdout
     for model_type in ("t5", "mt5", "bart", "mbart", "marian", "gpt2", "gpt_bigcode", "llama", "mistral", "opt",
@@ -189,24 +176,30 @@ def test_fused_qkv_split_rows():
 
 
 
-def test_a_derived_policy_that_gives_wrong_numbers_is_refused_before_generating(tmp_path):
-    """Persimmon: fused per-head QKV with q/k layer norms. AutoTP's derivation has the right shapes (a smoke
-    forward passes) and wrong numbers; the run must stop in one line naming the layer, on every rank."""
+@pytest.mark.parametrize("arch", ["persimmon", "phi3"])
+def test_a_derived_policy_that_does_not_work_is_refused_before_generating(tmp_path, arch):
+    """Persimmon: fused per-head QKV with q/k layer norms; AutoTP's derivation has the right shapes (a smoke
+    forward passes) and wrong numbers. Phi-3: fused qkv_proj and gate_up_proj; the derivation fails on shapes.
+    Either way the run stops in one line naming the layer, on every rank, before generating."""
     import transformers as tr
     from conftest import EXAMPLES, run_example
 
     tok = tr.AutoTokenizer.from_pretrained(EXAMPLES / "models" / "gpt2-num2words-en-ro")
     torch.manual_seed(0)
-    cfg = tr.PersimmonConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             vocab_size=len(tok), pad_token_id=0, bos_token_id=1, eos_token_id=1, qk_layernorm=True)
-    tr.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "persimmon")
-    tok.save_pretrained(tmp_path / "persimmon")
-    run = run_example(["--model_name_or_path", str(tmp_path / "persimmon"), "--max_new_tokens", "4",
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=len(tok), pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    cfg = (tr.PersimmonConfig(**common, qk_layernorm=True) if arch == "persimmon"
+           else tr.Phi3Config(**common, num_key_value_heads=4))
+    tr.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / arch)
+    tok.save_pretrained(tmp_path / arch)
+    run = run_example(["--model_name_or_path", str(tmp_path / arch), "--max_new_tokens", "4",
                        "--max_prompts", "4", "--report_to", "none", "--deepspeed_inference"], tmp_path / "out",
                       nprocs=2, script=EXAMPLES / "run_generation.py")
     assert run.returncode == 2, run.output[-3000:]
     errors = run.error_lines()
     assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]
-    assert all("the policy derived for model_type 'persimmon'" in e and "gives wrong results: layer model.layers.0 "
-               "(PersimmonDecoderLayer) differs from the unsharded layer" in e for e in errors), errors
+    why = ("gives wrong results: layer model.layers.0 (PersimmonDecoderLayer) differs from the unsharded layer"
+           if arch == "persimmon" else "the sharded forward fails in model.layers.0: ")
+    assert all(f"the policy derived for model_type '{arch}'" in e and why in e and
+               "ds-inference policy suggest MODEL_DIR" in e for e in errors), errors
     assert "Traceback" not in run.output and not (tmp_path / "out" / "generated_predictions.txt").exists()
