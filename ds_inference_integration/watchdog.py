@@ -6,8 +6,8 @@ container) or stuck keeps the others spinning forever. So every rank runs a smal
 heartbeat counter in the launcher's rendezvous store (its own TCP connection, with a short timeout) and
 reads everybody else's: a peer whose counter has not moved for the timeout has stopped answering.
 
-The thread then prints `error: rank R stopped answering ...`, SIGKILLs that peer if it runs on this
-host (a stopped process would otherwise stay until the launcher's grace period, or forever), and ends
+The thread then prints `error: rank R stopped answering ...`, SIGKILLs that peer if it is stopped and
+runs on this host (it would otherwise stay until the launcher's grace period, or forever), and ends
 this rank at once. A rank that finishes marks itself done first, so a peer still writing its results
 is not mistaken for a stopped one. If the store itself stops answering (its host is the stopped rank
 under the deepspeed launcher), that is reported the same way.
@@ -129,9 +129,14 @@ def _where(store, rank: int) -> str:
 
 
 def _kill_if_local(where: str) -> None:
+    """SIGKILL a stopped peer on this host (only if /proc says it is stopped: never a process that merely reused
+    a dead peer's pid, and a running one is left to the launcher's own termination)."""
     parts = where.split()
     if len(parts) == 4 and parts[3] == socket.gethostname():
         try:
-            os.kill(int(parts[1]), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, ValueError):
+            with open(f"/proc/{int(parts[1])}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state in ("T", "t"):
+                os.kill(int(parts[1]), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
             pass
