@@ -12,10 +12,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from .arguments import InferenceSetupError
 from . import watchdog
+from .arguments import InferenceSetupError
 from .trainer import LockstepError
-
 
 # A setup error is the same on every rank, but a launcher ends all ranks as soon as one exits non-zero:
 # each rank waits this long after reporting, so that its peers reach the same check and report too.

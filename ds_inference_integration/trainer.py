@@ -18,13 +18,17 @@ import torch.distributed as dist
 from accelerate.utils import recursively_apply
 from transformers import Seq2SeqTrainer, Trainer
 
-from .arguments import DeepSpeedInferenceArguments, InferenceSetupError, world_size_from_env
+from . import watchdog
+from .arguments import (
+    DeepSpeedInferenceArguments,
+    InferenceSetupError,
+    world_size_from_env,
+)
 from .files import write_text_atomic
-from .policy import Policy, check_head_counts, policy_for_run
 from .loading import is_skeleton
+from .policy import Policy, check_head_counts, policy_for_run
 from .shard import ShardReport, init_deepspeed_comm, shard_model
 from .topology import ProcessGroups, Topology, init_process_groups
-from . import watchdog
 
 logger = logging.getLogger(__name__)
 
