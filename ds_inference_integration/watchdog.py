@@ -84,7 +84,7 @@ def explain_failure() -> None:
 
 def _stopped(peer: int, silent: float) -> str:
     """The line that names a stopped peer (which is SIGKILLed if it runs on this host)."""
-    where = _where(_state["store"], peer)
+    where = _state.setdefault("where", {}).get(peer) or _where(_state["store"], peer)
     _kill_if_local(where)
     return (f"rank {peer}{' (' + where + ')' if where else ''} stopped answering: no heartbeat for {silent:.0f} s "
             f"(--inference_timeout {_state['timeout']:.0f}); ending the run")
@@ -100,7 +100,10 @@ def _watch(store, rank: int, world_size: int, timeout: float, interval: float) -
         now = time.monotonic()
         try:
             store.add(f"{_PREFIX}/beat/{rank}", 1)
+            known = _state.setdefault("where", {})
             for r in peers:
+                if r not in known and store.check([f"{_PREFIX}/where/{r}"]):
+                    known[r] = _where(store, r)  # kept: by the time a peer stops, the store may be gone
                 if store.add(f"{_PREFIX}/done/{r}", 0):
                     last_change[r] = now  # finished cleanly: not expected to beat any more
                     continue

@@ -28,7 +28,8 @@ def test_prompts_have_very_different_lengths():
 def test_tp2_generation_equals_single_process_and_grouping_keeps_order(tmp_path):
     single = run_example(ARGS, tmp_path / "single", script=RUN_GENERATION)
     grouped = run_example([*ARGS, "--group_by_length"], tmp_path / "grouped", script=RUN_GENERATION)
-    tp = run_example([*ARGS, "--deepspeed_inference"], tmp_path / "tp", nprocs=2, script=RUN_GENERATION)
+    tp = run_example([*ARGS, "--deepspeed_inference"], tmp_path / "tp", nprocs=2, script=RUN_GENERATION,
+                     launcher="torchrun")
     for run in (single, grouped, tp):
         assert_ok(run)
     prompts = PROMPTS.read_text(encoding="utf-8").splitlines()

@@ -21,8 +21,11 @@ from ds_inference_integration.loading import is_skeleton, load_model
 ON = DeepSpeedInferenceArguments(deepspeed_inference=True)
 
 
-def cli(*args, timeout=300):
-    return subprocess.run([str(BIN / "ds-inference"), *args], capture_output=True, text=True, timeout=timeout)
+def cli(*args, timeout=300, env=None):
+    import os
+
+    return subprocess.run([str(BIN / "ds-inference"), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -129,7 +132,7 @@ def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     _, damaged, manifest = _copy(presharded, tmp_path / "copy")
     _rewrite(damaged / manifest["files"][1]["name"], _bump)
     run = run_example(["--model_name_or_path", str(damaged), *args, "--deepspeed_inference"], tmp_path / "damaged",
-                      nprocs=2)
+                      nprocs=2, launcher="torchrun")
     assert run.returncode != 0 and "Traceback" not in run.output
     errors = run.error_lines()
     assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]
@@ -272,8 +275,10 @@ def test_shard_command_rejects_bad_input(tmp_path):
 
 @pytest.mark.slow  # 5 launches, about 50 s: `make test-all` runs it
 def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
+    (tmp_path / "tmp").mkdir()
     proc = cli("bench", "memory", "--config", "128,2,4,256,96", "--tp-size", "2", "--output-dir", str(tmp_path),
-               timeout=400)
+               timeout=400, env={"TMPDIR": str(tmp_path / "tmp")})
+    assert not list((tmp_path / "tmp").glob("bench_memory_*"))  # the model and its copies are removed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_memory.json").read_text())
     modes = [r["mode"] for r in result["rows"]]

@@ -36,7 +36,8 @@ def test_sampling_with_a_seed_matches_single_process(tiny_models, tmp_path):
             "--per_device_eval_batch_size", "8", "--val_max_target_length", "12", *TRANSLATE_ARGS, "--seed", "7"]
     greedy = run_example(args, tmp_path / "greedy")
     sampled = run_example([*args, "--do_sample", "--top_k", "0"], tmp_path / "single")
-    tp = run_example([*args, "--do_sample", "--top_k", "0", "--deepspeed_inference"], tmp_path / "tp", nprocs=2)
+    tp = run_example([*args, "--do_sample", "--top_k", "0", "--deepspeed_inference"], tmp_path / "tp", nprocs=2,
+                     launcher="torchrun")
     for run in (greedy, sampled, tp):
         assert_ok(run)
     assert sampled.predictions() != greedy.predictions()  # it really sampled
@@ -51,14 +52,14 @@ def _no_results(out) -> None:
 
 
 def test_killed_rank_ends_the_run_within_the_timeout(tmp_path):
-    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="kill:1:3")
+    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="kill:1:3", launcher="torchrun")
     assert run.returncode != 0
     assert run.seconds < 60 + 30, run.seconds
     _no_results(tmp_path)
 
 
 def test_rank_that_raises_takes_the_others_down_promptly(tmp_path):
-    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="raise:1:3")
+    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="raise:1:3", launcher="torchrun")
     assert run.returncode != 0
     assert "error: rank 1 failed: RuntimeError: injected fault on rank 1 at batch 3" in run.output
     assert run.seconds < 45, run.seconds  # well before the 60 s collective timeout
@@ -66,7 +67,7 @@ def test_rank_that_raises_takes_the_others_down_promptly(tmp_path):
 
 
 def test_lockstep_guard_stops_mixed_inputs_on_every_rank(tmp_path):
-    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="skew:1:2")
+    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="skew:1:2", launcher="torchrun")
     assert run.returncode != 0
     errors = run.error_lines()
     assert any("[rank 0]" in e for e in errors) and any("[rank 1]" in e for e in errors), run.output[-2000:]
@@ -191,7 +192,7 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 topology = Topology.from_env(2)
 groups = init_process_groups(topology, "cpu", timeout=3)
 if topology.rank == 1:
-    time.sleep(12)  # late for the TP collective below, but alive
+    time.sleep(8)  # late for the TP collective below (3 s timeout), but alive
 start = time.monotonic()
 try:
     dist.all_reduce(torch.ones(1), group=groups.tp)
@@ -223,14 +224,16 @@ STOP_ARGS = ["--do_predict", "--max_predict_samples", "64", "--per_device_eval_b
              "--deepspeed_inference", "--tp_size", "2", "--inference_timeout", "10"]
 
 
-@pytest.mark.parametrize("nprocs", [4, 2], ids=["dp2_x_tp2_gloo", "tp2_shared_memory_all_reduce"])
-def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs):
+@pytest.mark.parametrize("nprocs, launcher", [(4, "torchrun"), (2, "deepspeed")],
+                         ids=["dp2_x_tp2_gloo_torchrun", "tp2_shared_memory_all_reduce_deepspeed"])
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs, launcher):
     """SIGSTOP: not dead, so no connection closes. Under DP x TP the TP all-reduce is gloo's; at tp = world on
-    one node it is DeepSpeed's shared-memory all-reduce, which busy-waits with no timeout of its own."""
+    one node it is DeepSpeed's shared-memory all-reduce, which busy-waits with no timeout of its own. (torchrun
+    hosts the rendezvous store in its agent, the deepspeed launcher in rank 0: the watchdog works with both.)"""
     import re
     import time
 
-    run = run_example(STOP_ARGS, tmp_path, nprocs=nprocs, timeout=300, fault="stop:1:2")
+    run = run_example(STOP_ARGS, tmp_path, nprocs=nprocs, timeout=300, fault="stop:1:2", launcher=launcher)
     ended = time.time()
     assert run.returncode != 0
     stopped_at = float(re.search(r"fault: rank 1 stops at ([0-9.]+)", run.output).group(1))

@@ -145,3 +145,17 @@ def test_replica_loader_refuses_iterable_data_across_replicas_and_never_dispatch
     one_replica = SimpleNamespace(**{**vars(fake), "topology": Topology.create(2, 0, 2)})
     assert isinstance(DeepSpeedInferenceMixin._replica_loader(one_replica, lambda d: d, Stream(), "test_dataset"),
                       Stream)
+
+
+def test_the_row_check_is_exact(tiny_t5, tmp_path):
+    """Duplicated rows (what a dispatched loader produced under DP x TP: every batch twice) must fail the run,
+    not pass because their count is a multiple of the example count."""
+    from accelerate.utils import recursively_apply
+
+    trainer, data = make_trainer(tiny_t5, tmp_path)
+    assert len(trainer.predict(data, max_new_tokens=4).predictions) == len(SOURCES)
+    two = trainer.predict(data, max_new_tokens=4, num_return_sequences=2, num_beams=2).predictions
+    assert len(two) == 2 * len(SOURCES)  # rows per example come from the generation settings
+    trainer._replica_gather = lambda d: recursively_apply(lambda t: torch.cat([t, t]), d)
+    with pytest.raises(RuntimeError, match=r"predictions: gathered 18 rows for 9 examples x 1 row\(s\) each"):
+        trainer.predict(data, max_new_tokens=4)

@@ -60,7 +60,7 @@ def test_plain_multi_rank_returns_no_padding_duplicates(single, tmp_path):
     args = [*PREDICT[:-len(TRANSLATE_ARGS)], *TRANSLATE_ARGS, "--max_predict_samples", "37",
             "--per_device_eval_batch_size", "8"]
     ref = single("dp37", args)
-    dp = run_example(args, tmp_path, nprocs=2)
+    dp = run_example(args, tmp_path, nprocs=2, launcher="torchrun")
     assert_ok(dp)
     assert dp.predictions() == ref.predictions() and len(dp.predictions()) == 37
     assert (dp.results("predict")["tp_size"], dp.results("predict")["dp_size"]) == (1, 2)
