@@ -24,6 +24,7 @@ BIN = Path(sys.executable).parent
 # all-reduce with whichever `ninja` is on PATH, and two ninja versions (pip's 1.13 here, Debian's 1.11 in
 # /usr/bin) hash the build commands differently, so alternating between them rebuilt the op (~55 s) each time.
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # in-process runs too
 PREFIX = "translate English to Romanian: "
 TRANSLATE_ARGS = [
     "--predict_with_generate", "--source_lang", "en", "--target_lang", "ro", "--source_prefix", PREFIX,
@@ -94,6 +95,21 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+_EXAMPLES: dict = {}
+
+
+def run_in_process(args: list[str], output_dir: Path, script: Path = RUN_TRANSLATION) -> Run:
+    """A single-process reference run through the script's own main(), in this process: the same code path as
+    `run_example` without a launcher, without paying ~10 s of imports per run. (Runs that must show how a
+    process ends, its exit code and output, use `run_example`.)"""
+    name = script.stem
+    if name not in _EXAMPLES:
+        _EXAMPLES[name] = load_example(name)
+    start = time.monotonic()
+    _EXAMPLES[name].main(["--output_dir", str(output_dir), *args])
+    return Run(0, "", time.monotonic() - start, output_dir)
 
 
 def load_example(name: str):

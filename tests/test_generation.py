@@ -4,7 +4,7 @@ padding, prompts stripped, outputs in input order; tp 2 equals one process; leng
 import json
 
 import numpy as np
-from conftest import EXAMPLES, assert_ok, run_example
+from conftest import EXAMPLES, assert_ok, run_example, run_in_process
 
 from ds_inference_integration.trainer import _unsort, padding_fraction
 
@@ -26,8 +26,8 @@ def test_prompts_have_very_different_lengths():
 
 
 def test_tp2_generation_equals_single_process_and_grouping_keeps_order(tmp_path):
-    single = run_example(ARGS, tmp_path / "single", script=RUN_GENERATION)
-    grouped = run_example([*ARGS, "--group_by_length"], tmp_path / "grouped", script=RUN_GENERATION)
+    single = run_in_process(ARGS, tmp_path / "single", script=RUN_GENERATION)
+    grouped = run_in_process([*ARGS, "--group_by_length"], tmp_path / "grouped", script=RUN_GENERATION)
     tp = run_example([*ARGS, "--deepspeed_inference"], tmp_path / "tp", nprocs=2, script=RUN_GENERATION,
                      launcher="torchrun")
     for run in (single, grouped, tp):

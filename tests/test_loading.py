@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example
+from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
 from safetensors.torch import load_file, save_file
 from tiny_models import save_decoder
 
@@ -122,7 +122,7 @@ def test_shard_command_writes_one_file_per_rank_and_a_manifest(presharded):
 def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     src, out, _ = presharded
     args = ["--do_predict", "--max_predict_samples", "24", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]
-    ref = run_example(["--model_name_or_path", str(src), *args], tmp_path / "ref")
+    ref = run_in_process(["--model_name_or_path", str(src), *args], tmp_path / "ref")
     assert_ok(ref)
     tp = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2)
     assert_ok(tp)
@@ -132,7 +132,7 @@ def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     _, damaged, manifest = _copy(presharded, tmp_path / "copy")
     _rewrite(damaged / manifest["files"][1]["name"], _bump)
     run = run_example(["--model_name_or_path", str(damaged), *args, "--deepspeed_inference"], tmp_path / "damaged",
-                      nprocs=2, launcher="torchrun")
+                      nprocs=2)  # the deepspeed launcher adds no traceback of its own (torchrun does)
     assert run.returncode != 0 and "Traceback" not in run.output
     errors = run.error_lines()
     assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]

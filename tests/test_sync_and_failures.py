@@ -2,14 +2,14 @@
 raises, and bad input: never a hang, never a lost or duplicated prediction."""
 
 import pytest
-from conftest import TRANSLATE_ARGS, assert_ok, load_example, run_example
+from conftest import TRANSLATE_ARGS, assert_ok, load_example, run_example, run_in_process
 
 ODD = ["--do_predict", "--max_predict_samples", "37", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS]
 
 
 @pytest.fixture(scope="module")
 def single_odd(tmp_path_factory):
-    run = run_example(ODD, tmp_path_factory.mktemp("single_odd"))
+    run = run_in_process(ODD, tmp_path_factory.mktemp("single_odd"))
     assert_ok(run)
     return run
 
@@ -34,8 +34,8 @@ def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader):
 def test_sampling_with_a_seed_matches_single_process(tiny_models, tmp_path):
     args = ["--model_name_or_path", str(tiny_models["t5"]), "--do_predict", "--max_predict_samples", "24",
             "--per_device_eval_batch_size", "8", "--val_max_target_length", "12", *TRANSLATE_ARGS, "--seed", "7"]
-    greedy = run_example(args, tmp_path / "greedy")
-    sampled = run_example([*args, "--do_sample", "--top_k", "0"], tmp_path / "single")
+    greedy = run_in_process(args, tmp_path / "greedy")
+    sampled = run_in_process([*args, "--do_sample", "--top_k", "0"], tmp_path / "single")
     tp = run_example([*args, "--do_sample", "--top_k", "0", "--deepspeed_inference"], tmp_path / "tp", nprocs=2,
                      launcher="torchrun")
     for run in (greedy, sampled, tp):
