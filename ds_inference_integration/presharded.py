@@ -61,12 +61,15 @@ def file_stat(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+def _hash_file(h, path: Path):
     with open(path, "rb") as f:
         while chunk := f.read(8 * 2**20):
             h.update(chunk)
-    return h.hexdigest()
+    return h
+
+
+def sha256_file(path: Path) -> str:
+    return _hash_file(hashlib.sha256(), path).hexdigest()
 
 
 def source_fingerprint(files: list[Path]) -> str:
@@ -74,9 +77,7 @@ def source_fingerprint(files: list[Path]) -> str:
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.name):
         h.update(path.name.encode() + b"\0")
-        with open(path, "rb") as f:
-            while chunk := f.read(8 * 2**20):
-                h.update(chunk)
+        _hash_file(h, path)
     return h.hexdigest()
 
 
