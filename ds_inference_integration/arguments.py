@@ -74,6 +74,12 @@ class DeepSpeedInferenceArguments:
             )
         if self.loading not in LOADING_MODES:
             raise InferenceSetupError(f"--loading {self.loading!r} is invalid; valid: {', '.join(LOADING_MODES)}")
+        if self.replace_with_kernel_inject:
+            from .deepspeed_compat import kernel_injection_problem
+
+            problem = kernel_injection_problem()
+            if problem:
+                raise InferenceSetupError(f"--replace_with_kernel_inject is refused: {problem}")
         if self.inference_timeout <= 0:
             raise InferenceSetupError(f"--inference_timeout {self.inference_timeout} must be a positive number of seconds")
 

@@ -59,8 +59,9 @@ def _read_with_get_slice(self, name, rows=None, cols=None, dtype=None, view=Fals
 NEW_TOKENS = 8
 
 
-def build_config_model(spec: str, out: Path) -> Path:
-    """A random Llama of hidden,layers,heads,intermediate,vocab, saved as safetensors (tied embeddings)."""
+def build_config_model(spec: str, out: Path, dtype_name: str = "fp32") -> Path:
+    """A random Llama of hidden,layers,heads,intermediate,vocab, saved as safetensors in `dtype_name` (tied
+    embeddings)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,11 +72,13 @@ def build_config_model(spec: str, out: Path) -> Path:
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config)
-    model.save_pretrained(out, max_shard_size="2GB")
+    from .arguments import DTYPES
+
+    model.to(DTYPES[dtype_name]).save_pretrained(out, max_shard_size="2GB")
     return out
 
 
-def _worker(mode: str, model_dir: str, out_json: str) -> int:
+def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", dtype_name: str = "fp32") -> int:
     import datetime
     import importlib
     import os
@@ -84,7 +87,7 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .arguments import DeepSpeedInferenceArguments
+    from .arguments import DTYPES, DeepSpeedInferenceArguments
     from .loading import load_model
     from .policy import policy_for_run
     from .shard import init_deepspeed_comm, shard_model
@@ -93,16 +96,27 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
     importlib.import_module("deepspeed")  # every mode imports the same libraries
 
     topology = Topology.from_env()
+    device, dtype = torch.device(device_name), DTYPES[dtype_name]
+    cuda = device.type == "cuda"
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)  # the CUDA context exists before the clock starts, on every path
     if mode != "single":
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     baseline = memory_mb("VmRSS")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
     start = time.perf_counter()
     config = AutoConfig.from_pretrained(model_dir)
     if mode == "single":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         report = ""
     else:
-        groups = init_process_groups(topology, "cpu", timeout=600)
+        groups = init_process_groups(topology, device.type, timeout=600)
         init_deepspeed_comm(topology)
         start = time.perf_counter()
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
@@ -111,36 +125,46 @@ def _worker(mode: str, model_dir: str, out_json: str) -> int:
             from .checkpoint import SafetensorsCheckpoint
 
             SafetensorsCheckpoint.read = _read_with_get_slice
-        model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=torch.float32,
+        model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=dtype,
                            mode="shard-aware" if mode == GET_SLICE else mode)
-        model, shard = shard_model(model, args, topology, groups, policy, torch.float32)
+        model, shard = shard_model(model, args, topology, groups, policy, dtype, device=device)
         report = str(shard)
+    sync()
     ready = time.perf_counter() - start
     peak_ready = memory_mb("VmHWM")
-    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    gpu_at_ready = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]], device=device)
     start = time.perf_counter()
     with torch.no_grad():
         tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                 do_sample=False, pad_token_id=0)
+    sync()
     first_generate = time.perf_counter() - start
+    with torch.no_grad():  # the next-token logits of the prompt: how far each path is from the reference
+        logits = model(input_ids=ids).logits[0, -1].float().cpu()
+    torch.save(logits, out_json + ".logits.pt")
+    gpu = {"peak_gpu_mb_at_ready": round(gpu_at_ready, 1),
+           "peak_gpu_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)} if cuda else {}
     Path(out_json).write_text(json.dumps({
         "mode": mode, "rank": topology.rank, "ready_s": round(ready, 3), "generate_s": round(first_generate, 3),
         "baseline_rss_mb": round(baseline, 1), "peak_rss_at_ready_mb": round(peak_ready, 1),
-        "peak_rss_mb": round(memory_mb("VmHWM"), 1), "tokens": tokens[0].tolist(), "report": report}))
+        "peak_rss_mb": round(memory_mb("VmHWM"), 1), **gpu, "tokens": tokens[0].tolist(), "report": report}))
     sys.stdout.flush()
     os._exit(0)
 
 
-def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float) -> list[dict]:
+def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float, device: str, dtype: str) -> list[dict]:
     outs = [work / f"{mode}_{r}.json" for r in range(1 if mode == "single" else tp)]
     if mode == "single":
         proc = subprocess.run([sys.executable, "-m", "ds_inference_integration.bench_memory", "--worker", mode,
-                               str(model_dir), str(outs[0])], timeout=timeout, capture_output=True, text=True)
+                               str(model_dir), str(outs[0]), device, dtype], timeout=timeout, capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"single-process load failed: {proc.stderr[-1500:]}")
     else:
         procs = start_ranks(tp, "ds_inference_integration.bench_memory",
-                            ["--worker", mode, str(model_dir), str(work / f"{mode}_{{rank}}.json")], log_dir=work)
+                            ["--worker", mode, str(model_dir), str(work / f"{mode}_{{rank}}.json"), device, dtype],
+                            log_dir=work)
         codes = wait_ranks(procs, timeout)
         if any(codes):
             raise RuntimeError(f"{mode} failed: {failure_text(procs, codes)}")
@@ -148,36 +172,45 @@ def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float) -
 
 
 def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None = None,
-                 timeout: float = 1200) -> int:
+                 timeout: float = 1200, device: str = "cpu", dtype: str = "fp32") -> int:
+    """`device` cuda puts each rank's model on its GPU (NCCL) and adds peak GPU memory (allocated by torch) to
+    every row; `dtype` is the dtype of the built checkpoint and of every loaded model."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as work:  # the model and its copies: gigabytes
-        return _bench_memory(config_spec, tp, out_dir, model_dir, timeout, Path(work))
+        return _bench_memory(config_spec, tp, out_dir, model_dir, timeout, Path(work), device, dtype)
 
 
-def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None, timeout: float, work: Path) -> int:
+def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None, timeout: float, work: Path,
+                  device: str = "cpu", dtype: str = "fp32") -> int:
     from .preshard import run_shard
 
     t0 = time.perf_counter()
     src = Path(model_dir) if model_dir else work / "model"
     if not model_dir:  # in a child process: this one stays small, and so do the ranks it starts
         subprocess.run([sys.executable, "-m", "ds_inference_integration.bench_memory", "--build", config_spec,
-                        str(src)], check=True, timeout=timeout)
+                        str(src), dtype], check=True, timeout=timeout)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"model: {src} ({size / 2**20:.0f} MiB of safetensors; built in {time.perf_counter() - t0:.0f} s)", flush=True)
     presharded = work / f"presharded_tp{tp}"
     t0 = time.perf_counter()
-    if run_shard(str(src), tp, str(presharded), timeout=timeout) != 0:
+    if run_shard(str(src), tp, str(presharded), dtype=dtype, timeout=timeout) != 0:
         return 1
     shard_seconds = time.perf_counter() - t0
     rows = []
     for mode in MODES:
-        for r in _run_mode(mode, presharded if mode == "pre-sharded" else src, tp, work, timeout):
+        for r in _run_mode(mode, presharded if mode == "pre-sharded" else src, tp, work, timeout, device, dtype):
             rows.append(r)
             print(f"{mode:<12} rank {r['rank']}: peak RSS {r['peak_rss_mb']:8.1f} MB (after imports "
                   f"{r['baseline_rss_mb']:.1f}), ready in {r['ready_s']:.2f} s, first generate {r['generate_s']:.2f} s",
                   flush=True)
     single = next(r for r in rows if r["mode"] == "single")
     tokens_same = all(r["tokens"] == single["tokens"] for r in rows)
+    import torch
+
+    reference = torch.load(work / "single_0.json.logits.pt")
+    for r in rows:
+        logits = torch.load(work / f"{r['mode']}_{r['rank']}.json.logits.pt")
+        r["logits_max_abs_diff_vs_single"] = float((logits - reference).abs().max())
 
     def worst(mode, key):
         return max(r[key] for r in rows if r["mode"] == mode)
@@ -194,14 +227,19 @@ def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | Non
             m: round(max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in rows if r["mode"] == m)
                      / (single["peak_rss_mb"] - single["baseline_rss_mb"]), 3) for m in MODES[1:]},
         "ready_time_over_full": {m: round(worst(m, "ready_s") / worst("full", "ready_s"), 3) for m in MODES[1:]},
+        "ready_time_over_single": {m: round(worst(m, "ready_s") / single["ready_s"], 3) for m in MODES[1:]},
         "ready_plus_first_generate_over_full": {
             m: round(max(both(r) for r in rows if r["mode"] == m) / full_both, 3) for m in MODES[1:]},
     }
+    if "peak_gpu_mb" in single:
+        ratios["peak_gpu_per_rank_over_single"] = {m: round(worst(m, "peak_gpu_mb") / single["peak_gpu_mb"], 3)
+                                                   for m in MODES[1:]}
     result = {"model_dir": str(src), "checkpoint_mb": round(size / 2**20, 1), "config": config_spec, "tp": tp,
+              "device": device, "dtype": dtype,
               "shard_command_s": round(shard_seconds, 2), "rows": rows, "ratios": ratios,
               "tokens_identical": tokens_same}
     (out_dir / "bench_memory.json").write_text(json.dumps(result, indent=2))
-    lines = [f"Model: {config_spec or model_dir}, {size / 2**20:.0f} MiB fp32 safetensors; tp {tp}; "
+    lines = [f"Model: {config_spec or model_dir}, {size / 2**20:.0f} MiB {dtype} safetensors; tp {tp} on {device}; "
              f"`ds-inference shard` took {shard_seconds:.1f} s.", "",
              "| path | rank | peak RSS MB | RSS after imports MB | ready s | first generate s | peak / single "
              "| ready / full | ready+generate / full |",
@@ -216,19 +254,23 @@ def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | Non
               "Worst rank over single process (peak RSS; and peak minus RSS after imports): " + ", ".join(
                   f"{m} {ratios['peak_rss_per_rank_over_single'][m]:.2f} ({ratios['model_rss_per_rank_over_single'][m]:.2f})"
                   for m in MODES[1:])]
+    if "peak_gpu_mb" in single:
+        lines.append("Peak GPU memory (torch allocated) per rank, MB: " + ", ".join(
+            f"{r['mode']} rank {r['rank']} {r['peak_gpu_mb']:.0f} (at ready {r['peak_gpu_mb_at_ready']:.0f})"
+            for r in rows))
     (out_dir / "bench_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if tokens_same else 1
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--build":
-        build_config_model(sys.argv[2], Path(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--build":
+        build_config_model(sys.argv[2], Path(sys.argv[3]), sys.argv[4])
         sys.exit(0)
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
         import os
 
         rank = os.environ.get("RANK", "0")
-        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4].replace("{rank}", rank)))
+        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4].replace("{rank}", rank), sys.argv[5], sys.argv[6]))
     print("usage: ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] [--tp-size N]", file=sys.stderr)
     sys.exit(2)

@@ -97,7 +97,7 @@ def _shard(ns: argparse.Namespace) -> int:
 def _bench_memory(ns: argparse.Namespace) -> int:
     from .bench_memory import bench_memory
 
-    return bench_memory(ns.config, ns.tp_size, Path(ns.output_dir), ns.model, ns.timeout)
+    return bench_memory(ns.config, ns.tp_size, Path(ns.output_dir), ns.model, ns.timeout, ns.device, ns.dtype)
 
 
 def _summary(ns: argparse.Namespace) -> int:
@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Llama hidden,layers,heads,intermediate,vocab (default: about 6.3 GB in fp32)")
     mem.add_argument("--model", default=None, help="an existing safetensors model directory instead of --config")
     mem.add_argument("--tp-size", type=int, default=2)
+    mem.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where each rank's model goes")
+    mem.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
+                     help="dtype of the built checkpoint and of every loaded model")
     mem.add_argument("--timeout", type=float, default=1200)
     mem.add_argument("--output-dir", default="bench_out")
     mem.set_defaults(func=_bench_memory)

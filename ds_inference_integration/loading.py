@@ -195,7 +195,10 @@ class ShardAwareLoader(Loader):
         name = names[0]
         key = self._key(names)
         src = self.ckpt.shape(key)
-        transposed = name in self.transposed
+        # A Conv1D weight is stored [in, out]; it is read as a Linear's [out, in] only where its module became one
+        # (tp > 1: our conv1d_to_linear or DeepSpeed's own layers). At tp 1 DeepSpeed splits nothing and the
+        # module stays a Conv1D, which needs the weight as stored.
+        transposed = name in self.transposed and type(module).__name__ != "Conv1D"
         full = tuple(reversed(src)) if transposed else tuple(src)
         want = tuple(p.shape)
         if p.numel() == 0:  # DeepSpeed's 64-grain split can leave trailing ranks nothing of a narrow tensor
@@ -441,6 +444,8 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
                 return model
         if mode == "shard-aware":
             raise InferenceSetupError(f"--loading shard-aware: {model_dir}: {reason}; valid here: --loading full")
+    if enabled:  # in the run's dtype, as a one-device `from_pretrained(dtype=...)`: buffers made as it makes them
+        from_pretrained_kwargs.setdefault("dtype", dtype)
     model = model_cls.from_pretrained(model_dir, config=config, **from_pretrained_kwargs)
     if enabled:
         why = f" ({reason})" if reason else ""

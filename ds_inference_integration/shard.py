@@ -124,6 +124,27 @@ def _plain_subclass(layer: nn.Module) -> None:
         layer.__class__ = _SUBCLASSES[cls]
 
 
+def _buffers_kept_apart(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating buffers the model keeps in another dtype than its weights (RoPE's `inv_freq` is fp32 under
+    `from_pretrained(dtype=bf16)`). DeepSpeed's `init_inference` casts every floating buffer to the inference
+    dtype: in bf16 that rounds the rotary frequencies, and the next-token logits of a Llama moved by one bf16
+    step from the one-device model's (seen on an H200: greedy tokens of a random 0.9B Llama differed).
+    Kept here, put back after."""
+    return {name: b.detach().clone() for name, b in model.named_buffers()
+            if b.is_floating_point() and b.dtype != dtype and not b.is_meta}
+
+
+def _restore_buffers(model: nn.Module, kept: dict[str, torch.Tensor]) -> None:
+    for name, value in kept.items():
+        owner, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(owner) if owner else model
+        except AttributeError:  # kernel injection replaced the module that held it
+            continue
+        if attr in module._buffers and module._buffers[attr] is not None:
+            module._buffers[attr] = value.to(module._buffers[attr].device)
+
+
 def _head_layout(policy: Policy, config: object, topology: Topology) -> HeadLayout:
     spec = policy.attention
     q, kv = (v if isinstance(v, int) else getattr(config, v, None) for v in (spec.query_heads, spec.kv_heads))
@@ -272,8 +293,10 @@ def shard_model(
     if loader is not None:
         loader.fill_replicated(model, device)
         kwargs["keep_module_on_host"] = True  # DeepSpeed would `.to()` the still-meta linears
+    kept = _buffers_kept_apart(model, dtype)
     with _kv_heads_seen_by_deepspeed(model.config, heads):
         engine = deepspeed.init_inference(model, **kwargs)
+    _restore_buffers(engine.module, kept)
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)
     sharded = engine.module

@@ -35,7 +35,26 @@ def test_bad_values_name_the_value_and_the_valid_ones(kwargs, message):
         DeepSpeedInferenceArguments(**kwargs)
 
 
-def test_cpu_refuses_kernel_injection_and_fp16():
+def test_kernel_injection_is_refused_on_the_stack_where_it_cannot_run(monkeypatch):
+    """DeepSpeed 0.19's kernels fail on every architecture under transformers 5 (the GPU check's matrix): the
+    flag is refused when parsed, before any model loads; a DeepSpeed newer than the last seen broken passes."""
+    from ds_inference_integration import deepspeed_compat
+
+    versions = {"deepspeed": "0.19.8", "transformers": "5.24.0"}
+    monkeypatch.setattr(deepspeed_compat.metadata, "version", lambda name: versions[name])
+    with pytest.raises(InferenceSetupError, match=r"--replace_with_kernel_inject is refused: DeepSpeed 0\.19\.8's "
+                                                  r"inference kernels do not run with transformers 5\.24\.0"):
+        DeepSpeedInferenceArguments(replace_with_kernel_inject=True)
+    versions["deepspeed"] = "0.20.0"
+    assert DeepSpeedInferenceArguments(replace_with_kernel_inject=True).replace_with_kernel_inject
+    versions.update(deepspeed="0.19.8", transformers="4.43.4")
+    assert deepspeed_compat.kernel_injection_problem() is None
+
+
+def test_cpu_refuses_kernel_injection_and_fp16(monkeypatch):
+    from ds_inference_integration import deepspeed_compat
+
+    monkeypatch.setattr(deepspeed_compat, "kernel_injection_problem", lambda: None)  # a stack where they run
     with pytest.raises(InferenceSetupError, match="--replace_with_kernel_inject needs a GPU"):
         DeepSpeedInferenceArguments(replace_with_kernel_inject=True).check_device(False, torch.float32)
     with pytest.raises(InferenceSetupError, match="fp16 is not supported on CPU; valid on CPU: fp32, bf16"):

@@ -5,8 +5,11 @@ Numerical identity of every loading path with the naive one, for every policy fa
 tp 4, is checked by `ds-inference policy check` in test_policies_tp.py (two lines per model)."""
 
 import json
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +20,12 @@ from tiny_models import save_decoder
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
 from ds_inference_integration.loading import is_skeleton, load_model
+from ds_inference_integration.ranks import free_port
 
 ON = DeepSpeedInferenceArguments(deepspeed_inference=True)
+
+
+WORKERS = Path(__file__).resolve().parent / "workers"
 
 
 def cli(*args, timeout=300, env=None):
@@ -291,6 +298,25 @@ def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
 
 
 # A checkpoint that lacks some tensors: only those are initialised, exactly as from_pretrained does ------------
+
+@pytest.mark.parametrize("name", ["llama_kv4", "gpt2"])
+def test_one_rank_equals_from_pretrained_bitwise(tmp_path, name):
+    """tp 1 (one GPU): nothing is split, so every loading mode must give from_pretrained(dtype=bf16)'s logits
+    bit for bit. Two things broke that: DeepSpeed cast RoPE's fp32 `inv_freq` to bf16 (Llama), and shard-aware
+    loading read GPT-2's Conv1D weights transposed although DeepSpeed had left the module a Conv1D."""
+    model_dir = save_decoder(name, tmp_path)
+    proc = subprocess.run([sys.executable, str(WORKERS / "one_rank_shard.py"), str(model_dir), "bf16"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in rows] == ["full", "shard-aware"]
+    for r in rows:
+        assert r["max_abs_diff"] == 0.0, r
+        assert r["buffers_as_reference"], r
+    if name.startswith("llama"):
+        assert any(b.endswith("inv_freq") for b in rows[0]["buffers"])
+
 
 def test_missing_tensors_are_initialised_alone_bitwise_as_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
