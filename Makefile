@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= output_dir/demo
 NUM_GPUS ?= 2
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-fast test-all lint install clean
 
 install: $(STAMP)
 
@@ -24,10 +24,18 @@ demo: $(STAMP)
 		--output_dir $(DEMO_DIR) --do_predict --per_device_eval_batch_size 16 --report_to none
 	$(BIN)/ds-inference summary $(DEMO_DIR)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# Everything but the slow benchmark-command runs; CI runs this (.ci/run).
+test: lint
 	$(BIN)/python -m pytest -q tests
 
-test-all: $(STAMP)  # also the slow benchmark-command runs
+# In-process tests only: no launcher, no process started (tests/conftest.py marks the others `launched`).
+test-fast: lint
+	$(BIN)/python -m pytest -q tests -m "not slow and not launched"
+
+test-all: lint  # also the slow benchmark-command runs
 	$(BIN)/python -m pytest -q tests -m ""
 
 clean:

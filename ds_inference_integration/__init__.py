@@ -11,10 +11,22 @@ The flow, one module per step:
                   (files: atomic outputs; watchdog: a rank that stops answering ends the run)
 """
 
-from .arguments import (DeepSpeedInferenceArguments, InferenceSetupError, parse_args_into_dataclasses, prepare_argv,
-                        translate_legacy_args)
-from .policy import (Policy, available_policies, build_injection_policy, check_head_counts, load_policy,
-                     policy_for_run, resolve_policy)
+from .arguments import (
+    DeepSpeedInferenceArguments,
+    InferenceSetupError,
+    parse_args_into_dataclasses,
+    prepare_argv,
+    translate_legacy_args,
+)
+from .policy import (
+    Policy,
+    available_policies,
+    build_injection_policy,
+    check_head_counts,
+    load_policy,
+    policy_for_run,
+    resolve_policy,
+)
 from .topology import Topology
 
 __version__ = "0.1.0"

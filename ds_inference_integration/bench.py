@@ -15,8 +15,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .arguments import InferenceSetupError
+
 REPO = Path(__file__).resolve().parent.parent
 RUN_TRANSLATION = REPO / "examples" / "run_translation.py"
+
+
+def example_path(path: Path, command: str, instead: str = "") -> Path:
+    """`path` under the repository's examples/, which a wheel does not install: one line saying so otherwise."""
+    if path.exists():
+        return path
+    raise InferenceSetupError(f"{command} needs {path.relative_to(REPO)} from the repository, which is not "
+                              f"installed with the package (not found at {path}): run it from a checkout"
+                              + (f", or pass {instead}" if instead else ""))
 
 
 def _predict(nprocs: int, extra: list[str], out: Path) -> dict:
@@ -32,6 +43,7 @@ def _predict(nprocs: int, extra: list[str], out: Path) -> dict:
 
 
 def bench_guard(repeats: int, nprocs: int, output: Path) -> int:
+    example_path(RUN_TRANSLATION, "ds-inference bench guard")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
@@ -184,10 +196,18 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
                      max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3) -> int:
     from transformers import AutoTokenizer
 
+    if not Path(prompts_file).is_file():
+        if Path(prompts_file) == DEFAULT_PROMPTS:
+            example_path(DEFAULT_PROMPTS, "ds-inference bench generation", "--prompts FILE")
+        raise InferenceSetupError(f"--prompts {prompts_file!r} does not exist")
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
-    base_tok = AutoTokenizer.from_pretrained(model_dir or DEFAULT_LM)
-    models = {"embedded": Path(model_dir or DEFAULT_LM)}
+    model_dir = model_dir or example_path(DEFAULT_LM, "ds-inference bench generation", "--model MODEL_DIR")
+    if "trainer_tp2" in methods:
+        example_path(REPO / "examples" / "run_generation.py", "ds-inference bench generation's trainer_tp2",
+                     "--methods without trainer_tp2")
+    base_tok = AutoTokenizer.from_pretrained(model_dir)
+    models = {"embedded": Path(model_dir)}
     with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:  # the --config model: removed at the end
         return _bench_generation(models, base_tok, Path(tmp), config_spec, batch_sizes, prompts, prompts_file,
                                  max_prompts, new_tokens, out_dir, methods, repeats)

@@ -81,9 +81,10 @@ def _bench_guard(ns: argparse.Namespace) -> int:
 
 
 def _bench_generation(ns: argparse.Namespace) -> int:
-    from .bench import METHODS, bench_generation
+    from .bench import DEFAULT_PROMPTS, METHODS, bench_generation
 
-    return bench_generation(ns.model, ns.config, [int(b) for b in ns.batch_sizes.split(",")], ns.prompts,
+    return bench_generation(ns.model, ns.config, [int(b) for b in ns.batch_sizes.split(",")],
+                            ns.prompts or str(DEFAULT_PROMPTS),
                             ns.max_prompts, ns.new_tokens, Path(ns.output_dir),
                             ns.methods.split(",") if ns.methods else list(METHODS), ns.repeats)
 
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="model directory (default: the embedded GPT-2)")
     gen.add_argument("--config", default=None, help="also a random GPT-2 of n_embd,n_layer,n_head, e.g. 512,8,8")
     gen.add_argument("--batch-sizes", default="1,2,4,8,16")
-    gen.add_argument("--prompts", default=str(Path(__file__).resolve().parent.parent / "examples" / "data" / "prompts.txt"))
+    gen.add_argument("--prompts", default=None, help="prompts file (default: the repository's examples/data/prompts.txt)")
     gen.add_argument("--max-prompts", type=int, default=32)
     gen.add_argument("--new-tokens", type=int, default=16)
     gen.add_argument("--methods", default=None, help="comma-separated subset of the methods")

@@ -17,15 +17,28 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 from torch import nn
 
 from .arguments import InferenceSetupError
 
-POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR", Path(__file__).resolve().parent.parent / "policies"))
+
+def _shipped_policy_dir() -> Path:
+    """The shipped policies: the package `ds_inference_integration.policies` (the top-level policies/ directory,
+    mapped there by pyproject.toml, so an installed wheel has them); a checkout used through PYTHONPATH alone,
+    without an install, has them beside the package."""
+    from importlib import resources
+
+    try:
+        return Path(str(resources.files("ds_inference_integration.policies")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "policies"
+
+
+POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR") or _shipped_policy_dir())
 _TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention"}
 _LAYER_KEYS = {"row_parallel"}
 _ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local"}

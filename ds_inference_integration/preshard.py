@@ -84,8 +84,8 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
 
     from .arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
     from .loading import load_model, policy_id
-    from .presharded import write_presharded
     from .policy import policy_for_run
+    from .presharded import write_presharded
     from .shard import init_deepspeed_comm, shard_model
     from .topology import Topology, init_process_groups
 

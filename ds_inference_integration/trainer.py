@@ -306,7 +306,8 @@ class DeepSpeedInferenceMixin:
             test_dataset = test_dataset.select(order)
             padding["sorted"] = padding_fraction(_lengths(test_dataset), self.args.eval_batch_size)
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
-        self._fix_speed_metrics(output.metrics, metric_key_prefix, len(test_dataset) if hasattr(test_dataset, "__len__") else None)
+        count = len(test_dataset) if hasattr(test_dataset, "__len__") else None
+        self._fix_speed_metrics(output.metrics, metric_key_prefix, count)
         if order is None:
             return output
         output.metrics[f"{metric_key_prefix}_padding_fraction"] = round(padding["sorted"], 4)

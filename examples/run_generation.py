@@ -20,12 +20,24 @@ from pathlib import Path
 import numpy as np
 import transformers
 from datasets import Dataset
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer,
-                          DataCollatorWithPadding, HfArgumentParser, Seq2SeqTrainingArguments)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+    Seq2SeqTrainingArguments,
+)
 
-from ds_inference_integration import (DeepSpeedInferenceArguments, DeepSpeedInferenceSeq2SeqTrainer,
-                                      InferenceSetupError, parse_args_into_dataclasses, policy_for_run,
-                                      prepare_argv)
+from ds_inference_integration import (
+    DeepSpeedInferenceArguments,
+    DeepSpeedInferenceSeq2SeqTrainer,
+    InferenceSetupError,
+    parse_args_into_dataclasses,
+    policy_for_run,
+    prepare_argv,
+)
 from ds_inference_integration.files import write_text_atomic
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
@@ -91,7 +103,8 @@ def main(argv: list[str]) -> None:
     gen_args, training_args, inference_args = parse_args_into_dataclasses(parser, argv)
     training_args.predict_with_generate = True
     training_args.remove_unused_columns = False
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)])
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+                        handlers=[logging.StreamHandler(sys.stdout)])
     log_level = training_args.get_process_log_level()
     for lg in (logger, logging.getLogger("ds_inference_integration")):
         lg.setLevel(log_level)

@@ -243,8 +243,10 @@ def main(argv: list[str]) -> None:
                 raise InferenceSetupError(f"the {split} data has no language {lang!r} in 'translation'; languages there: {keys}")
 
     train_dataset = prepare("train", data_args.max_train_samples, data_args.max_target_length) if training_args.do_train else None
-    eval_dataset = prepare("validation", data_args.max_eval_samples, data_args.val_max_target_length) if training_args.do_eval else None
-    predict_dataset = prepare("test", data_args.max_predict_samples, data_args.val_max_target_length) if training_args.do_predict else None
+    eval_dataset = (prepare("validation", data_args.max_eval_samples, data_args.val_max_target_length)
+                    if training_args.do_eval else None)
+    predict_dataset = (prepare("test", data_args.max_predict_samples, data_args.val_max_target_length)
+                       if training_args.do_predict else None)
 
     # The model loads only once arguments, policy and data have been checked.
     # Under --deepspeed_inference each rank reads only its shard where the checkpoint allows (--loading).

@@ -16,10 +16,15 @@ from pathlib import Path
 
 import torch
 from datasets import load_dataset
-from transformers import (DataCollatorForLanguageModeling, GenerationConfig, GPT2Config, GPT2LMHeadModel, Trainer,
-                          TrainingArguments)
-
 from train_default_model import build_tokenizer
+from transformers import (
+    DataCollatorForLanguageModeling,
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainingArguments,
+)
 
 HERE = Path(__file__).parent
 SEPARATOR = " ="

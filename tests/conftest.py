@@ -133,10 +133,19 @@ def save_tiny_model(kind: str, path: Path, **overrides) -> Path:
     makes a random model repeat one token, and token equality would then prove little).
     """
     import torch
-    from transformers import (AutoTokenizer, BartConfig, BartForConditionalGeneration, MarianConfig,
-                              MarianMTModel, MBartConfig, MBartForConditionalGeneration, MT5Config,
-                              MT5ForConditionalGeneration, T5Config,
-                              T5ForConditionalGeneration)
+    from transformers import (
+        AutoTokenizer,
+        BartConfig,
+        BartForConditionalGeneration,
+        MarianConfig,
+        MarianMTModel,
+        MBartConfig,
+        MBartForConditionalGeneration,
+        MT5Config,
+        MT5ForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
@@ -167,3 +176,26 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "t5_3heads": save_tiny_model("t5", root / "t5_3heads", num_heads=3, d_kv=16),
         "bart": save_tiny_model("bart", root / "bart"),
     }
+
+
+# `make test-fast` runs the tests that start no process (`-m "not launched"`). A test is marked `launched` when
+# it, or a fixture it uses, starts one: a launcher run, a `ds-inference` command, a worker script.
+_STARTS_PROCESSES = ("run_example(", "subprocess.", "cli(", "gpu_check(", "start_ranks(", "run_check(",
+                     "run_shard(", "bench_memory(", "bench_generation(")
+
+
+def _starts_processes(fn) -> bool:
+    import inspect
+
+    try:
+        return any(k in inspect.getsource(fn) for k in _STARTS_PROCESSES)
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = [d.func for name in getattr(item, "fixturenames", ())
+                    for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
+        if any(_starts_processes(f) for f in [item.function, *fixtures]):
+            item.add_marker(pytest.mark.launched)

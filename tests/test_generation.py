@@ -4,8 +4,8 @@ padding, prompts stripped, outputs in input order; tp 2 equals one process; leng
 import json
 
 import numpy as np
-from conftest import EXAMPLES, assert_ok, run_example, run_in_process
 
+from conftest import EXAMPLES, assert_ok, run_example, run_in_process
 from ds_inference_integration.trainer import _unsort, padding_fraction
 
 RUN_GENERATION = EXAMPLES / "run_generation.py"
@@ -59,8 +59,9 @@ def test_bench_generation_writes_table_json_and_a_png_that_opens(tmp_path):
     tp2 generation test above): one row per method x batch size, the table, and the plot."""
     import subprocess
 
-    from conftest import BIN
     from PIL import Image
+
+    from conftest import BIN
 
     proc = subprocess.run([str(BIN / "ds-inference"), "bench", "generation", "--methods",
                            "pipeline_per_sample,pipeline_batched,generate_loop,trainer", "--batch-sizes", "1,4",

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
 from safetensors.torch import load_file, save_file
-from tiny_models import save_decoder
 
+from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
 from ds_inference_integration.loading import is_skeleton, load_model
 from ds_inference_integration.ranks import free_port
+from tiny_models import save_decoder
 
 ON = DeepSpeedInferenceArguments(deepspeed_inference=True)
 

@@ -10,11 +10,11 @@ import subprocess
 
 import pytest
 import torch
-from conftest import BIN, save_tiny_model
-from tiny_models import DECODERS, save_decoder
 
+from conftest import BIN, save_tiny_model
 from ds_inference_integration.attention import HeadLayout, split_fused_qkv
 from ds_inference_integration.policy import load_policy, policy_to_toml
+from tiny_models import DECODERS, save_decoder
 
 SEQ2SEQ = ("t5", "mt5", "bart", "mbart", "marian")
 CHECKS_PER_MODEL = 8
@@ -183,6 +183,7 @@ def test_a_derived_policy_that_does_not_work_is_refused_before_generating(tmp_pa
     forward passes) and wrong numbers. Phi-3: fused qkv_proj and gate_up_proj; the derivation fails on shapes.
     Either way the run stops in one line naming the layer, on every rank, before generating."""
     import transformers as tr
+
     from conftest import EXAMPLES, run_example
 
     tok = tr.AutoTokenizer.from_pretrained(EXAMPLES / "models" / "gpt2-num2words-en-ro")

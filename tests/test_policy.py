@@ -1,12 +1,18 @@
 """Policy files: schema, resolution, and validation against the real model before any sharding."""
 
 import pytest
-from conftest import save_tiny_model
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
+from conftest import save_tiny_model
+from ds_inference_integration import (
+    InferenceSetupError,
+    available_policies,
+    build_injection_policy,
+    check_head_counts,
+    load_policy,
+    resolve_policy,
+)
 from ds_inference_integration.policy import DERIVE
-from ds_inference_integration import (InferenceSetupError, available_policies, build_injection_policy,
-                                      check_head_counts, load_policy, resolve_policy)
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +48,17 @@ def test_policy_becomes_deepspeed_keys_with_the_leading_dot(models, kind, expect
 def test_missing_module_is_named_with_the_valid_linears(models, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('model_types = ["t5"]\n[layers.T5Block]\nrow_parallel = ["SelfAttention.o", "DenseReluDense.wout"]\n')
-    with pytest.raises(InferenceSetupError, match=r"'DenseReluDense.wout' names no module inside T5Block .*linears there: .*layer.1.DenseReluDense.wo"):
+    with pytest.raises(InferenceSetupError,
+                       match=r"'DenseReluDense.wout' names no module inside T5Block .*linears there: "
+                             r".*layer.1.DenseReluDense.wo"):
         build_injection_policy(load_policy(bad), models["t5"])
 
 
 def test_unknown_layer_class_lists_the_layer_classes(models, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('model_types = ["t5"]\n[layers.T5Blok]\nrow_parallel = ["SelfAttention.o"]\n')
-    with pytest.raises(InferenceSetupError, match=r"'T5Blok' matches nothing in T5ForConditionalGeneration; layer classes there: T5Block"):
+    with pytest.raises(InferenceSetupError,
+                       match=r"'T5Blok' matches nothing in T5ForConditionalGeneration; layer classes there: T5Block"):
         build_injection_policy(load_policy(bad), models["t5"])
 
 

@@ -2,6 +2,7 @@
 raises, and bad input: never a hang, never a lost or duplicated prediction."""
 
 import pytest
+
 from conftest import TRANSLATE_ARGS, assert_ok, load_example, run_example, run_in_process
 
 ODD = ["--do_predict", "--max_predict_samples", "37", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS]
@@ -99,7 +100,8 @@ BAD_INPUT = {
     "policy_schema": (["--injection_policy", "{tmp}/schema.toml"], "[layers.T5Block] must hold exactly: row_parallel"),
     "unknown_policy": (["--injection_policy", "t5-policy"], "--injection_policy 't5-policy' is not a file; valid: auto, autotp"),
     "missing_column": (["--test_file", "{tmp}/nocol.json"], "the test data has no 'translation' column; columns: ['text']"),
-    "missing_language": (["--test_file", "{tmp}/nolang.json"], "no language 'ro' in 'translation'; languages there: ['en', 'fr']"),
+    "missing_language": (["--test_file", "{tmp}/nolang.json"],
+                         "no language 'ro' in 'translation'; languages there: ['en', 'fr']"),
     "unknown_argument": (["--no_such_option", "1"], "Some specified arguments are not used by the HfArgumentParser: "
                                                    "['--no_such_option', '1']"),
 }

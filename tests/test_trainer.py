@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, save_tiny_model
 
+from conftest import DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, save_tiny_model
 from ds_inference_integration.trainer import _unsort
 
 SOURCES = ["one hundred", "seven", "twenty two", "nine thousand", "forty", "three", "eleven", "sixty five", "two"]
@@ -20,8 +20,7 @@ def tiny_t5(tmp_path_factory):
 
 def make_trainer(model_dir, output_dir, **args):
     from datasets import Dataset
-    from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq,
-                              Seq2SeqTrainingArguments)
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
     from ds_inference_integration import DeepSpeedInferenceSeq2SeqTrainer
 

@@ -2,6 +2,7 @@
 against the single-process run without the flag, in the same test session."""
 
 import pytest
+
 from conftest import DEFAULT_MODEL, PREFIX, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
 
 PREDICT = ["--do_predict", "--per_device_eval_batch_size", "16", *TRANSLATE_ARGS]

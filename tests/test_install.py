@@ -1,0 +1,56 @@
+"""A user's install: a wheel built from this repository, in a fresh virtualenv, used from a directory
+outside the checkout with the user's own copy of run_translation.py (issue: the policies were read from the
+checkout, so an installed plugin found none)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from conftest import BIN, DATA, DEFAULT_MODEL, REPO, TRANSLATE_ARGS, run_in_process
+from ds_inference_integration.ranks import free_port
+
+
+def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path):
+    wheels, venv, work = tmp_path / "wheels", tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(wheels), str(REPO)], check=True, timeout=180, cwd=tmp_path, capture_output=True)
+    wheel = next(wheels.glob("ds_inference_integration-*.whl"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True, timeout=180, capture_output=True)
+    # the heavy dependencies (torch, transformers, deepspeed) come from this venv, as a path only: its
+    # editable install of the package (a .pth hook) is not run, so the import below is the wheel's
+    site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{BIN}:{os.environ['PATH']}", "PYTHONPATH": "",
+           "TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    where = subprocess.run([str(python), "-c", "import ds_inference_integration as d; print(d.__file__)"],
+                           capture_output=True, text=True, cwd=work, env=env, check=True)
+    assert str(site) in where.stdout, where.stdout
+
+    listed = subprocess.run([str(venv / "bin" / "ds-inference"), "policy", "list"], capture_output=True, text=True,
+                            cwd=work, env=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    import tomllib
+
+    shipped = {t for p in (REPO / "policies").glob("*.toml") for t in tomllib.loads(p.read_text())["model_types"]}
+    assert {line.split()[0] for line in listed.stdout.splitlines()} == shipped
+
+    script = work / "my_run_translation.py"  # the user's own copy, away from examples/
+    shutil.copy(REPO / "examples" / "run_translation.py", script)
+    args = ["--model_name_or_path", str(DEFAULT_MODEL), "--test_file", str(DATA / "test.json"), "--do_predict",
+            "--max_predict_samples", "24", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]
+    tp = subprocess.run([str(python), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                         str(free_port()), str(script), "--output_dir", str(work / "tp2"), *args,
+                         "--deepspeed_inference", "--injection_policy", "auto"],
+                        capture_output=True, text=True, cwd=work, env=env, timeout=240)
+    assert tp.returncode == 0, tp.stdout[-3000:] + tp.stderr[-3000:]
+    run_in_process(args, tmp_path / "single")
+    assert (work / "tp2" / "generated_predictions.txt").read_text() == \
+        (tmp_path / "single" / "generated_predictions.txt").read_text()
