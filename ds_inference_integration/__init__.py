@@ -6,18 +6,24 @@ The flow, one module per step:
     policy     -> policies/*.toml, validated against the real model
     loading    -> the model built on meta; each rank reads only its shard (checkpoint: the reader,
                   presharded: the directory format of `ds-inference shard`)
-    shard      -> deepspeed.init_inference, in place (verify_policy: a policy nobody checked, checked)
+    inject     -> deepspeed.init_inference, in place (attention: head splits DeepSpeed cannot do;
+                  verify_policy: a policy nobody checked, checked)
     trainer    -> same batches per TP group, gather once per replica, rows in input order
-                  (files: atomic outputs; watchdog: a rank that stops answering ends the run)
+                  (files: atomic outputs; watchdog: a rank that stops answering ends the run;
+                  lifecycle: how a rank exits)
+    errors     -> the one-line errors; deepspeed_compat: every DeepSpeed-version workaround
+
+Our tools (the `ds-inference` commands, the policy checker, the benchmarks, rank launching) are in
+`ds_inference_integration.tools`, apart from this library.
 """
 
 from .arguments import (
     DeepSpeedInferenceArguments,
-    InferenceSetupError,
     parse_args_into_dataclasses,
     prepare_argv,
     translate_legacy_args,
 )
+from .errors import InferenceSetupError
 from .policy import (
     Policy,
     available_policies,
@@ -35,7 +41,7 @@ __version__ = "0.1.0"
 # command line (`ds-inference policy list`, ...) does not pay for them.
 _LAZY = {
     "load_model": "loading",
-    "LockstepError": "trainer",
+    "LockstepError": "errors",
     "DeepSpeedInferenceMixin": "trainer",
     "DeepSpeedInferenceSeq2SeqTrainer": "trainer",
     "DeepSpeedInferenceTrainer": "trainer",

@@ -8,13 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import InferenceSetupError  # noqa: F401  (also importable from here, as before)
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POLICY_MODES = ("auto", "autotp")
 LOADING_MODES = ("auto", "full", "shard-aware", "pre-sharded")
-
-
-class InferenceSetupError(ValueError):
-    """A user-caused setup error: the message is one line naming the bad value and the valid ones."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .arguments import InferenceSetupError
+from .errors import InferenceSetupError
 
 
 class ColumnShard(nn.Module):

@@ -1,9 +1,30 @@
 """What the pinned DeepSpeed (0.19) gets wrong or does not do with transformers 5, each named with the
-DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review of this file."""
+DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review of this file:
+
+* kernel injection does not run with transformers 5 (`kernel_injection_problem`: refused up front);
+* its CPU all-reduce reads LOCAL_SIZE, ignores process groups, and leaks /dev/shm (`init_deepspeed_comm`,
+  `unlink_shm_segment`);
+* it special-cases the class GPT2Block (`plain_subclass`);
+* it casts every floating buffer to the inference dtype (`buffers_kept_apart`, `restore_buffers`);
+* its head-aware split reads the KV-head count for the query side too (`kv_heads_seen_by_deepspeed`).
+
+Elsewhere, because it is the substance of a module rather than a patch: `attention.py` splits the
+projections DeepSpeed 0.19.8 splits wrongly (fused QKV, fewer KV heads than ranks). Not worked around:
+DeepSpeed treats any linear named `down_proj` as row-parallel whatever a policy says, which every shipped
+policy agrees with (the policy checker would show a disagreement).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.metadata as metadata
+import os
+
+import torch
+from torch import nn
+
+from .topology import Topology
 
 # DeepSpeed's fused inference kernels (`replace_with_kernel_inject`) run with none of the architectures they
 # list under transformers 5: on an H200 (2026-11-30, deepspeed 0.19.8, transformers 5.24.0, torch 2.11 cu130;
@@ -30,3 +51,101 @@ def kernel_injection_problem() -> str | None:
                 f"{metadata.version('transformers')} (every architecture they list fails in its first forward; "
                 "checked on an H200): drop the flag, tensor-parallel sharding works without it")
     return None
+
+
+# Communication ----------------------------------------------------------------------------------------------
+
+def init_deepspeed_comm(topology: Topology) -> None:
+    """Wrap the already-initialised torch process group in deepspeed.comm.
+
+    On CPU, DeepSpeed's shared-memory all-reduce ignores process groups and reads LOCAL_SIZE (set by
+    the `deepspeed` launcher; torchrun's LOCAL_WORLD_SIZE is copied to it): it is used only when one
+    TP group spans the whole single-node world, and plain torch.distributed all-reduce otherwise.
+    """
+    import deepspeed
+
+    if "LOCAL_SIZE" not in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]  # torchrun's name for it
+    local_size = os.environ.get("LOCAL_SIZE")
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ and local_size:
+        # The deepspeed launcher leaves every CPU rank all cores: oversubscribed ranks stall in all-reduce.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(local_size)))
+    shm_ok = topology.tp_size == topology.world_size and os.environ.get("LOCAL_SIZE") == str(topology.world_size)
+    if not shm_ok:  # do not even build (JIT-compile) the shared-memory op that would go unused
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend=None)
+    comm = importlib.import_module("deepspeed.comm.comm")
+    if comm.cdb is not None and not shm_ok and getattr(comm.cdb, "shm_vector_kernel_level", 0):
+        comm.cdb.shm_vector_kernel_level = 0
+    if comm.cdb is not None and getattr(comm.cdb, "shm_comm_op", None) is not None:
+        unlink_shm_segment(topology.rank)
+
+
+def unlink_shm_segment(rank: int) -> None:
+    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer (/dev/shm, 66 MB a rank).
+
+    DeepSpeed never removes it (only a clean `shared_close`, which nothing calls, would), so every run
+    left 66 MB per rank in /dev/shm: 21 GB after a day of test runs on a 24 GB machine. Every rank
+    maps every peer's buffer inside `init_distributed`; after a barrier the names are no longer
+    needed, and the memory goes back to the system when the last rank exits, however it exits.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{name}")
+
+
+# The model, around init_inference -----------------------------------------------------------------------
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def plain_subclass(layer: nn.Module) -> None:
+    """DeepSpeed special-cases the class GPT2Block itself (Conv1D-only sharding); a same-named subclass
+    takes the ordinary nn.Linear path."""
+    cls = type(layer)
+    if cls.__name__ == "GPT2Block" and cls.__module__.startswith("transformers."):
+        _SUBCLASSES.setdefault(cls, type(cls.__name__, (cls,), {"__module__": __name__}))
+        layer.__class__ = _SUBCLASSES[cls]
+
+
+def buffers_kept_apart(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating buffers the model keeps in another dtype than its weights (RoPE's `inv_freq` is fp32 under
+    `from_pretrained(dtype=bf16)`). DeepSpeed's `init_inference` casts every floating buffer to the inference
+    dtype: in bf16 that rounds the rotary frequencies, and the next-token logits of a Llama moved by one bf16
+    step from the one-device model's (seen on an H200: greedy tokens of a random 0.9B Llama differed).
+    Kept here, put back after."""
+    return {name: b.detach().clone() for name, b in model.named_buffers()
+            if b.is_floating_point() and b.dtype != dtype and not b.is_meta}
+
+
+def restore_buffers(model: nn.Module, kept: dict[str, torch.Tensor]) -> None:
+    for name, value in kept.items():
+        owner, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(owner) if owner else model
+        except AttributeError:  # kernel injection replaced the module that held it
+            continue
+        if attr in module._buffers and module._buffers[attr] is not None:
+            module._buffers[attr] = value.to(module._buffers[attr].device)
+
+
+@contextlib.contextmanager
+def kv_heads_seen_by_deepspeed(config: object, heads):
+    """While DeepSpeed splits, report at least tp KV heads, so its head-aware split gives every rank
+    tp-th of the query side (the KV side, if any, was split by us)."""
+    from deepspeed.module_inject.tp_shard import _KV_HEAD_ATTRS  # the names DeepSpeed reads, in order
+
+    name = next((n for n in _KV_HEAD_ATTRS if getattr(config, n, None) is not None), None)
+    if heads is None or name is None or not heads.replicated:
+        yield
+        return
+    old = getattr(config, name)
+    setattr(config, name, heads.tp_size)
+    try:
+        yield
+    finally:
+        setattr(config, name, old)

@@ -13,8 +13,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from . import watchdog
-from .arguments import InferenceSetupError
-from .trainer import LockstepError
+from .errors import InferenceSetupError, LockstepError
 
 # A setup error is the same on every rank, but a launcher ends all ranks as soon as one exits non-zero:
 # each rank waits this long after reporting, so that its peers reach the same check and report too.

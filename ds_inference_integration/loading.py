@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arguments import InferenceSetupError
 from .checkpoint import SafetensorsCheckpoint, ranges_of
+from .errors import InferenceSetupError
 from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from pathlib import Path
 import tomllib
 from torch import nn
 
-from .arguments import InferenceSetupError
+from .errors import InferenceSetupError
 
 
 def _shipped_policy_dir() -> Path:

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arguments import InferenceSetupError
 from .checkpoint import checkpoint_files, inside_dir, open_safetensors
+from .errors import InferenceSetupError
 from .files import write_text_atomic
 
 MANIFEST = "manifest.json"

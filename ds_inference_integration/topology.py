@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .arguments import InferenceSetupError
+from .errors import InferenceSetupError
 
 
 def _divisors(n: int) -> list[int]:

@@ -19,22 +19,16 @@ from accelerate.utils import recursively_apply
 from transformers import Seq2SeqTrainer, Trainer
 
 from . import watchdog
-from .arguments import (
-    DeepSpeedInferenceArguments,
-    InferenceSetupError,
-    world_size_from_env,
-)
+from .arguments import DeepSpeedInferenceArguments, world_size_from_env
+from .deepspeed_compat import init_deepspeed_comm
+from .errors import InferenceSetupError, LockstepError
 from .files import write_text_atomic
+from .inject import ShardReport, shard_model
 from .loading import is_skeleton
 from .policy import Policy, check_head_counts, policy_for_run
-from .shard import ShardReport, init_deepspeed_comm, shard_model
 from .topology import ProcessGroups, Topology, init_process_groups
 
 logger = logging.getLogger(__name__)
-
-
-class LockstepError(RuntimeError):
-    """Ranks of one TP group were about to generate from different inputs."""
 
 
 def fingerprint(inputs: dict) -> torch.Tensor:

@@ -27,7 +27,7 @@ import time
 import torch
 from torch import nn
 
-from .arguments import InferenceSetupError
+from .errors import InferenceSetupError
 
 logger = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ def loading_section(work: Path, smoke: bool, deadline: float) -> dict:
     device = "cpu" if smoke else "cuda"
     config = "64,2,4,128,256" if smoke else LOADING_CONFIG
     out = work / "loading"
-    r = run([sys.executable, "-m", "ds_inference_integration.cli", "bench", "memory", "--device", device,
+    r = run([sys.executable, "-m", "ds_inference_integration.tools.cli", "bench", "memory", "--device", device,
              "--dtype", "bf16", "--tp-size", "1", "--config", config, "--output-dir", str(out),
              "--timeout", str(int(max(30, deadline - time.monotonic())))],
             deadline - time.monotonic(), {"OMP_NUM_THREADS": "1"} if smoke else {})

@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 
 from conftest import BIN, DATA, DEFAULT_MODEL, REPO, TRANSLATE_ARGS, run_in_process
-from ds_inference_integration.ranks import free_port
+from ds_inference_integration.tools.ranks import free_port
 
 
 def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path):

@@ -19,7 +19,7 @@ from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example,
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
 from ds_inference_integration.loading import is_skeleton, load_model
-from ds_inference_integration.ranks import free_port
+from ds_inference_integration.tools.ranks import free_port
 from tiny_models import save_decoder
 
 ON = DeepSpeedInferenceArguments(deepspeed_inference=True)
@@ -258,7 +258,7 @@ def test_interrupted_shard_leaves_a_directory_that_is_refused_and_can_be_redone(
     # gets as far as starting ranks has removed the old manifest first
     proc = cli("shard", str(src), "--tp-size", "2", str(out), "--policy", str(tmp_path / "nope.toml"))
     assert proc.returncode == 2 and proc.stderr.startswith("error: --injection_policy")
-    import ds_inference_integration.preshard as preshard
+    import ds_inference_integration.tools.shard_command as preshard
 
     (out / "manifest.json").write_text(json.dumps(manifest))
     seen = []

@@ -48,7 +48,7 @@ def test_sampling_seeds_each_batch_without_resetting_the_global_random_state(tin
 
 
 def test_a_new_run_never_merges_into_or_shows_as_an_earlier_run(tiny_t5, tmp_path, capsys):
-    from ds_inference_integration.cli import main as cli_main
+    from ds_inference_integration.tools.cli import main as cli_main
 
     first, _ = make_trainer(tiny_t5, tmp_path)
     first.save_metrics("eval", {"eval_bleu": 10.0, "eval_samples": 9, "tp_size": 1, "dp_size": 1})

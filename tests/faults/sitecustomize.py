@@ -69,7 +69,7 @@ def _patch_check(module):
 
 
 PATCHES = {"ds_inference_integration.files": _patch_files} if KIND == "fail_write" else (
-    {"ds_inference_integration.check": _patch_check} if KIND == "check_logits" else
+    {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
     {"ds_inference_integration.trainer": _patch_trainer} if KIND else {})
 
 

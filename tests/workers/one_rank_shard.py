@@ -9,9 +9,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_inference_integration.arguments import DTYPES, DeepSpeedInferenceArguments
+from ds_inference_integration.deepspeed_compat import init_deepspeed_comm
+from ds_inference_integration.inject import shard_model
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.policy import policy_for_run
-from ds_inference_integration.shard import init_deepspeed_comm, shard_model
 from ds_inference_integration.topology import Topology, init_process_groups
 
 model_dir, dtype = sys.argv[1], DTYPES[sys.argv[2]]

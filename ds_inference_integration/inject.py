@@ -1,18 +1,15 @@
-"""Shard a Hugging Face model in place with `deepspeed.init_inference` (tensor parallelism).
+"""Inject tensor parallelism: shard a Hugging Face model in place with `deepspeed.init_inference`.
 
-Before DeepSpeed runs, three things it gets wrong in 0.19.8 are set right on the model:
-Conv1D layers become nn.Linear (GPT-2); fused QKV and fewer-KV-heads-than-ranks projections are
-split here (`attention.py`); the KV-head count DeepSpeed reads is raised to tp while it splits, so
-query-side sizes divide evenly. After it, attention attributes are set to this rank's values.
+Before DeepSpeed runs, the model is prepared: Conv1D layers become nn.Linear (GPT-2); fused QKV and
+fewer-KV-heads-than-ranks projections are split here (`attention.py`); what DeepSpeed 0.19 itself gets
+wrong is worked around in `deepspeed_compat.py`. After it, attention attributes are set to this rank's
+values and a skeleton's weights are read (`loading.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import importlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -21,6 +18,12 @@ from torch import nn
 
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from .attention import HeadLayout, split_fused_qkv, split_heads
+from .deepspeed_compat import (
+    buffers_kept_apart,
+    kv_heads_seen_by_deepspeed,
+    plain_subclass,
+    restore_buffers,
+)
 from .policy import DERIVE, Policy, build_injection_policy, derive_policy
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 
@@ -50,49 +53,6 @@ def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def init_deepspeed_comm(topology: Topology) -> None:
-    """Wrap the already-initialised torch process group in deepspeed.comm.
-
-    On CPU, DeepSpeed's shared-memory all-reduce ignores process groups and reads LOCAL_SIZE (set by
-    the `deepspeed` launcher; torchrun's LOCAL_WORLD_SIZE is copied to it): it is used only when one
-    TP group spans the whole single-node world, and plain torch.distributed all-reduce otherwise.
-    """
-    import deepspeed
-
-    if "LOCAL_SIZE" not in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
-        os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]  # torchrun's name for it
-    local_size = os.environ.get("LOCAL_SIZE")
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ and local_size:
-        # The deepspeed launcher leaves every CPU rank all cores: oversubscribed ranks stall in all-reduce.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(local_size)))
-    shm_ok = topology.tp_size == topology.world_size and os.environ.get("LOCAL_SIZE") == str(topology.world_size)
-    if not shm_ok:  # do not even build (JIT-compile) the shared-memory op that would go unused
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend=None)
-    comm = importlib.import_module("deepspeed.comm.comm")
-    if comm.cdb is not None and not shm_ok and getattr(comm.cdb, "shm_vector_kernel_level", 0):
-        comm.cdb.shm_vector_kernel_level = 0
-    if comm.cdb is not None and getattr(comm.cdb, "shm_comm_op", None) is not None:
-        unlink_shm_segment(topology.rank)
-
-
-def unlink_shm_segment(rank: int) -> None:
-    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer (/dev/shm, 66 MB a rank).
-
-    DeepSpeed never removes it (only a clean `shared_close`, which nothing calls, would), so every run
-    left 66 MB per rank in /dev/shm: 21 GB after a day of test runs on a 24 GB machine. Every rank
-    maps every peer's buffer inside `init_distributed`; after a barrier the names are no longer
-    needed, and the memory goes back to the system when the last rank exits, however it exits.
-    """
-    import torch.distributed as dist
-
-    dist.barrier()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(f"/dev/shm/{name}")
-
-
 # Preparation: what DeepSpeed would get wrong, made right on the model first --------------------------
 
 def _layers(model: nn.Module, policy: Policy) -> list[nn.Module]:
@@ -110,39 +70,6 @@ def conv1d_to_linear(layer: nn.Module) -> None:
                 linear.bias.data.copy_(child.bias.detach())
             parent, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent) if parent else layer, attr, linear)
-
-
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _plain_subclass(layer: nn.Module) -> None:
-    """DeepSpeed special-cases the class GPT2Block itself (Conv1D-only sharding); a same-named subclass
-    takes the ordinary nn.Linear path."""
-    cls = type(layer)
-    if cls.__name__ == "GPT2Block" and cls.__module__.startswith("transformers."):
-        _SUBCLASSES.setdefault(cls, type(cls.__name__, (cls,), {"__module__": __name__}))
-        layer.__class__ = _SUBCLASSES[cls]
-
-
-def _buffers_kept_apart(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating buffers the model keeps in another dtype than its weights (RoPE's `inv_freq` is fp32 under
-    `from_pretrained(dtype=bf16)`). DeepSpeed's `init_inference` casts every floating buffer to the inference
-    dtype: in bf16 that rounds the rotary frequencies, and the next-token logits of a Llama moved by one bf16
-    step from the one-device model's (seen on an H200: greedy tokens of a random 0.9B Llama differed).
-    Kept here, put back after."""
-    return {name: b.detach().clone() for name, b in model.named_buffers()
-            if b.is_floating_point() and b.dtype != dtype and not b.is_meta}
-
-
-def _restore_buffers(model: nn.Module, kept: dict[str, torch.Tensor]) -> None:
-    for name, value in kept.items():
-        owner, _, attr = name.rpartition(".")
-        try:
-            module = model.get_submodule(owner) if owner else model
-        except AttributeError:  # kernel injection replaced the module that held it
-            continue
-        if attr in module._buffers and module._buffers[attr] is not None:
-            module._buffers[attr] = value.to(module._buffers[attr].device)
 
 
 def _head_layout(policy: Policy, config: object, topology: Topology) -> HeadLayout:
@@ -188,24 +115,6 @@ def _has(layer: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-@contextlib.contextmanager
-def _kv_heads_seen_by_deepspeed(config: object, heads: HeadLayout | None):
-    """While DeepSpeed splits, report at least tp KV heads, so its head-aware split gives every rank
-    tp-th of the query side (the KV side, if any, was split by us)."""
-    from deepspeed.module_inject.tp_shard import _KV_HEAD_ATTRS  # the names DeepSpeed reads, in order
-
-    name = next((n for n in _KV_HEAD_ATTRS if getattr(config, n, None) is not None), None)
-    if heads is None or name is None or not heads.replicated:
-        yield
-        return
-    old = getattr(config, name)
-    setattr(config, name, heads.tp_size)
-    try:
-        yield
-    finally:
-        setattr(config, name, old)
 
 
 def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayout, head_dim: int) -> None:
@@ -285,7 +194,7 @@ def shard_model(
             layers = _layers(model, policy)
             for layer in layers:
                 conv1d_to_linear(layer)
-                _plain_subclass(layer)
+                plain_subclass(layer)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for a in (split_attention(layer, policy, heads) for layer in layers) if a]
@@ -293,10 +202,10 @@ def shard_model(
     if loader is not None:
         loader.fill_replicated(model, device)
         kwargs["keep_module_on_host"] = True  # DeepSpeed would `.to()` the still-meta linears
-    kept = _buffers_kept_apart(model, dtype)
-    with _kv_heads_seen_by_deepspeed(model.config, heads):
+    kept = buffers_kept_apart(model, dtype)
+    with kv_heads_seen_by_deepspeed(model.config, heads):
         engine = deepspeed.init_inference(model, **kwargs)
-    _restore_buffers(engine.module, kept)
+    restore_buffers(engine.module, kept)
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)
     sharded = engine.module

@@ -27,7 +27,7 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
             print(f"error: {d} is not a model directory (no config.json)", file=sys.stderr)
             return 2
     with tempfile.TemporaryDirectory(prefix="ds_inference_check_") as out:
-        procs = start_ranks(tp_size, "ds_inference_integration.check", ["--worker", out, policy, *model_dirs],
+        procs = start_ranks(tp_size, "ds_inference_integration.tools.policy_check", ["--worker", out, policy, *model_dirs],
                             log_dir=out)
         codes = wait_ranks(procs, timeout)
         reports = [json.loads(p.read_text()) if p.is_file() else None
@@ -140,9 +140,9 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[t
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from .arguments import DeepSpeedInferenceArguments
-    from .policy import DERIVE, check_head_counts, derive_policy, resolve_policy
-    from .shard import shard_model
+    from ..arguments import DeepSpeedInferenceArguments
+    from ..inject import shard_model
+    from ..policy import DERIVE, check_head_counts, derive_policy, resolve_policy
 
     name = Path(model_dir).name
     config = AutoConfig.from_pretrained(model_dir)
@@ -218,10 +218,10 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
     every tensor of this rank's shard bitwise equal, and greedy token ids equal."""
     import torch
 
-    from .checkpoint import checkpoint_files
-    from .loading import load_model, policy_id
-    from .presharded import start_writing, write_presharded
-    from .shard import shard_model
+    from ..checkpoint import checkpoint_files
+    from ..inject import shard_model
+    from ..loading import load_model, policy_id
+    from ..presharded import start_writing, write_presharded
 
     if checkpoint_files(Path(model_dir)) is None:
         yield False, "loading: no safetensors weights, shard-aware loading not checked"
@@ -260,9 +260,9 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from .arguments import InferenceSetupError
-    from .shard import init_deepspeed_comm
-    from .topology import Topology, init_process_groups
+    from ..deepspeed_compat import init_deepspeed_comm
+    from ..errors import InferenceSetupError
+    from ..topology import Topology, init_process_groups
 
     topology = Topology.from_env()
     backend = "nccl" if torch.cuda.is_available() else "gloo"

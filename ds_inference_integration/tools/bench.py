@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .arguments import InferenceSetupError
+from ..errors import InferenceSetupError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout: ds_inference_integration/tools/bench.py
 RUN_TRANSLATION = REPO / "examples" / "run_translation.py"
 
 
@@ -139,7 +139,7 @@ def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
 
-    from .trainer import DeepSpeedInferenceSeq2SeqTrainer
+    from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
 
     with tempfile.TemporaryDirectory(prefix="bench_trainer_") as output_dir:
         args = Seq2SeqTrainingArguments(output_dir=output_dir, per_device_eval_batch_size=batch_size,

@@ -20,9 +20,9 @@ from .ranks import failure_text, start_ranks, wait_ranks
 
 def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", dtype: str = "fp32",
               timeout: float = 1800) -> int:
-    from .arguments import DTYPES
-    from .checkpoint import checkpoint_files
-    from .presharded import start_writing
+    from ..arguments import DTYPES
+    from ..checkpoint import checkpoint_files
+    from ..presharded import start_writing
 
     src, out = Path(model_dir), Path(out_dir)
     if not (src / "config.json").is_file():
@@ -39,7 +39,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
         print(f"error: --dtype {dtype!r} is invalid; valid: {', '.join(DTYPES)}", file=sys.stderr)
         return 2
     if policy not in ("auto", "autotp"):
-        from .policy import load_policy
+        from ..policy import load_policy
 
         load_policy(policy)  # a missing or malformed policy file: one line now, before any rank starts
     if out.resolve() == src.resolve():
@@ -51,7 +51,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
         return 2
     start_writing(out)  # the old manifest goes first: until the new one is written, the directory does not load
     with tempfile.TemporaryDirectory(prefix="ds_inference_shard_") as status:
-        procs = start_ranks(tp_size, "ds_inference_integration.preshard",
+        procs = start_ranks(tp_size, "ds_inference_integration.tools.shard_command",
                             ["--worker", str(src), str(out), policy, dtype, status], log_dir=status)
         codes = wait_ranks(procs, timeout)
         result, error = Path(status, "result.json"), Path(status, "error.txt")
@@ -68,7 +68,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
 
 def _presharded_before(out: Path) -> bool:
     """A directory `shard` wrote before, completely or not (a manifest, rank files, or their temporary files)."""
-    from .presharded import MANIFEST, RANK_FILE
+    from ..presharded import MANIFEST, RANK_FILE
 
     return any(p.name == MANIFEST or RANK_FILE.fullmatch(p.name) or (p.name.startswith(".rank-") and
                                                                       p.name.endswith(".tmp"))
@@ -82,12 +82,13 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from .arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
-    from .loading import load_model, policy_id
-    from .policy import policy_for_run
-    from .presharded import write_presharded
-    from .shard import init_deepspeed_comm, shard_model
-    from .topology import Topology, init_process_groups
+    from ..arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
+    from ..deepspeed_compat import init_deepspeed_comm
+    from ..inject import shard_model
+    from ..loading import load_model, policy_id
+    from ..policy import policy_for_run
+    from ..presharded import write_presharded
+    from ..topology import Topology, init_process_groups
 
     topology = Topology.from_env()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=300))

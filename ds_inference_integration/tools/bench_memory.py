@@ -72,7 +72,7 @@ def build_config_model(spec: str, out: Path, dtype_name: str = "fp32") -> Path:
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config)
-    from .arguments import DTYPES
+    from ..arguments import DTYPES
 
     model.to(DTYPES[dtype_name]).save_pretrained(out, max_shard_size="2GB")
     return out
@@ -87,11 +87,12 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .arguments import DTYPES, DeepSpeedInferenceArguments
-    from .loading import load_model
-    from .policy import policy_for_run
-    from .shard import init_deepspeed_comm, shard_model
-    from .topology import Topology, init_process_groups
+    from ..arguments import DTYPES, DeepSpeedInferenceArguments
+    from ..deepspeed_compat import init_deepspeed_comm
+    from ..inject import shard_model
+    from ..loading import load_model
+    from ..policy import policy_for_run
+    from ..topology import Topology, init_process_groups
 
     importlib.import_module("deepspeed")  # every mode imports the same libraries
 
@@ -122,7 +123,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
         policy = policy_for_run("auto", config, topology.tp_size)
         if mode == GET_SLICE:
-            from .checkpoint import SafetensorsCheckpoint
+            from ..checkpoint import SafetensorsCheckpoint
 
             SafetensorsCheckpoint.read = _read_with_get_slice
         model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=dtype,
@@ -156,13 +157,13 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
 def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float, device: str, dtype: str) -> list[dict]:
     outs = [work / f"{mode}_{r}.json" for r in range(1 if mode == "single" else tp)]
     if mode == "single":
-        proc = subprocess.run([sys.executable, "-m", "ds_inference_integration.bench_memory", "--worker", mode,
+        proc = subprocess.run([sys.executable, "-m", "ds_inference_integration.tools.bench_memory", "--worker", mode,
                                str(model_dir), str(outs[0]), device, dtype], timeout=timeout, capture_output=True,
                               text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"single-process load failed: {proc.stderr[-1500:]}")
     else:
-        procs = start_ranks(tp, "ds_inference_integration.bench_memory",
+        procs = start_ranks(tp, "ds_inference_integration.tools.bench_memory",
                             ["--worker", mode, str(model_dir), str(work / f"{mode}_{{rank}}.json"), device, dtype],
                             log_dir=work)
         codes = wait_ranks(procs, timeout)
@@ -182,12 +183,12 @@ def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None
 
 def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None, timeout: float, work: Path,
                   device: str = "cpu", dtype: str = "fp32") -> int:
-    from .preshard import run_shard
+    from .shard_command import run_shard
 
     t0 = time.perf_counter()
     src = Path(model_dir) if model_dir else work / "model"
     if not model_dir:  # in a child process: this one stays small, and so do the ranks it starts
-        subprocess.run([sys.executable, "-m", "ds_inference_integration.bench_memory", "--build", config_spec,
+        subprocess.run([sys.executable, "-m", "ds_inference_integration.tools.bench_memory", "--build", config_spec,
                         str(src), dtype], check=True, timeout=timeout)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"model: {src} ({size / 2**20:.0f} MiB of safetensors; built in {time.perf_counter() - t0:.0f} s)", flush=True)

@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from .arguments import InferenceSetupError
-from .policy import available_policies, shipped_policies
+from ..errors import InferenceSetupError
+from ..policy import available_policies, shipped_policies
 
 
 def _policy_list(_: argparse.Namespace) -> int:
@@ -50,7 +50,7 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # library log lines must not mix into the TOML
         from transformers import AutoConfig
 
-        from .policy import derive_policy, policy_for_config, policy_to_toml
+        from ..policy import derive_policy, policy_for_config, policy_to_toml
 
         config = AutoConfig.from_pretrained(ns.model_dir)
         shipped = policy_for_config(config)
@@ -69,7 +69,7 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
 
 
 def _policy_check(ns: argparse.Namespace) -> int:
-    from .check import run_check
+    from .policy_check import run_check
 
     return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout)
 
@@ -90,7 +90,7 @@ def _bench_generation(ns: argparse.Namespace) -> int:
 
 
 def _shard(ns: argparse.Namespace) -> int:
-    from .preshard import run_shard
+    from .shard_command import run_shard
 
     return run_shard(ns.model_dir, ns.tp_size, ns.out_dir, ns.policy, ns.dtype, ns.timeout)
 
