@@ -6,9 +6,11 @@ The flow, one module per step:
     policy     -> policies/*.toml, validated against the real model
     loading    -> the model built on meta; each rank reads only its shard (checkpoint: the reader,
                   presharded: the directory format of `ds-inference shard`)
+    inference_setup -> setup_inference: all of the above for one rank, with or without a Trainer
     inject     -> deepspeed.init_inference, in place (attention: head splits DeepSpeed cannot do;
                   verify_policy: a policy nobody checked, checked)
     trainer    -> same batches per TP group, gather once per replica, rows in input order
+                  (lockstep: the guard; length_grouping: --group_by_length in predict)
                   (files: atomic outputs; watchdog: a rank that stops answering ends the run;
                   lifecycle: how a rank exits)
     errors     -> the one-line errors; deepspeed_compat: every DeepSpeed-version workaround
@@ -41,6 +43,8 @@ __version__ = "0.1.0"
 # command line (`ds-inference policy list`, ...) does not pay for them.
 _LAZY = {
     "load_model": "loading",
+    "setup_inference": "inference_setup",
+    "InferenceSetup": "inference_setup",
     "LockstepError": "errors",
     "DeepSpeedInferenceMixin": "trainer",
     "DeepSpeedInferenceSeq2SeqTrainer": "trainer",
@@ -60,6 +64,7 @@ __all__ = [
     "DeepSpeedInferenceMixin",
     "DeepSpeedInferenceSeq2SeqTrainer",
     "DeepSpeedInferenceTrainer",
+    "InferenceSetup",
     "InferenceSetupError",
     "LockstepError",
     "Policy",
@@ -73,5 +78,6 @@ __all__ = [
     "policy_for_run",
     "prepare_argv",
     "resolve_policy",
+    "setup_inference",
     "translate_legacy_args",
 ]

@@ -70,7 +70,9 @@ def init_deepspeed_comm(topology: Topology) -> None:
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ and local_size:
         # The deepspeed launcher leaves every CPU rank all cores: oversubscribed ranks stall in all-reduce.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(local_size)))
-    shm_ok = topology.tp_size == topology.world_size and os.environ.get("LOCAL_SIZE") == str(topology.world_size)
+    # (a world of one has nothing to all-reduce: building the op would cost ~25 s of JIT compile for nothing)
+    shm_ok = (topology.world_size > 1 and topology.tp_size == topology.world_size
+              and os.environ.get("LOCAL_SIZE") == str(topology.world_size))
     if not shm_ok:  # do not even build (JIT-compile) the shared-memory op that would go unused
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=None)

@@ -12,35 +12,23 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate.utils import recursively_apply
 from transformers import Seq2SeqTrainer, Trainer
 
-from . import watchdog
 from .arguments import DeepSpeedInferenceArguments, world_size_from_env
-from .deepspeed_compat import init_deepspeed_comm
-from .errors import InferenceSetupError, LockstepError
+from .errors import InferenceSetupError
 from .files import write_text_atomic
-from .inject import ShardReport, shard_model
+from .inference_setup import setup_inference
+from .inject import ShardReport
+from .length_grouping import input_lengths, length_order, padding_fraction, unsort
 from .loading import is_skeleton
-from .policy import Policy, check_head_counts, policy_for_run
-from .topology import ProcessGroups, Topology, init_process_groups
+from .lockstep import check_lockstep
+from .policy import Policy
+from .topology import ProcessGroups, Topology
 
 logger = logging.getLogger(__name__)
-
-
-def fingerprint(inputs: dict) -> torch.Tensor:
-    """A cheap summary of a batch (shapes and position-weighted sums of the integer tensors)."""
-    parts = []
-    for key in sorted(inputs):
-        value = inputs[key]
-        if isinstance(value, torch.Tensor) and not value.is_floating_point():
-            flat = value.reshape(-1).to(torch.int64)
-            weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
-            parts += [*value.shape, int((flat * weights).sum()), int(flat.sum())]
-    return torch.tensor(parts, dtype=torch.int64)
 
 
 class DeepSpeedInferenceMixin:
@@ -77,24 +65,14 @@ class DeepSpeedInferenceMixin:
             self._shard(policy)
 
     def _shard(self, policy: Policy | str | None) -> None:
-        inf = self.inference_args
-        dtype = inf.resolve_dtype(fp16=self.args.fp16, bf16=self.args.bf16)
-        inf.check_device(on_gpu=self.args.device.type == "cuda", dtype=dtype)
-        if policy is None and inf.injection_policy != "autotp":
-            policy = policy_for_run(inf.injection_policy, self.model.config, self.topology.tp_size)
-        else:
-            check_head_counts(policy, self.model.config, self.topology.tp_size)
-        self.process_groups = init_process_groups(self.topology, self.args.device.type, inf.inference_timeout)
-        watchdog.start(self.topology.rank, self.topology.world_size, inf.inference_timeout)
-        if self.process_groups.mesh is not None:
+        setup = setup_inference(self.model, self.inference_args, self.topology, self.args.device,
+                                fp16=self.args.fp16, bf16=self.args.bf16, policy=policy)
+        self.process_groups, self.shard_report = setup.groups, setup.report
+        if setup.groups.mesh is not None:
             # accelerate's data loader reads this mesh: ranks of one TP group get identical batches.
-            self.accelerator.state.device_mesh = self.process_groups.mesh
-            init_deepspeed_comm(self.topology)
-        model, self.shard_report = shard_model(self.model, inf, self.topology, self.process_groups, policy, dtype,
-                                               device=self.args.device)
-        model._is_accelerate_prepared = True  # keep accelerate from re-wrapping the injected module
-        self.model = self.model_wrapped = model
-        logger.warning("deepspeed_inference: %s; %s", self.topology, self.shard_report)
+            self.accelerator.state.device_mesh = setup.groups.mesh
+        setup.model._is_accelerate_prepared = True  # keep accelerate from re-wrapping the injected module
+        self.model = self.model_wrapped = setup.model
 
     def _move_model_to_device(self, model, device):
         if is_skeleton(model):
@@ -184,16 +162,7 @@ class DeepSpeedInferenceMixin:
     # Lock step: same inputs, same random numbers, on every rank of a TP group ---------------------
 
     def _check_lockstep(self, inputs: dict) -> None:
-        mine = fingerprint(inputs).to(self.args.device)
-        peers = [torch.empty_like(mine) for _ in range(self.topology.tp_size)]
-        dist.all_gather(peers, mine, group=self.process_groups.tp)
-        differ = [r for r, p in enumerate(peers) if not torch.equal(p, peers[0])]
-        if differ:
-            group = self.topology.tp_group_ranks()[self.topology.dp_rank]
-            raise LockstepError(
-                f"lock-step guard: batch {self._batch_index} differs between ranks {group[0]} and "
-                f"{', '.join(str(group[r]) for r in differ)} of TP group {group}; refusing to generate from mixed inputs"
-            )
+        check_lockstep(inputs, self.topology, self.process_groups.tp, self.args.device, self._batch_index)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         self._batch_index += 1
@@ -294,11 +263,11 @@ class DeepSpeedInferenceMixin:
         return self._fix_speed_metrics(metrics, metric_key_prefix, len(dataset) if hasattr(dataset, "__len__") else None)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
-        order = self._length_order(test_dataset)
+        order = length_order(self.args, test_dataset)
         if order is not None:
-            padding = {"unsorted": padding_fraction(_lengths(test_dataset), self.args.eval_batch_size)}
+            padding = {"unsorted": padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)}
             test_dataset = test_dataset.select(order)
-            padding["sorted"] = padding_fraction(_lengths(test_dataset), self.args.eval_batch_size)
+            padding["sorted"] = padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         count = len(test_dataset) if hasattr(test_dataset, "__len__") else None
         self._fix_speed_metrics(output.metrics, metric_key_prefix, count)
@@ -306,21 +275,8 @@ class DeepSpeedInferenceMixin:
             return output
         output.metrics[f"{metric_key_prefix}_padding_fraction"] = round(padding["sorted"], 4)
         output.metrics[f"{metric_key_prefix}_padding_fraction_unsorted"] = round(padding["unsorted"], 4)
-        return type(output)(predictions=_unsort(output.predictions, order), label_ids=_unsort(output.label_ids, order),
+        return type(output)(predictions=unsort(output.predictions, order), label_ids=unsort(output.label_ids, order),
                             metrics=output.metrics)
-
-    # Length-aware batching ---------------------------------------------------------------------------
-
-    def _length_order(self, dataset) -> list[int] | None:
-        """With --group_by_length / --sortish_sampler: the order that puts prompts of similar length in
-        one batch (stable sort by input length; the same on every rank)."""
-        args = self.args
-        wanted = (getattr(args, "group_by_length", False) or getattr(args, "sortish_sampler", False)
-                  or getattr(args, "train_sampling_strategy", None) == "group_by_length")
-        if not wanted or not hasattr(dataset, "column_names") or "input_ids" not in dataset.column_names:
-            return None
-        lengths = _lengths(dataset)
-        return sorted(range(len(lengths)), key=lengths.__getitem__)
 
     def _get_eval_sampler(self, eval_dataset):
         # Prediction order is ours (sorted above, restored after); never a randomised length sampler here.
@@ -355,61 +311,6 @@ def _row_counts(rows) -> list[int]:
     if isinstance(rows, (list, tuple)):
         return [c for v in rows for c in _row_counts(v)]
     return [len(rows)] if hasattr(rows, "shape") and rows.ndim else []
-
-
-def _lengths(dataset) -> list[int]:
-    return [len(ids) for ids in dataset["input_ids"]]
-
-
-def padding_fraction(lengths: list[int], batch_size: int) -> float:
-    """Share of padding positions when `lengths` are batched in order, `batch_size` at a time."""
-    padded = real = 0
-    for start in range(0, len(lengths), batch_size):
-        batch = lengths[start:start + batch_size]
-        padded += max(batch) * len(batch)
-        real += sum(batch)
-    return 1 - real / padded if padded else 0.0
-
-
-def _unsort(rows, order: list[int]):
-    """Put rows produced in `order` back in input order (k rows per example when k divides evenly).
-
-    `rows` is what predict returns: an array, a tuple/list/dict of them (seq2seq logits come as (logits,
-    encoder states)), or, with `eval_do_concat_batches=False`, a list of per-batch arrays."""
-    if rows is None or len(order) == 0:
-        return rows
-    if isinstance(rows, dict):
-        return {k: _unsort(v, order) for k, v in rows.items()}
-    if isinstance(rows, list) and rows and all(isinstance(b, np.ndarray) for b in rows):
-        return _unsort_batches(rows, order)
-    if isinstance(rows, (tuple, list)):
-        return type(rows)(_unsort(r, order) for r in rows)
-    return rows[_picks(len(rows), order)]
-
-
-def _picks(n_rows: int, order: list[int]) -> list[int]:
-    per = n_rows // len(order)
-    inverse = [0] * len(order)
-    for position, index in enumerate(order):
-        inverse[index] = position
-    return [inverse[i] * per + j for i in range(len(order)) for j in range(per)]
-
-
-def _unsort_batches(batches: list, order: list[int], pad: int = -100) -> list:
-    """`eval_do_concat_batches=False`: each batch is padded to its own width, so rows are taken one by one,
-    put in input order, and re-batched with the same batch sizes (padded with the Trainer's -100)."""
-    rows = [row for batch in batches for row in batch]
-    rows = [rows[i] for i in _picks(len(rows), order)]
-    out, at = [], 0
-    for size in (len(b) for b in batches):
-        chunk = rows[at:at + size]
-        at += size
-        if chunk and chunk[0].ndim >= 1:
-            width = max(r.shape[0] for r in chunk)
-            chunk = [np.concatenate([r, np.full((width - r.shape[0], *r.shape[1:]), pad, dtype=r.dtype)])
-                     if r.shape[0] < width else r for r in chunk]
-        out.append(np.stack(chunk) if chunk else np.empty((0,)))
-    return out
 
 
 class DeepSpeedInferenceSeq2SeqTrainer(DeepSpeedInferenceMixin, Seq2SeqTrainer):

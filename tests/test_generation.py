@@ -6,7 +6,7 @@ import json
 import numpy as np
 
 from conftest import EXAMPLES, assert_ok, run_example, run_in_process
-from ds_inference_integration.trainer import _unsort, padding_fraction
+from ds_inference_integration.length_grouping import padding_fraction, unsort
 
 RUN_GENERATION = EXAMPLES / "run_generation.py"
 PROMPTS = EXAMPLES / "data" / "prompts.txt"
@@ -17,7 +17,7 @@ def test_padding_fraction_and_unsort():
     assert padding_fraction([2, 2, 4, 4], 2) == 0.0
     assert padding_fraction([2, 4, 2, 4], 2) == 1 - 12 / 16
     rows = np.array([[30], [31], [10], [11], [20], [21]])  # 2 rows per example, produced in order [3, 1, 2]
-    assert _unsort(rows, [2, 0, 1])[:, 0].tolist() == [10, 11, 20, 21, 30, 31]
+    assert unsort(rows, [2, 0, 1])[:, 0].tolist() == [10, 11, 20, 21, 30, 31]
 
 
 def test_prompts_have_very_different_lengths():

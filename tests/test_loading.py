@@ -307,7 +307,8 @@ def test_one_rank_equals_from_pretrained_bitwise(tmp_path, name):
     model_dir = save_decoder(name, tmp_path)
     proc = subprocess.run([sys.executable, str(WORKERS / "one_rank_shard.py"), str(model_dir), "bf16"],
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"})
+                          env={**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2",
+                               "TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions")})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["mode"] for r in rows] == ["full", "shard-aware"]

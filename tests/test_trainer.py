@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, save_tiny_model
-from ds_inference_integration.trainer import _unsort
+from ds_inference_integration.length_grouping import unsort
 
 SOURCES = ["one hundred", "seven", "twenty two", "nine thousand", "forty", "three", "eleven", "sixty five", "two"]
 
@@ -84,15 +84,15 @@ def test_a_failed_run_leaves_the_earlier_good_run_whole(tmp_path):
 def test_unsort_restores_input_order_for_every_prediction_structure():
     order = [2, 0, 1]  # rows were produced for examples 2, 0, 1
     rows = np.array([[30], [10], [20]])
-    assert _unsort(rows, order).tolist() == [[10], [20], [30]]
+    assert unsort(rows, order).tolist() == [[10], [20], [30]]
     two = np.array([[30], [31], [10], [11], [20], [21]])  # num_return_sequences 2
-    assert _unsort(two, order)[:, 0].tolist() == [10, 11, 20, 21, 30, 31]
+    assert unsort(two, order)[:, 0].tolist() == [10, 11, 20, 21, 30, 31]
     logits, hidden = np.array([[3.0], [1.0], [2.0]]), np.array([[[3.0]], [[1.0]], [[2.0]]])
-    nested = _unsort((logits, (hidden, None)), order)  # seq2seq logits tuples (logits, encoder states)
+    nested = unsort((logits, (hidden, None)), order)  # seq2seq logits tuples (logits, encoder states)
     assert nested[0][:, 0].tolist() == [1.0, 2.0, 3.0] and nested[1][0][:, 0, 0].tolist() == [1.0, 2.0, 3.0]
     assert nested[1][1] is None
     batches = [np.array([[30, -100], [10, 11]]), np.array([[20, 21, 22]])]  # eval_do_concat_batches=False
-    back = _unsort(batches, order)
+    back = unsort(batches, order)
     assert [b.shape[0] for b in back] == [2, 1]
     assert back[0].tolist() == [[10, 11], [20, 21]] or back[0].tolist() == [[10, 11, -100], [20, 21, 22]]
     assert back[1][0, 0] == 30

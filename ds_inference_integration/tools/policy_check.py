@@ -296,8 +296,8 @@ if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[1] == "--worker":
         # Run the worker from the imported module, not from __main__: one copy of its functions, the same
         # ones a test's fault hook (tests/faults) patches on import.
-        from ds_inference_integration import check
+        from ds_inference_integration.tools import policy_check
 
-        sys.exit(check._worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
+        sys.exit(policy_check._worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
     print("usage: ds-inference policy check MODEL_DIR --tp-size N", file=sys.stderr)
     sys.exit(2)

@@ -1,4 +1,4 @@
-"""One rank, tp 1 (a one-GPU machine): `load_model` + `shard_model` in each loading mode against
+"""One rank, tp 1 (a one-GPU machine): `load_model` + `setup_inference` (no Trainer) in each loading mode against
 `from_pretrained(dtype=...)` in the same process; prints one json line per mode. Run by test_loading."""
 
 import json
@@ -8,29 +8,25 @@ import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ds_inference_integration import setup_inference
 from ds_inference_integration.arguments import DTYPES, DeepSpeedInferenceArguments
-from ds_inference_integration.deepspeed_compat import init_deepspeed_comm
-from ds_inference_integration.inject import shard_model
 from ds_inference_integration.loading import load_model
-from ds_inference_integration.policy import policy_for_run
-from ds_inference_integration.topology import Topology, init_process_groups
+from ds_inference_integration.topology import Topology
 
 model_dir, dtype = sys.argv[1], DTYPES[sys.argv[2]]
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1")
 torch.distributed.init_process_group("gloo")
 topology = Topology.from_env()
-groups = init_process_groups(topology, "cpu")
-init_deepspeed_comm(topology)
 ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
 reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 with torch.no_grad():
     want = reference(input_ids=ids).logits
 buffers = {n: b.dtype for n, b in reference.named_buffers() if b.is_floating_point()}
 config = AutoConfig.from_pretrained(model_dir)
-args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=1)
+args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=1, inference_dtype=sys.argv[2])
 for mode in ("full", "shard-aware"):
     model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=dtype, mode=mode)
-    model, _ = shard_model(model, args, topology, groups, policy_for_run("auto", config, 1), dtype)
+    model = setup_inference(model, args, topology, torch.device("cpu")).model  # no Trainer needed
     with torch.no_grad():
         got = model(input_ids=ids).logits
     print(json.dumps({"mode": mode, "max_abs_diff": float((got.float() - want.float()).abs().max()),
