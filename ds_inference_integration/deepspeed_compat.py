@@ -24,7 +24,7 @@ import os
 import torch
 from torch import nn
 
-from .topology import Topology
+from .topology import Topology, threads_per_rank
 
 # DeepSpeed's fused inference kernels (`replace_with_kernel_inject`) run with none of the architectures they
 # list under transformers 5: on an H200 (2026-11-30, deepspeed 0.19.8, transformers 5.24.0, torch 2.11 cu130;
@@ -69,7 +69,7 @@ def init_deepspeed_comm(topology: Topology) -> None:
     local_size = os.environ.get("LOCAL_SIZE")
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ and local_size:
         # The deepspeed launcher leaves every CPU rank all cores: oversubscribed ranks stall in all-reduce.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(local_size)))
+        torch.set_num_threads(threads_per_rank(int(local_size)))
     # (a world of one has nothing to all-reduce: building the op would cost ~25 s of JIT compile for nothing)
     shm_ok = (topology.world_size > 1 and topology.tp_size == topology.world_size
               and os.environ.get("LOCAL_SIZE") == str(topology.world_size))

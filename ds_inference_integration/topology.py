@@ -73,6 +73,14 @@ class ProcessGroups:
     mesh: object | None
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """CPU threads for each of `local_ranks` ranks on one machine: the cores shared out, as torchrun does (the
+    deepspeed launcher leaves every CPU rank all cores, and oversubscribed ranks stall in all-reduce)."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
 def init_process_groups(topology: Topology, device_type: str, timeout: float | None = None) -> ProcessGroups:
     """Create the (dp, tp) device mesh; every rank must call this, in the same order.
 

@@ -41,7 +41,7 @@ from ds_inference_integration import (
 from ds_inference_integration.files import write_text_atomic
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
-from ds_inference_integration.tools.ranks import memory_mb
+from ds_inference_integration.memory import memory_mb
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)

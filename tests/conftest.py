@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ds_inference_integration.tools.ranks import free_port
+from ds_inference_integration.topology import threads_per_rank
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -73,7 +74,7 @@ def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, la
     if fault:
         env.update(DS_INFERENCE_FAULT=fault, PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH")])))
     if nprocs:  # CPU ranks share the cores, as torchrun would set it (the deepspeed launcher does not)
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(nprocs))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import InferenceSetupError
+from ..memory import PeakRss
+from ..topology import threads_per_rank
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: ds_inference_integration/tools/bench.py
 RUN_TRANSLATION = REPO / "examples" / "run_translation.py"
@@ -73,35 +75,6 @@ def bench_guard(repeats: int, nprocs: int, output: Path) -> int:
 METHODS = ("pipeline_per_sample", "pipeline_batched", "generate_loop", "trainer", "trainer_tp2")
 DEFAULT_LM = REPO / "examples" / "models" / "gpt2-num2words-en-ro"
 DEFAULT_PROMPTS = REPO / "examples" / "data" / "prompts.txt"
-
-
-class _PeakRss:
-    """Peak resident memory of this process while the block runs (sampled every 10 ms)."""
-
-    def __enter__(self):
-        import threading
-
-        import psutil
-
-        self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-        def sample():
-            while not self._stop.is_set():
-                self.peak = max(self.peak, self._proc.memory_info().rss)
-                self._stop.wait(0.01)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    @property
-    def mb(self) -> float:
-        return round(self.peak / 2**20, 1)
 
 
 def _in_process(method: str, model, tokenizer, prompts: list[str], batch_size: int, new_tokens: int) -> tuple[float, int]:
@@ -165,7 +138,7 @@ def _trainer_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_token
                "--deepspeed_inference"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if not _cuda():
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // 2))
+            env["OMP_NUM_THREADS"] = str(threads_per_rank(2))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"tp2 run failed: {(proc.stdout + proc.stderr)[-2000:]}")
@@ -241,7 +214,7 @@ def _bench_generation(models, base_tok, tmp, config_spec, batch_sizes, prompts, 
                     rss = [float(x) for x in m["predict_peak_rss_mb_per_rank"].split(",")]
                 else:
                     runs = []
-                    with _PeakRss() as peak:
+                    with PeakRss() as peak:
                         for _ in range(repeats):  # the median of `repeats` runs: single runs of < 1 s are noise
                             if method == "trainer":
                                 runs.append(_trainer(model, tokenizer, prompts, bs, new_tokens))

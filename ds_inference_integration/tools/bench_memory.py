@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .ranks import failure_text, memory_mb, start_ranks, wait_ranks
+from ..memory import memory_mb
+from .ranks import failure_text, start_ranks, wait_ranks
 
 MODES = ("single", "full", "shard-aware", "shard-aware-get-slice", "pre-sharded")
 GET_SLICE = "shard-aware-get-slice"  # shard-aware, every read through safetensors' get_slice (no own reads)

@@ -1,5 +1,13 @@
-"""Start N local ranks of a worker module (CPU gloo, or one GPU each) and wait for them without hanging:
-used by the commands that start their own ranks (`policy check`, `shard`); and what a rank's memory is."""
+"""Start N local ranks of a worker module (CPU gloo, or one GPU each) and wait for them without hanging: the
+one way `policy check`, `shard`, `bench memory` and the tests' worker checks start, watch and end local ranks.
+
+Why not torch's elastic launch (`torch.distributed.elastic.multiprocessing.start_processes`, what torchrun
+runs): at the first rank that fails, its SubprocessContext SIGTERMs every other rank at once
+(`SubprocessContext._poll` -> `close()`, torch 2.13), so peers that were about to write their own report
+(`policy check` merges every rank's result file, and names every failing rank) are cut off. Here a failed
+rank's peers get 5 s to finish and report, then the rest are killed; every rank's exit code is returned, and
+ranks other than 0 write to log files, as torchrun's `--redirects` would. The command-line examples are started
+with the real launchers (deepspeed, torchrun) by the tests and the benchmarks, as a user starts them."""
 
 from __future__ import annotations
 
@@ -10,16 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def memory_mb(field: str = "VmHWM") -> float:
-    """A memory figure of this process from /proc/self/status, in MB: VmHWM (its peak RSS, the default) or
-    VmRSS (now). Not ru_maxrss: Linux carries that over from the parent across exec, so a rank started by a
-    big launcher or benchmark process would report the parent's peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+from ..topology import threads_per_rank
 
 
 def free_port() -> int:
@@ -42,7 +41,7 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path) -> li
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "LOCAL_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(n)))
         log = None
         if rank:
             log = open(Path(log_dir) / f"rank-{rank}.log", "w")
