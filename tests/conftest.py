@@ -65,7 +65,11 @@ def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, la
     elif launcher == "deepspeed":
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()), *script_args]
     elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()), *script_args]
+        # torchrun's own log directory: beside the output, under pytest's tmp (by default it leaves a
+        # /tmp/torchelastic_* directory behind on every launch)
+        logs = Path(output_dir).parent / f"{Path(output_dir).name}_torchrun_logs"
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()),
+               "--log-dir", str(logs), *script_args]
     else:
         raise ValueError(launcher)
     env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv

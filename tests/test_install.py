@@ -47,7 +47,8 @@ def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path):
     args = ["--model_name_or_path", str(DEFAULT_MODEL), "--test_file", str(DATA / "test.json"), "--do_predict",
             "--max_predict_samples", "24", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]
     tp = subprocess.run([str(python), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                         str(free_port()), str(script), "--output_dir", str(work / "tp2"), *args,
+                         str(free_port()), "--log-dir", str(tmp_path / "torchrun_logs"), str(script),
+                         "--output_dir", str(work / "tp2"), *args,
                          "--deepspeed_inference", "--injection_policy", "auto"],
                         capture_output=True, text=True, cwd=work, env=env, timeout=240)
     assert tp.returncode == 0, tp.stdout[-3000:] + tp.stderr[-3000:]
