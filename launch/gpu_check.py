@@ -27,13 +27,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from ds_inference_integration.files import write_text_atomic
+from ds_inference_integration.tools.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -43,12 +45,6 @@ TRANSLATE = ["--predict_with_generate", "--source_lang", "en", "--target_lang", 
 GENERATE = ["--per_device_eval_batch_size", "8", "--report_to", "none"]
 LOADING_CONFIG = "2048,16,16,5504,32000"  # ~0.9B parameters, 1.75 GB in bf16
 SECTIONS = ("examples", "loading", "kernel_inject", "engine")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
@@ -246,9 +242,7 @@ def inject_matrix_worker(out: Path) -> None:
     import torch
     import transformers as tr
 
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_SIZE", "1"),
-                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
-        os.environ.setdefault(k, v)
+    world_of_one()
     small = dict(vocab_size=256)
     configs = {
         "gpt2": lambda: tr.GPT2Config(n_embd=256, n_layer=2, n_head=4, n_positions=64, **small),
@@ -290,10 +284,7 @@ def engine_worker(out: Path, smoke: bool, no_inject: bool) -> None:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    # a world of one for init_inference, which starts torch.distributed itself when no launcher did
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_SIZE", "1"),
-                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
-        os.environ.setdefault(k, v)
+    world_of_one()
     batch_sizes = [1, 4] if smoke else [1, 8, 64]
     new_tokens, prompt_len = (4, 8) if smoke else (64, 64)
     cfg = engine_config(smoke)
@@ -366,11 +357,17 @@ def engine_config_run(cfg, dtype, kernel_inject: bool, batch_sizes, prompt_len: 
     return rows
 
 
+def world_of_one() -> None:
+    """The environment of rank 0 of a world of one, for `init_inference`, which starts torch.distributed itself
+    when no launcher did."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        os.environ.setdefault(k, v)
+
+
 def write_json(path: Path, data: dict) -> None:
-    """Atomically: a check killed at its time limit leaves the last complete report, never half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    """Atomically (the package's writer): a check killed at its time limit leaves the last complete report."""
+    write_text_atomic(path, json.dumps(data, indent=2))
 
 
 def environment() -> dict:
