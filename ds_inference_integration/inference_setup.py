@@ -34,14 +34,14 @@ def setup_inference(model: nn.Module, inference_args: DeepSpeedInferenceArgument
                     policy: Policy | str | None = None) -> InferenceSetup:
     """Shard `model` over this rank's TP group. Every rank calls this, in the same order. `policy`: a Policy,
     or None for `--injection_policy` (a file, `auto`, `autotp`) resolved here."""
-    inf = inference_args
+    inf, device = inference_args, torch.device(device)
     dtype = inf.resolve_dtype(fp16=fp16, bf16=bf16)
-    inf.check_device(on_gpu=torch.device(device).type == "cuda", dtype=dtype)
+    inf.check_device(on_gpu=device.type == "cuda", dtype=dtype)
     if policy is None and inf.injection_policy != "autotp":
         policy = policy_for_run(inf.injection_policy, model.config, topology.tp_size)
     else:
         check_head_counts(policy, model.config, topology.tp_size)
-    groups = init_process_groups(topology, torch.device(device).type, inf.inference_timeout)
+    groups = init_process_groups(topology, device.type, inf.inference_timeout)
     watchdog.start(topology.rank, topology.world_size, inf.inference_timeout)
     if groups.mesh is not None:
         init_deepspeed_comm(topology)
