@@ -55,3 +55,22 @@ def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path):
     run_in_process(args, tmp_path / "single")
     assert (work / "tp2" / "generated_predictions.txt").read_text() == \
         (tmp_path / "single" / "generated_predictions.txt").read_text()
+
+
+def test_tools_that_need_the_repository_examples_say_so_in_one_line(tmp_path, monkeypatch):
+    """Installed from a wheel, examples/ is not there: the benchmark commands say which file and what to pass."""
+    import pytest
+
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.tools import bench
+
+    monkeypatch.setattr(bench, "RUN_TRANSLATION", tmp_path / "examples" / "run_translation.py")
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    with pytest.raises(InferenceSetupError, match=r"ds-inference bench guard needs examples/run_translation.py from "
+                                                  r"the repository, which is not installed with the package"):
+        bench.bench_guard(1, 2, tmp_path / "out.json")
+    monkeypatch.setattr(bench, "DEFAULT_LM", tmp_path / "examples" / "models" / "gpt2")
+    with pytest.raises(InferenceSetupError, match=r"ds-inference bench generation needs examples/models/gpt2 .*"
+                                                  r"pass --model MODEL_DIR"):
+        bench.bench_generation(None, None, [1], str(REPO / "examples" / "data" / "prompts.txt"), 4, 2,
+                               tmp_path / "bench", ["generate_loop"])

@@ -11,7 +11,8 @@
     ds-inference bench guard [--repeats N] the lock-step guard's cost, guard on vs off, side by side
     ds-inference bench generation [--config 512,8,8] per-sample pipeline vs batched generate vs the
                                           Trainer path (1 process and tp 2): bench.json, bench.md, bench.png
-    ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] peak RSS and time to a ready model per loading
+    ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] [--device cpu|cuda] [--dtype fp32|fp16|bf16]
+                                          peak RSS (and GPU memory) and time to a ready model per loading
                                           path (single process, full, shard-aware, pre-sharded), side by side
 """
 
