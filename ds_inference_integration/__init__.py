@@ -1,7 +1,8 @@
 """DeepSpeed tensor-parallel inference for Hugging Face `Trainer.predict`/`evaluate`.
 
 The flow, one module per step:
-    arguments  -> DeepSpeedInferenceArguments (the --deepspeed_inference flag family)
+    arguments  -> DeepSpeedInferenceArguments (the --deepspeed_inference flag family);
+                  argument_parser: InferenceArgumentParser, upstream's parser with them prepared
     topology   -> Topology (world = tp x dp), process groups, the mesh accelerate reads
     policy     -> policies/*.toml, validated against the real model
     loading    -> the model built on meta; each rank reads only its shard (checkpoint: the reader,
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 # The Trainer classes and the loader import transformers' Trainer (seconds): loaded on first use, so the
 # command line (`ds-inference policy list`, ...) does not pay for them.
 _LAZY = {
+    "InferenceArgumentParser": "argument_parser",
     "load_model": "loading",
     "setup_inference": "inference_setup",
     "InferenceSetup": "inference_setup",
@@ -64,6 +66,7 @@ __all__ = [
     "DeepSpeedInferenceMixin",
     "DeepSpeedInferenceSeq2SeqTrainer",
     "DeepSpeedInferenceTrainer",
+    "InferenceArgumentParser",
     "InferenceSetup",
     "InferenceSetupError",
     "LockstepError",

@@ -47,7 +47,7 @@ class DeepSpeedInferenceMixin:
         if enabled and world_size_from_env() != world:
             raise InferenceSetupError(
                 f"the launcher started {world_size_from_env()} ranks but the Trainer sees {world}; without a GPU pass "
-                "--use_cpu (ds_inference_integration.prepare_argv adds it)"
+                "--use_cpu (InferenceArgumentParser adds it)"
             )
         if is_skeleton(self.model) and not enabled:
             raise InferenceSetupError("the model was built for --deepspeed_inference (weights not loaded); pass the "
@@ -166,6 +166,10 @@ class DeepSpeedInferenceMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         self._batch_index += 1
+        if "labels" in inputs and inputs["labels"] is None:
+            # upstream's DataCollatorForSeq2Seq gives `labels: None` for data without references, and upstream's
+            # prediction_step takes the key for labels and runs the model without decoder inputs (a crash)
+            inputs = {k: v for k, v in inputs.items() if k != "labels"}
         self._local_batch_examples = _batch_examples(inputs)
         if self.topology.tp_size > 1 and self.inference_args.lockstep_guard:
             start = time.perf_counter()
@@ -277,6 +281,61 @@ class DeepSpeedInferenceMixin:
         output.metrics[f"{metric_key_prefix}_padding_fraction_unsorted"] = round(padding["unsorted"], 4)
         return type(output)(predictions=unsort(output.predictions, order), label_ids=unsort(output.label_ids, order),
                             metrics=output.metrics)
+
+    # Streamed, resumable predict ---------------------------------------------------------------------------
+
+    def predict_to_file(self, test_dataset, metric=None, metric_key_prefix: str = "predict",
+                        predictions_file: str = "generated_predictions.txt", fresh: bool = False,
+                        **gen_kwargs) -> dict:
+        """`predict` with `predict_with_generate` for data sets of any size: each finished batch's decoded
+        predictions are written to `<output_dir>/<prefix>_parts/` as it completes, a re-run of the same call
+        continues where a crash stopped it (`fresh=True` starts afresh), and the parts are merged into
+        `<output_dir>/<predictions_file>` in input order. `metric` (e.g. `metrics.CorpusBleu()`) is computed
+        from statistics stored with each prediction. Host memory does not grow with the data set; returns the
+        metrics (on every rank). See `streaming.py`."""
+        from .streaming import streamed_predict
+
+        if not getattr(self.args, "predict_with_generate", False):
+            raise InferenceSetupError("predict_to_file writes generated text: pass --predict_with_generate")
+        if self.processing_class is None or not hasattr(self.processing_class, "batch_decode"):
+            raise InferenceSetupError("predict_to_file decodes with the Trainer's processing_class: pass the tokenizer")
+        gen_kwargs = dict(gen_kwargs)
+        if gen_kwargs.get("max_length") is None and gen_kwargs.get("max_new_tokens") is None \
+                and self.args.generation_max_length is not None:
+            gen_kwargs["max_length"] = self.args.generation_max_length
+        if gen_kwargs.get("num_beams") is None and self.args.generation_num_beams is not None:
+            gen_kwargs["num_beams"] = self.args.generation_num_beams
+        self._gen_kwargs = gen_kwargs
+        if self.args.remove_unused_columns and hasattr(test_dataset, "column_names"):
+            test_dataset = self._remove_unused_columns(test_dataset, description="test")
+        order = length_order(self.args, test_dataset)
+        if order is not None:
+            test_dataset = test_dataset.select(order)
+        metrics = streamed_predict(self, test_dataset, metric=metric, metric_key_prefix=metric_key_prefix,
+                                   predictions_file=predictions_file, fresh=fresh, order=order)
+        if self.topology.tp_size > 1:
+            metrics[f"{metric_key_prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
+            self.lockstep_seconds = 0.0
+        return metrics
+
+    def _stream_identity(self, dataset, order):
+        """What decides the bytes of a streamed predict (streaming.RunIdentity): a resume must match it."""
+        from .streaming import RunIdentity, fingerprint_rows, model_identity
+
+        generation_config = getattr(self.model, "generation_config", None)
+        gen = {k: v for k, v in sorted((self._gen_kwargs or {}).items()) if v is not None}
+        sampling = self._samples({})
+        return RunIdentity(
+            model=model_identity(self.model, next(self.model.parameters()).dtype),
+            data={"examples": len(dataset), "sha256": fingerprint_rows(dataset),
+                  "length_grouped": order is not None},
+            layout={"tp_size": self.topology.tp_size, "dp_size": self.topology.dp_size,
+                    "batch_size": self.args.eval_batch_size},
+            generation={"kwargs": json.loads(json.dumps(gen, default=str)),
+                        "generation_config": json.loads(generation_config.to_json_string(use_diff=True))
+                        if generation_config is not None else None,
+                        "seed": self.args.seed if sampling else None},
+        )
 
     def _get_eval_sampler(self, eval_dataset):
         # Prediction order is ours (sorted above, restored after); never a randomised length sampler here.

@@ -17,7 +17,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import transformers
 from datasets import Dataset
 from transformers import (
@@ -26,22 +25,22 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
     DataCollatorWithPadding,
-    HfArgumentParser,
     Seq2SeqTrainingArguments,
 )
 
 from ds_inference_integration import (
     DeepSpeedInferenceArguments,
     DeepSpeedInferenceSeq2SeqTrainer,
+    InferenceArgumentParser,
     InferenceSetupError,
     parse_args_into_dataclasses,
     policy_for_run,
-    prepare_argv,
 )
-from ds_inference_integration.files import write_text_atomic
+from ds_inference_integration.files import atomic_path
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.memory import memory_mb
+from ds_inference_integration.metrics import GeneratedTokens
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -98,8 +97,7 @@ def peak_rss_mb_per_rank() -> list[float]:
 
 
 def main(argv: list[str]) -> None:
-    argv, _ = prepare_argv(argv)
-    parser = HfArgumentParser((GenerationArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
+    parser = InferenceArgumentParser((GenerationArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
     gen_args, training_args, inference_args = parse_args_into_dataclasses(parser, argv)
     training_args.predict_with_generate = True
     training_args.remove_unused_columns = False
@@ -133,26 +131,26 @@ def main(argv: list[str]) -> None:
     gen_kwargs = {k: v for k, v in (("temperature", gen_args.temperature), ("top_k", gen_args.top_k),
                                     ("top_p", gen_args.top_p), ("min_new_tokens", gen_args.min_new_tokens))
                   if v is not None}
-    output = trainer.predict(dataset, metric_key_prefix="predict", max_new_tokens=gen_args.max_new_tokens,
-                             do_sample=gen_args.do_sample, num_beams=gen_args.num_beams,
-                             num_return_sequences=gen_args.num_return_sequences, **gen_kwargs)
-    tokens = np.where(output.predictions != -100, output.predictions, tokenizer.pad_token_id)
-    texts = [t.strip() for t in tokenizer.batch_decode(tokens, skip_special_tokens=True)]
-    new_tokens = int(np.sum((tokens != tokenizer.pad_token_id)))
-    metrics = output.metrics
-    metrics.update({"predict_samples": len(prompts), "predict_outputs": len(texts),
+    # Streamed: each batch's outputs reach disk as it finishes, and re-running this command after a crash
+    # continues where it stopped. Predictions first, metrics last, each file atomically.
+    metrics = trainer.predict_to_file(dataset, metric=GeneratedTokens(), metric_key_prefix="predict",
+                                      max_new_tokens=gen_args.max_new_tokens, do_sample=gen_args.do_sample,
+                                      num_beams=gen_args.num_beams, num_return_sequences=gen_args.num_return_sequences,
+                                      **gen_kwargs)
+    k = gen_args.num_return_sequences
+    new_tokens = metrics.pop("predict_new_tokens")
+    metrics.update({"predict_outputs": len(prompts) * k,
                     "predict_peak_rss_mb_per_rank": ", ".join(map(str, peak_rss_mb_per_rank())),
                     "predict_new_tokens": new_tokens,
                     "predict_new_tokens_per_second": round(new_tokens / metrics["predict_runtime"], 2),
                     "tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size})
-    # Predictions first, metrics last, each file atomically: metrics on disk always describe written predictions.
-    if trainer.is_world_process_zero():
+    if trainer.is_world_process_zero():  # the prompts beside their outputs, read back from the merged file
         out = Path(training_args.output_dir)
-        write_text_atomic(out / "generated_predictions.txt", "\n".join(texts) + "\n")
-        k = gen_args.num_return_sequences
-        write_text_atomic(out / "generated_predictions.jsonl", "".join(
-            json.dumps({"prompt": prompt, "generations": texts[i * k:(i + 1) * k]}, ensure_ascii=False) + "\n"
-            for i, prompt in enumerate(prompts)))
+        with open(out / "generated_predictions.txt", encoding="utf-8") as f, \
+                atomic_path(out / "generated_predictions.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as w:
+            for prompt in prompts:
+                w.write(json.dumps({"prompt": prompt, "generations": [f.readline().rstrip("\n") for _ in range(k)]},
+                                   ensure_ascii=False) + "\n")
     trainer.log_metrics("predict", metrics)
     trainer.save_metrics("predict", metrics)
 

@@ -14,7 +14,6 @@ Tensor parallel over 2 ranks (CPU ranks when there is no GPU): the same command 
 """
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,6 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
     DataCollatorForSeq2Seq,
-    HfArgumentParser,
     Seq2SeqTrainingArguments,
     default_data_collator,
     set_seed,
@@ -37,14 +35,14 @@ from transformers import (
 from ds_inference_integration import (
     DeepSpeedInferenceArguments,
     DeepSpeedInferenceSeq2SeqTrainer,
+    InferenceArgumentParser,
     InferenceSetupError,
     parse_args_into_dataclasses,
     policy_for_run,
-    prepare_argv,
 )
-from ds_inference_integration.files import write_text_atomic
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
+from ds_inference_integration.metrics import CorpusBleu
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -113,9 +111,9 @@ class DataTrainingArguments:
 
 
 def parse_args(argv: list[str]):
-    argv, legacy = prepare_argv(argv)
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
-    return (*parse_args_into_dataclasses(parser, argv), legacy)
+    parser = InferenceArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments,
+                                      DeepSpeedInferenceArguments))
+    return (*parse_args_into_dataclasses(parser, argv), parser.legacy)
 
 
 def main(argv: list[str]) -> None:
@@ -199,17 +197,18 @@ def main(argv: list[str]) -> None:
 
     def preprocess_function(examples, max_target_length):
         inputs = [ex[source_lang] for ex in examples["translation"]]
-        targets = [ex[target_lang] for ex in examples["translation"]]
         inputs = [prefix + inp for inp in inputs]
         lengths = [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
         model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding=padding, truncation=True)
         model_inputs["source_truncated"] = [n > data_args.max_source_length for n in lengths]
-        labels = tokenizer(text_target=targets, max_length=max_target_length, padding=padding, truncation=True)
-        if padding == "max_length" and data_args.ignore_pad_token_for_loss:
-            labels["input_ids"] = [
-                [(t if t != tokenizer.pad_token_id else -100) for t in label] for label in labels["input_ids"]
-            ]
-        model_inputs["labels"] = labels["input_ids"]
+        if all(target_lang in ex for ex in examples["translation"]):
+            targets = [ex[target_lang] for ex in examples["translation"]]
+            labels = tokenizer(text_target=targets, max_length=max_target_length, padding=padding, truncation=True)
+            if padding == "max_length" and data_args.ignore_pad_token_for_loss:
+                labels["input_ids"] = [
+                    [(t if t != tokenizer.pad_token_id else -100) for t in label] for label in labels["input_ids"]
+                ]
+            model_inputs["labels"] = labels["input_ids"]
         return model_inputs
 
     def prepare(split: str, max_samples: int | None, max_target_length: int):
@@ -238,9 +237,16 @@ def main(argv: list[str]) -> None:
         if "translation" not in ds.column_names:
             raise InferenceSetupError(f"the {split} data has no 'translation' column; columns: {ds.column_names}")
         keys = sorted(ds[0]["translation"] or {})
-        for lang in (source_lang, target_lang):
-            if lang not in keys:
-                raise InferenceSetupError(f"the {split} data has no language {lang!r} in 'translation'; languages there: {keys}")
+        if source_lang not in keys:
+            raise InferenceSetupError(f"the {split} data has no language {source_lang!r} in 'translation'; languages "
+                                      f"there: {keys}")
+        with_target = sum(target_lang in (ex or {}) for ex in ds["translation"])
+        if split == "test" and with_target == 0:
+            logger.info(f"the test data has no {target_lang!r} references: predictions only, no BLEU")
+        elif with_target != len(ds):
+            raise InferenceSetupError(
+                f"{len(ds) - with_target} of {len(ds)} {split} examples have no {target_lang!r} in 'translation'; "
+                f"valid: every example has it{' or none (predictions only)' if split == 'test' else ''}")
 
     train_dataset = prepare("train", data_args.max_train_samples, data_args.max_target_length) if training_args.do_train else None
     eval_dataset = (prepare("validation", data_args.max_eval_samples, data_args.val_max_target_length)
@@ -308,18 +314,14 @@ def main(argv: list[str]) -> None:
 
     if training_args.do_predict:
         logger.info("*** Predict ***")
-        predict_results = trainer.predict(
-            predict_dataset, metric_key_prefix="predict", max_length=max_length, num_beams=num_beams, **sampling
+        # Streamed: each batch's predictions reach disk as it finishes, and re-running this command after a
+        # crash continues where it stopped (--overwrite_output_dir starts afresh). Predictions first, metrics
+        # last, each file atomically: metrics on disk always describe written predictions.
+        metrics = trainer.predict_to_file(
+            predict_dataset, metric=CorpusBleu(), metric_key_prefix="predict", fresh=bool(legacy.get("overwrite_output_dir")),
+            max_length=max_length, num_beams=num_beams, **sampling,
         )
-        metrics = predict_results.metrics
-        metrics["predict_samples"] = len(predict_dataset)
         metrics.update(parallel)
-        # Predictions first, metrics last, each file atomically: metrics on disk always describe written predictions.
-        if trainer.is_world_process_zero() and training_args.predict_with_generate:
-            preds = np.where(predict_results.predictions != -100, predict_results.predictions, tokenizer.pad_token_id)
-            predictions = tokenizer.batch_decode(preds, skip_special_tokens=True, clean_up_tokenization_spaces=True)
-            write_text_atomic(os.path.join(training_args.output_dir, "generated_predictions.txt"),
-                              "\n".join(p.strip() for p in predictions) + "\n")
         trainer.log_metrics("predict", metrics)
         trainer.save_metrics("predict", metrics)
 

@@ -100,6 +100,38 @@ def test_prepare_argv_validates_tp_before_anything_starts(monkeypatch):
     assert "--ddp_timeout" not in argv
 
 
+@pytest.mark.parametrize("form", ["argv", "json"])
+def test_the_parser_prepares_command_lines_and_json_files_alike(monkeypatch, tmp_path, form):
+    """InferenceArgumentParser: what a user's copy of an upstream example gets by changing its parser line."""
+    import json
+
+    from ds_inference_integration import InferenceArgumentParser, argument_parser, arguments
+
+    # a world of 2 for the preparation only (TrainingArguments itself would start torch.distributed)
+    for module in (arguments, argument_parser):
+        monkeypatch.setattr(module, "world_size_from_env", lambda: 2)
+
+    def parse(options: dict):
+        parser = InferenceArgumentParser((Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
+        if form == "json":
+            path = tmp_path / "args.json"
+            path.write_text(json.dumps(options))
+            return parser, parser.parse_json_file(json_file=str(path))
+        argv = [a for k, v in options.items() for a in ([f"--{k}"] if v is True else [f"--{k}", str(v)])]
+        return parser, parser.parse_args_into_dataclasses(args=argv)
+
+    with pytest.raises(InferenceSetupError, match="--tp_size 3 does not fit 2"):
+        parse({"output_dir": "x", "deepspeed_inference": True, "tp_size": 3})
+    parser, (training, inference) = parse({"output_dir": "x", "deepspeed_inference": True, "inference_timeout": 30,
+                                           "evaluation_strategy": "no", "overwrite_output_dir": True})
+    assert inference.deepspeed_inference and inference.inference_timeout == 30
+    assert training.ddp_timeout == 30 and training.eval_strategy == "no"
+    assert parser.legacy == {"overwrite_output_dir": True}
+    assert training.use_cpu == (not torch.cuda.is_available())  # else accelerate makes each CPU rank a world of one
+    parser, (training, _) = parse({"output_dir": "x", "tp_size": 3, "ddp_timeout": 99})  # flag off: tp not checked
+    assert training.ddp_timeout == 99 and parser.legacy == {}
+
+
 def test_help_exits_zero_and_a_bad_argument_is_one_line(tmp_path):
     import subprocess
     import sys

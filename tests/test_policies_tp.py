@@ -5,6 +5,7 @@ rank's share of the layer weights within 5% of 1/tp (replicated KV heads counted
 loading paths (shard-aware reads from the safetensors checkpoint, and a pre-sharded directory the
 check writes) bitwise equal to the naive path (full load, then split) with identical greedy ids."""
 
+import json
 import re
 import subprocess
 
@@ -33,38 +34,57 @@ def policy_cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def assert_all_pass(proc, names, tp):
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    for name in names:
-        lines = [line for line in out.splitlines() if line.startswith(f"PASS {name} tp{tp} ")]
-        assert len(lines) == CHECKS_PER_MODEL, (name, out[-3000:])
-    assert f"PASS: {CHECKS_PER_MODEL * len(names)} of {CHECKS_PER_MODEL * len(names)} checks passed" in out
-    return out
+def policy_check(dirs, tp: int, tmp_path, *extra: str, timeout: float = 400):
+    """`ds-inference policy check --json`: the process and its structured report (None if it wrote none)."""
+    out = tmp_path / f"check_tp{tp}.json"
+    proc = policy_cli("check", *map(str, dirs), "--tp-size", str(tp), "--json", str(out), *extra, timeout=timeout)
+    return proc, (json.loads(out.read_text()) if out.is_file() else None)
+
+
+KINDS = {"logits", "hidden_states", "greedy", "beam", "sample", "weights_per_rank", "loading_shard-aware",
+         "loading_pre-sharded"}
+
+
+def assert_all_pass(proc, report, names, tp) -> dict:
+    """Every model has exactly the eight checks, all passed on every rank; returns {model: {check: record}}."""
+    assert proc.returncode == 0 and report and report["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    by_model: dict = {}
+    for c in report["checks"]:
+        assert c["passed"] and not c["failed_ranks"] and c["tp"] == tp, c
+        by_model.setdefault(c["model"], {})[c["check"]] = c
+    assert {m: set(checks) for m, checks in by_model.items()} == {m: KINDS for m in names}
+    assert report["passed"] == report["total"] == len(KINDS) * len(names) and report["rank_failure"] is None
+    return by_model
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_every_architecture_matches_the_unsharded_model(model_dirs, tp):
-    proc = policy_cli("check", *map(str, model_dirs.values()), "--tp-size", str(tp))
-    out = assert_all_pass(proc, list(model_dirs), tp)
-    for name in ("gpt2", "gpt_bigcode_mqa", "gpt_bigcode_mha", "llama_kv1"):
-        assert re.search(rf"PASS {name} tp{tp} (greedy|beam|sample) token ids: identical", out)
-    # Multi-query models keep a copy of the KV head per rank, and say so.
-    assert re.search(rf"PASS gpt_bigcode_mqa tp{tp} layer weights per rank: .*KV heads replicated", out)
-    assert re.search(rf"PASS llama_kv1 tp{tp} layer weights per rank: .*KV heads replicated", out)
-    for name in model_dirs:  # every family, both loading paths, built on meta
-        for mode in ("shard-aware", "pre-sharded"):
-            assert re.search(rf"PASS {name} tp{tp} loading {mode}: (\d+)/\1 tensors bitwise equal to the naive "
-                             rf"path(, \d+ ties kept)?, greedy ids identical; built on meta: [1-9]", out), (name, mode)
-    assert re.search(rf"PASS t5 tp{tp} loading shard-aware: .*, [1-9]\d* ties kept", out)  # shared embeddings
+def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, tmp_path):
+    proc, report = policy_check(model_dirs.values(), tp, tmp_path)
+    checks = assert_all_pass(proc, report, list(model_dirs), tp)
+    for name, c in checks.items():
+        assert all(c[mode]["data"]["identical"] and c[mode]["data"]["ranks_agree"] for mode in ("greedy", "beam", "sample"))
+        assert c["logits"]["data"]["max_diff"] <= c["logits"]["data"]["tolerance"]
+        shares, target = c["weights_per_rank"]["data"]["shares"], c["weights_per_rank"]["data"]["target"]
+        assert len(shares) == tp and all(abs(s - target) <= 0.05 * target for s in shares), (name, shares, target)
+        for mode in ("shard-aware", "pre-sharded"):  # every family, both loading paths, built on meta
+            data = c[f"loading_{mode}"]["data"]
+            assert data["equal_tensors"] == data["tensors"] > 0 and data["greedy_identical"], (name, mode, data)
+            assert data["built_on_meta"] > 0 and data["first_different"] is None, (name, mode, data)
+    # Multi-query models keep a copy of the KV head per rank, counted in the target; the others do not.
+    assert {n for n, c in checks.items() if c["weights_per_rank"]["data"]["kv_replicated"]} >= {"gpt_bigcode_mqa",
+                                                                                                 "llama_kv1"}
+    assert not checks["gpt_bigcode_mha"]["weights_per_rank"]["data"]["kv_replicated"]
+    assert checks["t5"]["loading_shard-aware"]["data"]["ties"] > 0  # shared embeddings stay tied
 
 
 def test_wrong_policy_fails_naming_the_layer(model_dirs, tmp_path):
     wrong = tmp_path / "opt_missing_fc2.toml"
     wrong.write_text('model_types = ["opt"]\n[layers.OPTDecoderLayer]\nrow_parallel = ["self_attn.out_proj"]\n')
-    proc = policy_cli("check", str(model_dirs["opt"]), "--tp-size", "2", "--policy", str(wrong), timeout=200)
-    assert proc.returncode != 0
-    assert "FAIL opt tp2 RuntimeError: sharded forward failed in first failing layer model.decoder.layers.0" in proc.stdout
+    proc, report = policy_check([model_dirs["opt"]], 2, tmp_path, "--policy", str(wrong), timeout=200)
+    assert proc.returncode == 1 and not report["ok"], proc.stdout[-3000:]
+    failed = [c for c in report["checks"] if not c["passed"]]
+    assert [c["check"] for c in failed] == ["error"] and failed[0]["data"]["exception"] == "RuntimeError"
+    assert "sharded forward failed in first failing layer model.decoder.layers.0" in failed[0]["line"]
 
 
 def test_unlisted_architectures_get_a_derived_policy(tmp_path):
@@ -82,8 +102,8 @@ def test_unlisted_architectures_get_a_derived_policy(tmp_path):
         config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 96, 0, 1, 1
         tr.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
         dirs.append(str(tmp_path / name))
-    proc = policy_cli("check", *dirs, "--tp-size", "2")
-    assert_all_pass(proc, list(configs), 2)
+    proc, report = policy_check(dirs, 2, tmp_path)
+    assert_all_pass(proc, report, list(configs), 2)
     assert "no policy file for model_type 'xglm': derived row-parallel linears" in proc.stdout + proc.stderr
 
     # `suggest` prints a loadable policy file; checked with --policy it passes too.

@@ -15,21 +15,41 @@ def single_odd(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("launcher, loader", [("torchrun", '{"dispatch_batches": true}'),
-                                              ("deepspeed", '{"dispatch_batches": true, "split_batches": true}')],
-                         ids=["dispatch", "dispatch_split"])
-def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader):
+def resumed_count(run) -> int:
+    """K from the resumed run's own log line `resumed: K of N examples already done`."""
+    import re
+
+    found = re.findall(r"resumed: (\d+) of (\d+) examples already done", run.output)
+    assert len(found) == 1, run.output[-3000:]
+    return int(found[0][0])
+
+
+@pytest.mark.parametrize("launcher, loader, killed", [
+    ("torchrun", '{"dispatch_batches": true}', False),
+    ("deepspeed", '{"dispatch_batches": true, "split_batches": true}', True)],
+    ids=["dispatch", "dispatch_split_killed_then_resumed"])
+def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader, killed):
     """accelerate's dispatcher would hand every replica the same batches (74 lines for 37 examples); under our
-    mesh no loader dispatches, so these two runs also take the plain DP x TP path, under both launchers."""
-    extra = ["--accelerator_config", loader]
-    run = run_example([*ODD, "--deepspeed_inference", "--tp_size", "2", *extra], tmp_path, nprocs=4,
-                      launcher=launcher, timeout=300)
+    mesh no loader dispatches, so these two runs also take the plain DP x TP path, under both launchers. The
+    second is first killed (SIGKILL, rank 3, its replica's third batch) and then re-run: the same command
+    resumes, generates only what was not on disk, and gives the uninterrupted result."""
+    args = [*ODD, "--deepspeed_inference", "--tp_size", "2", "--accelerator_config", loader]
+    if killed:
+        crashed = run_example(args, tmp_path, nprocs=4, launcher=launcher, timeout=300, fault="kill:3:2")
+        assert crashed.returncode != 0 and not (tmp_path / "generated_predictions.txt").exists()
+        assert list((tmp_path / "predict_parts").glob("part-dp*.jsonl")), crashed.output[-3000:]
+    run = run_example(args, tmp_path, nprocs=4, launcher=launcher, timeout=300)
     assert_ok(run)
     assert run.predictions() == single_odd.predictions() and len(run.predictions()) == 37
     results = run.results("predict")
     assert (results["tp_size"], results["dp_size"], results["predict_samples"]) == (2, 2, 37)
+    assert results["predict_bleu"] == single_odd.results("predict")["predict_bleu"]
     assert "world 4 = tp 2 x dp 2 (rank 3)" in run.output
     assert 0 <= results["predict_lockstep_guard_seconds"] < results["predict_runtime"]
+    if killed:
+        done = resumed_count(run)
+        assert 0 < done < 37 and results["predict_generated_samples"] == 37 - done
+        assert not (tmp_path / "predict_parts").exists()
 
 
 def test_sampling_with_a_seed_matches_single_process(tiny_models, tmp_path):
@@ -52,11 +72,28 @@ def _no_results(out) -> None:
     assert not (out / "predict_results.json").exists() and not (out / "generated_predictions.txt").exists()
 
 
-def test_killed_rank_ends_the_run_within_the_timeout(tmp_path):
+def test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes(tmp_path):
+    """SIGKILL of rank 1 in the middle of a tp 2 predict: the run ends promptly with nothing claimed; a resume
+    with other generation settings is refused; the same command continues and gives byte for byte the
+    single-process predictions, generating only the examples that were not on disk."""
+    from ds_inference_integration.errors import InferenceSetupError
+
     run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="kill:1:3", launcher="torchrun")
     assert run.returncode != 0
     assert run.seconds < 60 + 30, run.seconds
     _no_results(tmp_path)
+    plain = [a for a in FAULT_ARGS if a not in ("--deepspeed_inference",)]
+    with pytest.raises(InferenceSetupError, match=r"different predict run \(.*generation\.kwargs\.num_beams: 1 -> 2"):
+        run_in_process([*plain, "--num_beams", "2"], tmp_path)
+    resumed = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, launcher="torchrun")
+    assert_ok(resumed)
+    single = run_in_process(plain, tmp_path / "single")
+    want = (tmp_path / "single" / "generated_predictions.txt").read_bytes()
+    assert (tmp_path / "generated_predictions.txt").read_bytes() == want
+    done, results = resumed_count(resumed), resumed.results("predict")
+    assert 0 < done < 203 and results["predict_generated_samples"] == 203 - done and results["predict_samples"] == 203
+    assert {k: results[k] for k in ("predict_bleu", "predict_gen_len")} == \
+        {k: single.results("predict")[k] for k in ("predict_bleu", "predict_gen_len")}
 
 
 def test_rank_that_raises_takes_the_others_down_promptly(tmp_path):
@@ -82,7 +119,7 @@ def test_lockstep_guard_stops_mixed_inputs_on_every_rank(tmp_path):
 def _bad_files(tmp_path):
     (tmp_path / "empty.json").write_text("")
     (tmp_path / "nocol.json").write_text('{"text": "one"}\n')
-    (tmp_path / "nolang.json").write_text('{"translation": {"en": "one", "fr": "un"}}\n')
+    (tmp_path / "nolang.json").write_text('{"translation": {"de": "eins", "ro": "unu"}}\n')  # no source side
     (tmp_path / "syntax.toml").write_text("model_types = [\n")
     (tmp_path / "schema.toml").write_text('model_types = ["t5"]\n[layers.T5Block]\nall_reduce = ["o"]\n')
 
@@ -101,7 +138,7 @@ BAD_INPUT = {
     "unknown_policy": (["--injection_policy", "t5-policy"], "--injection_policy 't5-policy' is not a file; valid: auto, autotp"),
     "missing_column": (["--test_file", "{tmp}/nocol.json"], "the test data has no 'translation' column; columns: ['text']"),
     "missing_language": (["--test_file", "{tmp}/nolang.json"],
-                         "no language 'ro' in 'translation'; languages there: ['en', 'fr']"),
+                         "no language 'en' in 'translation'; languages there: ['de', 'ro']"),
     "unknown_argument": (["--no_such_option", "1"], "Some specified arguments are not used by the HfArgumentParser: "
                                                    "['--no_such_option', '1']"),
 }
@@ -131,8 +168,8 @@ def test_bad_input_ends_the_run_in_one_line_with_exit_2(tmp_path):
     run = run_example(["--do_predict", *TRANSLATE_ARGS, "--deepspeed_inference", "--test_file",
                        str(tmp_path / "nolang.json")], tmp_path / "out", timeout=120)
     assert run.returncode == 2, run.output[-2000:]
-    assert run.error_lines() == ["error: the test data has no language 'ro' in 'translation'; languages there: "
-                                 "['en', 'fr'] [rank 0]"], run.output[-2000:]
+    assert run.error_lines() == ["error: the test data has no language 'en' in 'translation'; languages there: "
+                                 "['de', 'ro'] [rank 0]"], run.output[-2000:]
     assert "Traceback" not in run.output
 
 
@@ -177,12 +214,17 @@ def test_policy_check_counts_every_rank_and_leaves_no_temporary_files(tmp_path):
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "DS_INFERENCE_FAULT": "check_logits:1", "PYTHONPATH": str(FAULTS),
            "TORCH_EXTENSIONS_DIR": str(__import__("pathlib").Path(sys.prefix) / "torch_extensions")}
-    proc = subprocess.run([str(BIN / "ds-inference"), "policy", "check", str(model), "--tp-size", "2"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    report_path = tmp_path / "check.json"
+    proc = subprocess.run([str(BIN / "ds-inference"), "policy", "check", str(model), "--tp-size", "2", "--json",
+                           str(report_path)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FAIL t5 tp2 logits: max |diff| 1.00e+00" in proc.stdout and "[on rank 1 of 2]" in proc.stdout
-    assert "PASS t5 tp2 greedy token ids" in proc.stdout  # the other checks still report
-    assert "FAIL: 7 of 8 checks passed" in proc.stdout
+    report = __import__("json").loads(report_path.read_text())
+    checks = {c["check"]: c for c in report["checks"]}
+    assert not checks["logits"]["passed"] and checks["logits"]["failed_ranks"] == [1]
+    assert checks["logits"]["data"]["max_diff"] == pytest.approx(1.0)  # rank 1's figure, not rank 0's
+    assert checks["greedy"]["passed"]  # the other checks still report
+    assert (report["ok"], report["passed"], report["total"]) == (False, 7, 8)
+    assert "[on rank 1 of 2]" in proc.stdout  # and the human line names the rank
     assert not [p for p in tmp.iterdir() if "ds_inference" in p.name], list(tmp.iterdir())
 
 

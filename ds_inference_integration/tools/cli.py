@@ -3,7 +3,7 @@
     ds-inference policy list              architectures with a policy file
     ds-inference policy show MODEL_TYPE   print that policy file
     ds-inference policy suggest MODEL_DIR print a policy file for a local model (shipped, or derived)
-    ds-inference policy check MODEL_DIR [MODEL_DIR ...] --tp-size N [--policy FILE]
+    ds-inference policy check MODEL_DIR [MODEL_DIR ...] --tp-size N [--policy FILE] [--json FILE]
                                           shard over N ranks it starts itself, compare with the unsharded model
     ds-inference shard MODEL_DIR --tp-size N OUT_DIR
                                           write a pre-sharded copy: one safetensors file per rank + manifest
@@ -72,7 +72,7 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
 def _policy_check(ns: argparse.Namespace) -> int:
     from .policy_check import run_check
 
-    return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout)
+    return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout, json_path=ns.json)
 
 
 def _bench_guard(ns: argparse.Namespace) -> int:
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tp-size", type=int, required=True)
     check.add_argument("--policy", default="auto", help="auto (default), autotp, or a policy file")
     check.add_argument("--timeout", type=float, default=300, help="seconds before the ranks are killed")
+    check.add_argument("--json", metavar="FILE", help="also write every check's result and figures to FILE")
     check.set_defaults(func=_policy_check)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..files import write_text_atomic
 from .ranks import failure_text, start_ranks, wait_ranks
 
 LOGIT_RTOL = 1e-4
@@ -19,9 +20,11 @@ BYTES_TOLERANCE = 0.05
 NEW_TOKENS = 8
 
 
-def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout: float = 300) -> int:
+def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout: float = 300,
+              json_path: str | None = None) -> int:
     """Start `tp_size` ranks, run the checks, print one line per check and a summary; never hangs. A check
-    passes only if it passes on every rank; the temporary directory (pre-sharded copies) is removed."""
+    passes only if it passes on every rank; the temporary directory (pre-sharded copies) is removed.
+    `json_path`: also write the merged results there (what the tests read; see `merge_rank_results`)."""
     for d in model_dirs:
         if not (Path(d) / "config.json").is_file():
             print(f"error: {d} is not a model directory (no config.json)", file=sys.stderr)
@@ -33,38 +36,54 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
         reports = [json.loads(p.read_text()) if p.is_file() else None
                    for p in (Path(out, f"result-{r}.json") for r in range(tp_size))]
         failure = None if all(c == 0 for c in codes) else failure_text(procs, codes)
-    lines, passed, total = merge_rank_results(reports)
-    for line in lines:
-        print(line)
+    checks = merge_rank_results(reports)
+    passed, total = sum(c["passed"] for c in checks), len(checks)
+    for c in checks:
+        print(("PASS " if c["passed"] else "FAIL ") + c["line"])
     ok = passed == total and failure is None and all(r is not None for r in reports)
     if failure is not None:
         print(f"FAIL rank processes ({failure})")
     print(f"{'PASS' if ok else 'FAIL'}: {passed} of {total} checks passed ({len(model_dirs)} model(s), tp {tp_size})")
+    if json_path:
+        write_text_atomic(Path(json_path), json.dumps(
+            {"ok": ok, "tp_size": tp_size, "models": [Path(d).name for d in model_dirs], "passed": passed,
+             "total": total, "rank_failure": failure, "checks": checks}, indent=1) + "\n")
     return 0 if ok else 1
 
 
-def merge_rank_results(reports: list[dict | None]) -> tuple[list[str], int, int]:
-    """One line per check from every rank's own results: PASS only where every rank passed; a FAIL line is the
-    first failing rank's, naming the ranks it failed on; a rank with no results, or fewer, fails the check."""
+def merge_rank_results(reports: list[dict | None]) -> list[dict]:
+    """One record per check from every rank's own results: passed only where every rank passed; a failed
+    check's line is the first failing rank's, and `failed_ranks` names them; a rank with no results, or
+    fewer, fails the check. Each record: model, tp, check (its kind: logits, hidden_states, greedy, beam,
+    sample, weights_per_rank, loading_shard-aware, loading_pre-sharded, setup, error), passed, line (the
+    human-readable text), failed_ranks, data (the check's figures, from the first failing rank or rank 0)."""
     longest = max((len(r["checks"]) for r in reports if r), default=0)
-    lines, passed = [], 0
+    merged = []
     for i in range(longest):
         seen = [(rank, r["checks"][i] if r and i < len(r["checks"]) else None) for rank, r in enumerate(reports)]
-        failing = [rank for rank, c in seen if c is None or not c[0]]
-        text = next((c[1] for _, c in seen if c is not None and (not failing or not c[0])), "(no result)")
-        if failing:
-            lines.append(f"FAIL {text}" + (f" [on rank {', '.join(map(str, failing))} of {len(reports)}]"
-                                           if len(reports) > 1 else ""))
-        else:
-            lines.append(f"PASS {text}")
-            passed += 1
+        failing = [rank for rank, c in seen if c is None or not c["passed"]]
+        shown = next((c for _, c in seen if c is not None and (not failing or not c["passed"])), None)
+        record = dict(shown) if shown else {"model": None, "tp": len(reports), "check": "missing", "passed": False,
+                                            "line": "(no result)", "data": {}}
+        record["passed"] = not failing
+        record["failed_ranks"] = failing
+        if failing and len(reports) > 1:
+            record["line"] += f" [on rank {', '.join(map(str, failing))} of {len(reports)}]"
+        merged.append(record)
     missing = [rank for rank, r in enumerate(reports) if r is None]
     if missing:
-        lines.append(f"FAIL ranks {missing} wrote no results")
-    return lines, passed, longest + bool(missing)
+        merged.append({"model": None, "tp": len(reports), "check": "results", "passed": False, "failed_ranks": missing,
+                       "line": f"ranks {missing} wrote no results", "data": {}})
+    return merged
 
 
 # Worker side ---------------------------------------------------------------------------------------
+
+def check_record(model: str, tp: int, kind: str, ok: bool, text: str, **data) -> dict:
+    """One check's result on one rank: the human line (`MODEL tpN TEXT`) and its figures, JSON-ready."""
+    return {"model": model, "tp": tp, "check": kind, "passed": bool(ok), "line": f"{model} tp{tp} {text}",
+            "data": data}
+
 
 def _inputs(config, torch):
     """Three prompts of different lengths; decoder-only prompts are left-padded."""
@@ -134,7 +153,7 @@ def _layer_weight_bytes(model, patterns) -> int:
     return total
 
 
-def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[tuple[bool, str]],
+def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list[dict],
                work_dir: Path | None = None) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
@@ -164,19 +183,21 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[t
 
     passed = total = 0
 
-    def check(ok: bool, text: str) -> None:
+    def check(ok: bool, kind: str, text: str, **data) -> None:
         nonlocal passed, total
         total += 1
-        passed += ok
-        lines.append((bool(ok), f"{name} tp{topology.tp_size} {text}"))
+        passed += bool(ok)
+        records.append(check_record(name, topology.tp_size, kind, ok, text, **data))
 
     scale = max(1.0, want["logits"].abs().max().item())
     diff = (got["logits"] - want["logits"]).abs().max().item()
-    check(diff <= LOGIT_RTOL * scale, f"logits: max |diff| {diff:.2e} (tolerance {LOGIT_RTOL * scale:.2e})")
+    check(diff <= LOGIT_RTOL * scale, "logits", f"logits: max |diff| {diff:.2e} (tolerance {LOGIT_RTOL * scale:.2e})",
+          max_diff=diff, tolerance=LOGIT_RTOL * scale)
     first_bad = next((i for i, (a, b) in enumerate(zip(got["hidden"], want["hidden"]))
                       if (a - b).abs().max().item() > LOGIT_RTOL * max(1.0, b.abs().max().item())), None)
-    check(first_bad is None, "hidden states: every layer within tolerance" if first_bad is None
-          else f"hidden states: first diverging layer is hidden_states[{first_bad}] of {len(want['hidden'])}")
+    check(first_bad is None, "hidden_states", "hidden states: every layer within tolerance" if first_bad is None
+          else f"hidden states: first diverging layer is hidden_states[{first_bad}] of {len(want['hidden'])}",
+          first_diverging=first_bad, layers=len(want["hidden"]))
     for mode in ("greedy", "beam", "sample"):
         a, b = got[mode], want[mode]
         same_shape = a.shape == b.shape
@@ -185,10 +206,11 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[t
         peers = [torch.empty_like(a) for _ in range(topology.tp_size)]
         dist.all_gather(peers, a.contiguous(), group=groups.tp)
         ranks_agree = all(torch.equal(p, a) for p in peers)
-        check(mism is None and ranks_agree,
+        check(mism is None and ranks_agree, mode,
               f"{mode} token ids: " + ("identical to unsharded" if mism is None else
                                        f"first different token at (row, position) {mism}")
-              + ("" if ranks_agree else "; ranks of the TP group disagree"))
+              + ("" if ranks_agree else "; ranks of the TP group disagree"),
+              identical=mism is None, first_different=mism, ranks_agree=ranks_agree)
     mine = torch.tensor([_layer_weight_bytes(model, patterns)], dtype=torch.long)
     every = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
     dist.all_gather(every, mine, group=groups.tp)
@@ -203,13 +225,14 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, lines: list[t
         kv_bytes = 2 * n_kv * (hidden // n_q) * hidden * 4 * text.num_hidden_layers
         target = ((full_bytes - kv_bytes) / topology.tp_size + kv_bytes / n_kv) / full_bytes
         kv = f" (KV heads replicated: +{target - 1 / topology.tp_size:.1%} over 1/tp, counted in the target)"
-    check(all(abs(share - target) <= BYTES_TOLERANCE * target for share in shares),
+    check(all(abs(share - target) <= BYTES_TOLERANCE * target for share in shares), "weights_per_rank",
           f"layer weights per rank: {', '.join(f'{s:.1%}' for s in shares)} of {full_bytes} bytes "
-          f"(target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}")
+          f"(target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}",
+          shares=shares, target=target, full_bytes=full_bytes, kv_replicated=bool(report.replicated_kv))
     if work_dir is not None:
-        for ok, text in _check_loading(model_dir, cls, config, model, got["greedy"], inputs, args, topology, groups,
-                                       resolve_policy(policy_spec, config), work_dir):
-            check(ok, text)
+        for ok, kind, text, data in _check_loading(model_dir, cls, config, model, got["greedy"], inputs, args, topology,
+                                                   groups, resolve_policy(policy_spec, config), work_dir):
+            check(ok, kind, text, **data)
     return passed, total
 
 
@@ -224,7 +247,7 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
     from ..presharded import start_writing, write_presharded
 
     if checkpoint_files(Path(model_dir)) is None:
-        yield False, "loading: no safetensors weights, shard-aware loading not checked"
+        yield False, "loading_shard-aware", "loading: no safetensors weights, shard-aware loading not checked", {}
         return
     want = {n: p for n, p in naive.named_parameters(remove_duplicate=False)}
     out = Path(work_dir) / f"presharded_{Path(model_dir).name}"
@@ -243,11 +266,13 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
             pad = config.pad_token_id if config.pad_token_id is not None else 0
             greedy = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS, pad_token_id=pad)
         same = greedy.shape == naive_greedy.shape and torch.equal(greedy, naive_greedy)
-        yield (not bad and same and metas > 0,
+        yield (not bad and same and metas > 0, f"loading_{mode}",
                f"loading {mode}: {len(mine) - len(bad)}/{len(mine)} tensors bitwise equal to the naive path"
                + (f", {len(ties)} ties kept" if ties else "")
                + (f" (first different: {bad[0]})" if bad else "")
-               + f", greedy ids {'identical' if same else 'DIFFERENT'}; built on meta: {metas} tensors; {report.loading}")
+               + f", greedy ids {'identical' if same else 'DIFFERENT'}; built on meta: {metas} tensors; {report.loading}",
+               dict(tensors=len(mine), equal_tensors=len(mine) - len(bad), first_different=bad[0] if bad else None,
+                    ties=len(ties), greedy_identical=same, built_on_meta=metas))
         if mode == "shard-aware":
             if topology.rank == 0:
                 start_writing(out)
@@ -271,7 +296,7 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     groups = init_process_groups(topology, "cuda" if torch.cuda.is_available() else "cpu", timeout=120)
     init_deepspeed_comm(topology)
-    checks: list[tuple[bool, str]] = []
+    checks: list[dict] = []
 
     def save() -> None:  # every rank its own results: the parent counts a check as passed only if all passed
         Path(out_dir, f"result-{topology.rank}.json").write_text(json.dumps({"checks": checks}))
@@ -281,9 +306,10 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
             try:
                 _check_one(d, policy_spec, topology, groups, checks, Path(out_dir))
             except InferenceSetupError as e:
-                checks.append((False, f"{Path(d).name} tp{topology.tp_size} setup: {e}"))
+                checks.append(check_record(Path(d).name, topology.tp_size, "setup", False, f"setup: {e}"))
             except Exception as e:  # a rank that raised mid-collective: report it and stop here
-                checks.append((False, f"{Path(d).name} tp{topology.tp_size} {type(e).__name__}: {str(e)[:300]}"))
+                checks.append(check_record(Path(d).name, topology.tp_size, "error", False,
+                                           f"{type(e).__name__}: {str(e)[:300]}", exception=type(e).__name__))
                 raise
             save()
     finally:

@@ -1,0 +1,228 @@
+"""Streamed, resumable predict (streaming.py, metrics.py, `predict_to_file`) in one process: the same
+predictions and metrics as the in-memory path, a crash resumed without generating anything twice, a resume
+of a different run refused, data without references. The multi-rank kills are in test_resume_tp.py."""
+
+import json
+
+import numpy as np
+import pytest
+import sacrebleu
+import torch
+
+from conftest import save_tiny_model
+from ds_inference_integration.errors import InferenceSetupError
+from ds_inference_integration.metrics import CorpusBleu
+from ds_inference_integration.streaming import (
+    PartWriter,
+    complete_length,
+    merge_parts,
+    part_path,
+    read_records,
+    replica_batches,
+)
+
+WORDS = ["one hundred", "seven", "twenty two", "nine thousand", "forty", "three", "eleven", "sixty five", "two",
+         "eight hundred and one", "fifty", "twelve", "six", "thirty three"]
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory):
+    return save_tiny_model("t5", tmp_path_factory.mktemp("tiny") / "t5")
+
+
+def make_trainer(model_dir, output_dir, labels=True, sources=WORDS, **args):
+    """A trainer on a tiny random T5, and data whose references are near its greedy predictions (every other one
+    changed), so that BLEU is neither 0 nor 100 and a wrong sum of statistics would show."""
+    from datasets import Dataset
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
+
+    from ds_inference_integration import DeepSpeedInferenceSeq2SeqTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    columns = dict(tok(list(sources)))
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    if labels:
+        with torch.no_grad():
+            greedy = model.generate(**tok(list(sources), return_tensors="pt", padding=True), max_new_tokens=6)
+        texts = tok.batch_decode(greedy, skip_special_tokens=True)
+        refs = [t if i % 2 else " ".join(t.split()[:-1] + ["seven"]) for i, t in enumerate(texts)]
+        columns["labels"] = tok(text_target=refs)["input_ids"]
+    training_args = Seq2SeqTrainingArguments(output_dir=str(output_dir), per_device_eval_batch_size=4,
+                                             predict_with_generate=True, report_to="none", seed=3, **args)
+    trainer = DeepSpeedInferenceSeq2SeqTrainer(model=model, args=training_args, processing_class=tok,
+                                               data_collator=DataCollatorForSeq2Seq(tok, model=model))
+    return trainer, Dataset.from_dict(columns), tok
+
+
+def in_memory(trainer, data, tok, **gen):
+    """Today's path, as upstream's run_translation.py does it: predict, decode, corpus BLEU, gen_len."""
+    out = trainer.predict(data, **gen)
+    preds = np.where(out.predictions != -100, out.predictions, tok.pad_token_id)
+    lines = [p.strip() for p in tok.batch_decode(preds, skip_special_tokens=True, clean_up_tokenization_spaces=True)]
+    metrics = {"gen_len": round(float(np.mean([np.count_nonzero(p != tok.pad_token_id) for p in preds])), 4)}
+    if out.label_ids is not None:
+        labels = np.where(out.label_ids != -100, out.label_ids, tok.pad_token_id)
+        refs = [x.strip() for x in tok.batch_decode(labels, skip_special_tokens=True)]
+        hyps = [x.strip() for x in tok.batch_decode(preds, skip_special_tokens=True)]
+        metrics["bleu"] = round(float(sacrebleu.corpus_bleu(hyps, [refs]).score), 4)
+    return lines, metrics
+
+
+def test_streamed_bleu_is_corpus_bleu_on_fixed_strings():
+    hyps = ["the cat sat on the mat", "a b c d", "", "hello there general kenobi", "x y z", "one two three four five"]
+    refs = ["the cat is on the mat", "a b c d", "nothing", "hello there", "x y", "one two three four six"]
+    metric = CorpusBleu()
+    totals = None
+    for s in metric.stats(hyps[:4], refs[:4], [6, 4, 0, 4]) + metric.stats(hyps[4:], refs[4:], [3, 5]):
+        totals = metric.add(totals, s)
+    got = metric.compute(totals, len(hyps))
+    assert got["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 4) and 0 < got["bleu"] < 100
+    assert got["gen_len"] == round(22 / 6, 4)
+    assert metric.compute(metric.add(None, metric.stats(["a"], None, [1])[0]), 1) == {"gen_len": 1.0}
+
+
+@pytest.mark.parametrize("n, batch, dp", [(1, 4, 1), (14, 4, 1), (14, 4, 2), (14, 4, 3), (5, 8, 2), (203, 16, 2)])
+def test_the_replicas_cover_every_example_once(n, batch, dp):
+    seen = [p for r in range(dp) for b in replica_batches(n, batch, dp, r) for p in b]
+    assert sorted(seen) == list(range(n))
+    for r in range(dp):  # each replica's batches are in order: a part on disk is a prefix of them
+        flat = [p for b in replica_batches(n, batch, dp, r) for p in b]
+        assert flat == sorted(flat)
+
+
+def test_a_line_cut_short_by_a_crash_is_dropped_and_merge_checks_every_example(tmp_path):
+    path = part_path(tmp_path, 0)
+    writer = PartWriter(path)
+    writer.write([{"i": 0, "p": "a"}, {"i": 1, "p": "b"}])
+    writer.close()
+    with open(path, "ab") as f:
+        f.write(b'{"i": 2, "p": "c')  # killed mid-line
+    assert complete_length(path)[0] == 2 and [r["i"] for _, r in read_records(path)] == [0, 1]
+    writer = PartWriter(path)  # reopened by the resumed run: the cut line is gone
+    writer.write([{"i": 2, "p": "c"}])
+    writer.close()
+    assert [r["p"] for _, r in read_records(path)] == ["a", "b", "c"]
+    merge_parts(tmp_path, 1, 3, tmp_path / "out.txt")
+    assert (tmp_path / "out.txt").read_text() == "a\nb\nc\n"
+    with pytest.raises(RuntimeError, match="1 of 4 examples have no prediction"):
+        merge_parts(tmp_path, 1, 4, tmp_path / "out4.txt")
+    assert not (tmp_path / "out4.txt").exists()
+    PartWriter(part_path(tmp_path, 1)).write([{"i": 1, "p": "again"}])
+    with pytest.raises(RuntimeError, match="example 1 is duplicated"):
+        merge_parts(tmp_path, 2, 3, tmp_path / "out.txt")
+    assert (tmp_path / "out.txt").read_text() == "a\nb\nc\n"  # the earlier good file stays whole
+
+
+@pytest.mark.parametrize("gen", [{"max_new_tokens": 6}, {"num_beams": 3, "max_new_tokens": 6},
+                                 {"do_sample": True, "top_k": 0, "max_new_tokens": 6}], ids=["greedy", "beam", "sample"])
+def test_streamed_predictions_and_metrics_equal_the_in_memory_path(tiny_t5, tmp_path, gen):
+    trainer, data, tok = make_trainer(tiny_t5, tmp_path)
+    lines, want = in_memory(trainer, data, tok, **gen)
+    got = trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
+    assert (tmp_path / "generated_predictions.txt").read_text().splitlines() == lines
+    assert {k: got[f"predict_{k}"] for k in want} == want and 0 < want["bleu"] < 100, want
+    assert got["predict_samples"] == got["predict_generated_samples"] == len(WORDS)
+    assert not (tmp_path / "predict_parts").exists()  # merged, then removed
+
+
+def test_a_crash_is_resumed_without_generating_anything_twice(tiny_t5, tmp_path, monkeypatch, caplog):
+    gen = {"do_sample": True, "top_k": 0, "max_new_tokens": 6}  # sampling: the seeds must follow the batches too
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path / "whole")
+    want = trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
+    whole = (tmp_path / "whole" / "generated_predictions.txt").read_bytes()
+
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path / "crash")
+    original = type(trainer).prediction_step
+    calls = []
+
+    def crash_at_third_batch(self, *args, **kwargs):
+        calls.append(self._batch_index + 1)
+        if len(calls) == 3:
+            raise RuntimeError("killed")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(trainer), "prediction_step", crash_at_third_batch)
+    with pytest.raises(RuntimeError, match="killed"):
+        trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
+    parts = tmp_path / "crash" / "predict_parts"
+    assert complete_length(part_path(parts, 0))[0] == 8 and not (tmp_path / "crash" / "generated_predictions.txt").exists()
+    with open(part_path(parts, 0), "ab") as f:
+        f.write(b'{"i": 8, "p": "half')  # and the crash cut a line short
+    monkeypatch.setattr(type(trainer), "prediction_step", original)
+    calls.clear()
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path / "crash")  # the same command again
+    with caplog.at_level("INFO", logger="ds_inference_integration.streaming"):
+        got = trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
+    assert f"resumed: 8 of {len(WORDS)} examples already done" in caplog.text
+    assert (tmp_path / "crash" / "generated_predictions.txt").read_bytes() == whole
+    assert got["predict_generated_samples"] == len(WORDS) - 8 and got["predict_samples"] == len(WORDS)
+    assert {k: got[k] for k in ("predict_bleu", "predict_gen_len")} == {k: want[k] for k in ("predict_bleu", "predict_gen_len")}
+
+
+def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(tiny_t5, tmp_path, monkeypatch):
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path)
+    (tmp_path / "predict_parts").mkdir()
+    from ds_inference_integration.streaming import open_run
+
+    identity = None
+
+    def keep(parts_dir, ident, fresh):
+        nonlocal identity
+        identity = ident
+        raise RuntimeError("stop before generating")
+
+    monkeypatch.setattr("ds_inference_integration.streaming.open_run", keep)
+    with pytest.raises(RuntimeError, match="stop before generating"):
+        trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
+    monkeypatch.undo()
+    open_run(tmp_path / "predict_parts", identity, fresh=True)
+    with pytest.raises(InferenceSetupError, match=r"different predict run \(generation.kwargs.num_beams: 1 -> 4\); "
+                                                  r"re-run the same command to resume it, or pass --overwrite_output_dir"):
+        trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=4, max_new_tokens=6)
+    other, other_data, _ = make_trainer(tiny_t5, tmp_path, sources=WORDS[:-1])
+    with pytest.raises(InferenceSetupError, match=r"data.examples: 14 -> 13"):
+        other.predict_to_file(other_data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
+    got = trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=4, max_new_tokens=6, fresh=True)
+    assert got["predict_generated_samples"] == len(WORDS)
+
+
+def test_data_without_references_predicts_with_upstreams_collator(tiny_t5, tmp_path):
+    """transformers 5.24's DataCollatorForSeq2Seq gives `labels: None` without references, and upstream's
+    prediction_step then runs the model without decoder inputs ("You must specify exactly one of input_ids or
+    inputs_embeds"). Both predict paths must work, and report no BLEU."""
+    trainer, data, tok = make_trainer(tiny_t5, tmp_path, labels=False)
+    assert "labels" not in data.column_names
+    batch = trainer.data_collator([data[0], data[1]])
+    assert "labels" in batch and batch["labels"] is None  # the collator's own behaviour, as reported
+    out = trainer.predict(data, max_new_tokens=6)
+    assert out.predictions.shape[0] == len(WORDS) and out.label_ids is None
+    got = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    assert "predict_bleu" not in got and got["predict_gen_len"] > 0
+    lines = (tmp_path / "generated_predictions.txt").read_text().splitlines()
+    preds = np.where(out.predictions != -100, out.predictions, tok.pad_token_id)
+    assert lines == [p.strip() for p in tok.batch_decode(preds, skip_special_tokens=True,
+                                                         clean_up_tokenization_spaces=True)]
+    assert json.loads(json.dumps(got)) == got  # metrics are plain numbers
+
+
+def test_length_grouped_predictions_come_back_in_input_order(tiny_t5, tmp_path):
+    trainer, data, tok = make_trainer(tiny_t5, tmp_path, train_sampling_strategy="group_by_length")
+    lines, want = in_memory(trainer, data, tok, max_new_tokens=6)  # in memory: sorted, then put back in order
+    got = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    assert (tmp_path / "generated_predictions.txt").read_text().splitlines() == lines
+    assert {k: got[f"predict_{k}"] for k in want} == want
+
+
+def test_the_example_predicts_a_file_with_only_the_source_side(tmp_path):
+    """Bulk jobs translate what nobody has translated yet: predictions, no BLEU, instead of a failure."""
+    from conftest import DATA, TRANSLATE_ARGS, run_in_process
+
+    rows = [json.loads(line) for line in (DATA / "test.json").read_text().splitlines()[:10]]
+    (tmp_path / "src.json").write_text("".join(json.dumps({"translation": {"en": r["translation"]["en"]}}) + "\n"
+                                               for r in rows))
+    args = ["--do_predict", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS]
+    bare = run_in_process([*args, "--test_file", str(tmp_path / "src.json")], tmp_path / "bare")
+    full = run_in_process([*args, "--test_file", str(DATA / "test.json"), "--max_predict_samples", "10"],
+                          tmp_path / "full")
+    assert bare.predictions() == full.predictions() and len(bare.predictions()) == 10
+    assert "predict_bleu" not in bare.results("predict") and "predict_bleu" in full.results("predict")
