@@ -309,10 +309,16 @@ class DeepSpeedInferenceMixin:
         if self.args.remove_unused_columns and hasattr(test_dataset, "column_names"):
             test_dataset = self._remove_unused_columns(test_dataset, description="test")
         order = length_order(self.args, test_dataset)
+        padding = {}
         if order is not None:
+            padding["unsorted"] = padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)
             test_dataset = test_dataset.select(order)
+            padding["sorted"] = padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)
         metrics = streamed_predict(self, test_dataset, metric=metric, metric_key_prefix=metric_key_prefix,
                                    predictions_file=predictions_file, fresh=fresh, order=order)
+        if padding:
+            metrics[f"{metric_key_prefix}_padding_fraction"] = round(padding["sorted"], 4)
+            metrics[f"{metric_key_prefix}_padding_fraction_unsorted"] = round(padding["unsorted"], 4)
         if self.topology.tp_size > 1:
             metrics[f"{metric_key_prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
             self.lockstep_seconds = 0.0

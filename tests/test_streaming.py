@@ -211,6 +211,7 @@ def test_length_grouped_predictions_come_back_in_input_order(tiny_t5, tmp_path):
     got = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
     assert (tmp_path / "generated_predictions.txt").read_text().splitlines() == lines
     assert {k: got[f"predict_{k}"] for k in want} == want
+    assert got["predict_padding_fraction"] < got["predict_padding_fraction_unsorted"]
 
 
 def test_the_example_predicts_a_file_with_only_the_source_side(tmp_path):
