@@ -293,11 +293,9 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
         before += len(batches[skip])
         skip += 1
     steps = torch.tensor([len(batches) - skip], dtype=torch.long, device=device)
-    done_all = torch.tensor([writer.records if writer else 0], dtype=torch.long, device=device)
     if distributed:
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        dist.all_reduce(done_all)
-    already = int(done_all)
+    already = _sum_over_replicas(int(done_mine), topo, device, distributed)
     if topo.rank == 0:
         if status[1]:
             logger.warning("resumed: %d of %d examples already done", already, n)
@@ -392,7 +390,8 @@ def _records(tokenizer, pad, tokens, labels, positions: range, order, metric) ->
         if labels is not None:
             labels = torch.where(labels.cpu() == -100, pad if pad is not None else 0, labels.cpu())
             references = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
-        hypotheses = [t.strip() for t in tokenizer.batch_decode(rows, skip_special_tokens=True)]
+        hypotheses = texts if getattr(tokenizer, "clean_up_tokenization_spaces", None) is True else \
+            [t.strip() for t in tokenizer.batch_decode(rows, skip_special_tokens=True)]  # decode twice only if they differ
         stats = metric.stats(_per_example(hypotheses, per), references,
                              [sum(counts[j * per:(j + 1) * per]) for j in range(len(positions))])
     texts = _per_example(texts, per)

@@ -266,19 +266,26 @@ class DeepSpeedInferenceMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         return self._fix_speed_metrics(metrics, metric_key_prefix, len(dataset) if hasattr(dataset, "__len__") else None)
 
+    def _length_grouped(self, dataset, prefix: str):
+        """With --group_by_length: the data in length order, that order, and the padding-fraction metrics
+        before and after; else (dataset, None, {})."""
+        order = length_order(self.args, dataset)
+        if order is None:
+            return dataset, None, {}
+        unsorted = padding_fraction(input_lengths(dataset), self.args.eval_batch_size)
+        dataset = dataset.select(order)
+        return dataset, order, {f"{prefix}_padding_fraction": round(padding_fraction(input_lengths(dataset),
+                                                                                     self.args.eval_batch_size), 4),
+                                f"{prefix}_padding_fraction_unsorted": round(unsorted, 4)}
+
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
-        order = length_order(self.args, test_dataset)
-        if order is not None:
-            padding = {"unsorted": padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)}
-            test_dataset = test_dataset.select(order)
-            padding["sorted"] = padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)
+        test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         count = len(test_dataset) if hasattr(test_dataset, "__len__") else None
         self._fix_speed_metrics(output.metrics, metric_key_prefix, count)
         if order is None:
             return output
-        output.metrics[f"{metric_key_prefix}_padding_fraction"] = round(padding["sorted"], 4)
-        output.metrics[f"{metric_key_prefix}_padding_fraction_unsorted"] = round(padding["unsorted"], 4)
+        output.metrics.update(padding)
         return type(output)(predictions=unsort(output.predictions, order), label_ids=unsort(output.label_ids, order),
                             metrics=output.metrics)
 
@@ -308,17 +315,10 @@ class DeepSpeedInferenceMixin:
         self._gen_kwargs = gen_kwargs
         if self.args.remove_unused_columns and hasattr(test_dataset, "column_names"):
             test_dataset = self._remove_unused_columns(test_dataset, description="test")
-        order = length_order(self.args, test_dataset)
-        padding = {}
-        if order is not None:
-            padding["unsorted"] = padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)
-            test_dataset = test_dataset.select(order)
-            padding["sorted"] = padding_fraction(input_lengths(test_dataset), self.args.eval_batch_size)
+        test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
         metrics = streamed_predict(self, test_dataset, metric=metric, metric_key_prefix=metric_key_prefix,
                                    predictions_file=predictions_file, fresh=fresh, order=order)
-        if padding:
-            metrics[f"{metric_key_prefix}_padding_fraction"] = round(padding["sorted"], 4)
-            metrics[f"{metric_key_prefix}_padding_fraction_unsorted"] = round(padding["unsorted"], 4)
+        metrics.update(padding)
         if self.topology.tp_size > 1:
             metrics[f"{metric_key_prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
             self.lockstep_seconds = 0.0
