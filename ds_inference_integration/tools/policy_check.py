@@ -122,6 +122,21 @@ def _run_model(model, inputs, torch) -> dict:
             "beam": beam, "sample": sample}
 
 
+def _reference(cls, model_dir, inputs, topology, groups, torch) -> dict:
+    """The unsharded model's outputs, computed by the first rank of the TP group and sent to its peers: every
+    rank would compute the same thing (same weights, same inputs, seeded sampling), and on CPU ranks that share
+    the cores this was tp times the work (the tp-4 matrix of the tests took 70 s with it on every rank)."""
+    import torch.distributed as dist
+
+    box = [None]
+    first = dist.get_global_rank(groups.tp, 0)
+    if topology.rank == first:
+        box[0] = _run_model(cls.from_pretrained(model_dir, dtype=torch.float32).eval(), inputs, torch)
+    if topology.tp_size > 1:
+        dist.broadcast_object_list(box, src=first, group=groups.tp)
+    return box[0]
+
+
 def _run_model_naming_failures(model, inputs, patterns, torch) -> dict:
     """`_run_model`, but an exception names the layer it happened in."""
     import fnmatch
@@ -166,15 +181,14 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     name = Path(model_dir).name
     config = AutoConfig.from_pretrained(model_dir)
     cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    ref = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     policy = resolve_policy(policy_spec, config)
     check_head_counts(policy, config, topology.tp_size)
     layers = derive_policy(model).layers if policy == DERIVE else getattr(policy, "layers", ["*Layer", "*Block"])
     patterns = list(layers)
-    full_bytes = _layer_weight_bytes(ref, patterns)
+    full_bytes = _layer_weight_bytes(model, patterns)  # before sharding: the unsharded model's bytes
     inputs = _inputs(config, torch)
-    want = _run_model(ref, inputs, torch)
+    want = _reference(cls, model_dir, inputs, topology, groups, torch)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
     # verify=False: this command's own comparisons below are the numerical check, in more detail
     model, report = shard_model(model, args, topology, groups, policy, torch.float32, verify=False)
