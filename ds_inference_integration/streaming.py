@@ -226,14 +226,18 @@ def merge_parts(parts_dir: Path, dp_size: int, n: int, output: Path, metric=None
 
 # The loop ----------------------------------------------------------------------------------------------
 
+PROGRESS_EVERY_SECONDS = 10.0
+
+
 class _Progress:
     """One log line at most every `every` seconds on rank 0: examples done of the whole job (all replicas),
     rate of this run, time left."""
 
-    def __init__(self, total: int, already: int, every: float = 10.0):
+    def __init__(self, total: int, already: int, every: float | None = None):
         import time
 
-        self.total, self.already, self.every = total, already, every
+        self.total, self.already = total, already
+        self.every = PROGRESS_EVERY_SECONDS if every is None else every
         self.start = self.last = time.monotonic()
 
     def update(self, done: int, force: bool = False) -> None:

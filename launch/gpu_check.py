@@ -146,6 +146,7 @@ def loading_section(work: Path, smoke: bool, deadline: float) -> dict:
     out = work / "loading"
     r = run([sys.executable, "-m", "ds_inference_integration.tools.cli", "bench", "memory", "--device", device,
              "--dtype", "bf16", "--tp-size", "1", "--config", config, "--output-dir", str(out),
+             "--repeats", "1",  # one pass: the GPU check has 8 minutes for everything
              "--timeout", str(int(max(30, deadline - time.monotonic())))],
             deadline - time.monotonic(), {"OMP_NUM_THREADS": "1"} if smoke else {})
     result = {"run": _public(r)}

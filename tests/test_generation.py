@@ -64,15 +64,27 @@ def test_bench_generation_writes_table_json_and_a_png_that_opens(tmp_path):
     from conftest import BIN
 
     proc = subprocess.run([str(BIN / "ds-inference"), "bench", "generation", "--methods",
-                           "pipeline_per_sample,pipeline_batched,generate_loop,trainer", "--batch-sizes", "1,4",
-                           "--max-prompts", "8", "--new-tokens", "4", "--repeats", "1", "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+                           "pipeline_per_sample,pipeline_batched,generate_loop,trainer,trainer_streaming",
+                           "--batch-sizes", "1,8", "--max-prompts", "8", "--new-tokens", "4", "--repeats", "2",
+                           "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = report["rows"]
     assert [(r["method"], r["batch_size"]) for r in rows] == [
         ("pipeline_per_sample", None), ("pipeline_batched", 1), ("generate_loop", 1), ("trainer", 1),
-        ("pipeline_batched", 4), ("generate_loop", 4), ("trainer", 4)]
+        ("trainer_streaming", 1), ("pipeline_batched", 8), ("generate_loop", 8), ("trainer", 8),
+        ("trainer_streaming", 8)]
     assert all(r["new_tokens"] == 8 * 4 and r["tokens_per_s"] > 0 and r["peak_rss_mb"][0] > 0 for r in rows)
-    assert "| embedded | generate_loop | 4 |" in (tmp_path / "bench.md").read_text()
+    # every figure with the spread of its repeats, every ratio too
+    for r in rows:
+        sp = r["tokens_per_s_spread"]
+        assert sp["n"] == 2 and sp["min"] <= sp["median"] <= sp["max"]
+        assert abs(sp["median"] - r["tokens_per_s"]) < 0.1
+    ratio = report["ratios"]["embedded"]["trainer_streaming_over_generate_loop_bs8"]
+    assert ratio["n"] == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert "| embedded | generate_loop | 8 |" in (tmp_path / "bench.md").read_text()
+    # readable: transformers' per-call warning (max_new_tokens beside the default max_length) once, not per call
+    out = proc.stdout + proc.stderr
+    assert out.count("seem to have been set") <= 2, out[-3000:]  # once for max_, once for min_new_tokens
     with Image.open(tmp_path / "bench.png") as png:
         assert png.size[0] > 300 and png.size[1] > 200

@@ -284,17 +284,19 @@ def test_shard_command_rejects_bad_input(tmp_path):
 def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
     (tmp_path / "tmp").mkdir()
     proc = cli("bench", "memory", "--config", "128,2,4,256,96", "--tp-size", "2", "--output-dir", str(tmp_path),
-               timeout=400, env={"TMPDIR": str(tmp_path / "tmp")})
+               "--repeats", "2", timeout=600, env={"TMPDIR": str(tmp_path / "tmp")})
     assert not list((tmp_path / "tmp").glob("bench_memory_*"))  # the model and its copies are removed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_memory.json").read_text())
     modes = [r["mode"] for r in result["rows"]]
-    assert modes == ["single", *[m for m in ("full", "shard-aware", "shard-aware-get-slice", "pre-sharded")
-                                 for _ in (0, 1)]]
+    assert modes == 2 * ["single", *[m for m in ("full", "shard-aware", "shard-aware-get-slice", "pre-sharded")
+                                     for _ in (0, 1)]]
+    spread = result["ratios"]["peak_rss_per_rank_over_single"]["pre-sharded"]  # each ratio with its spread
+    assert spread["n"] == 2 and 0 < spread["min"] <= spread["median"] <= spread["max"]
     assert result["tokens_identical"] is True
     assert all(r["peak_rss_mb"] > r["baseline_rss_mb"] > 0 and r["ready_s"] > 0 for r in result["rows"])
     assert "model loaded shard-aware" in next(r for r in result["rows"] if r["mode"] == "shard-aware")["report"]
-    assert (tmp_path / "bench_memory.md").read_text().count("| pre-sharded |") == 2
+    assert (tmp_path / "bench_memory.md").read_text().count("| pre-sharded | 1 |") == 2  # rank 1, each repeat
 
 
 # A checkpoint that lacks some tensors: only those are initialised, exactly as from_pretrained does ------------

@@ -3,6 +3,7 @@ predictions and metrics as the in-memory path, a crash resumed without generatin
 of a different run refused, data without references. The multi-rank kills are in test_resume_tp.py."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -151,12 +152,62 @@ def test_a_crash_is_resumed_without_generating_anything_twice(tiny_t5, tmp_path,
     monkeypatch.setattr(type(trainer), "prediction_step", original)
     calls.clear()
     trainer, data, _ = make_trainer(tiny_t5, tmp_path / "crash")  # the same command again
+    monkeypatch.setattr("ds_inference_integration.streaming.PROGRESS_EVERY_SECONDS", 0.0)  # a line per batch
+    caplog.clear()
     with caplog.at_level("INFO", logger="ds_inference_integration.streaming"):
         got = trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
     assert f"resumed: 8 of {len(WORDS)} examples already done" in caplog.text
+    # one progress line for the whole job, counting from what was already done
+    progress = re.findall(r"predict progress: (\d+) of (\d+) examples \(([\d.]+)%\), ([\d.]+) examples/s, (\S+)",
+                          caplog.text)
+    assert [(int(d), int(t)) for d, t, *_ in progress] == [(12, 14), (14, 14), (14, 14)], caplog.text
+    assert progress[0][2] == "85.7" and float(progress[0][3]) > 0 and progress[-1][4] == "0"
     assert (tmp_path / "crash" / "generated_predictions.txt").read_bytes() == whole
     assert got["predict_generated_samples"] == len(WORDS) - 8 and got["predict_samples"] == len(WORDS)
     assert {k: got[k] for k in ("predict_bleu", "predict_gen_len")} == {k: want[k] for k in ("predict_bleu", "predict_gen_len")}
+
+
+@pytest.mark.parametrize("moment", ["writing_the_merged_file", "after_the_rename"])
+def test_a_crash_during_the_merge_loses_nothing_and_generates_nothing_again(tiny_t5, tmp_path, monkeypatch, moment):
+    """Killed while the merged file is written (the temporary file is left behind, as a SIGKILL leaves it), or
+    after it is renamed into place but before the parts are removed: the same call again merges the same parts
+    into the same file, generating nothing."""
+    import contextlib
+    import os
+
+    from ds_inference_integration import streaming
+
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path / "whole")
+    want = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    whole = (tmp_path / "whole" / "generated_predictions.txt").read_bytes()
+    out = tmp_path / "crash"
+    trainer, data, _ = make_trainer(tiny_t5, out)
+    original = streaming.atomic_path
+
+    @contextlib.contextmanager
+    def killed_while_writing(path):
+        with original(path) as tmp:
+            yield tmp
+            os.link(tmp, f"{tmp}.left")  # what a SIGKILL here leaves: a temporary file, no rename
+            raise KeyboardInterrupt("killed")
+
+    def killed_after_rename(path, *a, **k):
+        raise KeyboardInterrupt("killed")
+
+    if moment == "writing_the_merged_file":
+        monkeypatch.setattr(streaming, "atomic_path", killed_while_writing)
+    else:
+        monkeypatch.setattr(streaming.shutil, "rmtree", killed_after_rename)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    assert (out / "generated_predictions.txt").exists() == (moment == "after_the_rename")
+    monkeypatch.undo()
+    trainer, data, _ = make_trainer(tiny_t5, out)  # the same command again
+    got = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    assert (out / "generated_predictions.txt").read_bytes() == whole
+    assert got["predict_generated_samples"] == 0 and got["predict_resumed_samples"] == len(WORDS)
+    assert {k: got[k] for k in ("predict_bleu", "predict_gen_len")} == {k: want[k] for k in ("predict_bleu", "predict_gen_len")}
+    assert not (out / "predict_parts").exists()
 
 
 def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(tiny_t5, tmp_path, monkeypatch):

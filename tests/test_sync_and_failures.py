@@ -74,8 +74,9 @@ def _no_results(out) -> None:
 
 def test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes(tmp_path):
     """SIGKILL of rank 1 in the middle of a tp 2 predict: the run ends promptly with nothing claimed; a resume
-    with other generation settings is refused; the same command continues and gives byte for byte the
-    single-process predictions, generating only the examples that were not on disk."""
+    with other generation settings is refused; the same command continues, is killed whole (launcher and
+    ranks) further on, and the same command again gives byte for byte the single-process predictions,
+    generating only the examples that were not on disk."""
     from ds_inference_integration.errors import InferenceSetupError
 
     run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="kill:1:3", launcher="torchrun")
@@ -85,6 +86,10 @@ def test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resume
     plain = [a for a in FAULT_ARGS if a not in ("--deepspeed_inference",)]
     with pytest.raises(InferenceSetupError, match=r"different predict run \(.*generation\.kwargs\.num_beams: 1 -> 2"):
         run_in_process([*plain, "--num_beams", "2"], tmp_path)
+    # then the whole job killed at once (launcher and both ranks, SIGKILL) further on: nothing claimed either
+    killed = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="killjob:0:9", launcher="torchrun")
+    assert killed.returncode == -9 and "resumed: " in killed.output, killed.output[-3000:]
+    _no_results(tmp_path)
     resumed = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, launcher="torchrun")
     assert_ok(resumed)
     single = run_in_process(plain, tmp_path / "single")

@@ -32,6 +32,18 @@ def example_path(path: Path, command: str, instead: str = "") -> Path:
                               + (f", or pass {instead}" if instead else ""))
 
 
+def spread(values) -> dict:
+    """min / median / max of a benchmark's repeats (and how many): one run of `bench generation` gave 4.45x where
+    the median of three gave 6.54x, so no ratio is reported without the spread of its repeats."""
+    values = sorted(float(v) for v in values)
+    return {"min": round(values[0], 4), "median": round(statistics.median(values), 4), "max": round(values[-1], 4),
+            "n": len(values)}
+
+
+def spread_text(s: dict) -> str:
+    return f"{s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}, {s['n']} repeats)"
+
+
 def _predict(nprocs: int, extra: list[str], out: Path) -> dict:
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), str(RUN_TRANSLATION),
            "--output_dir", str(out), "--do_predict", "--predict_with_generate", "--source_lang", "en",
@@ -59,20 +71,23 @@ def bench_guard(repeats: int, nprocs: int, output: Path) -> int:
     share = statistics.median(r["guard_seconds"] / r["predict_runtime"] for r in rows if r["guard"])
     summary = {"rows": rows, "median_runtime_guard_on": statistics.median(on),
                "median_runtime_guard_off": statistics.median(off),
-               "runtime_ratio_on_over_off": statistics.median(on) / statistics.median(off),
+               # repeat i on over repeat i off (run one after the other), and the spread of those ratios
+               "runtime_ratio_on_over_off": spread(a / b for a, b in zip(on, off)),
+               "guard_share_of_predict": spread(r["guard_seconds"] / r["predict_runtime"] for r in rows if r["guard"]),
                "median_guard_share_of_predict": share, "nprocs": nprocs,
                "command": f"ds-inference bench guard --repeats {repeats} --nprocs {nprocs}"}
     output.write_text(json.dumps(summary, indent=2))
     print(f"predict on the embedded default, tp {nprocs}, {rows[0]['samples']} examples, {repeats} repeats each")
     print(f"median runtime: guard on {summary['median_runtime_guard_on']:.3f} s, "
-          f"off {summary['median_runtime_guard_off']:.3f} s, ratio {summary['runtime_ratio_on_over_off']:.3f}")
-    print(f"guard's own time: {share:.2%} of predict time (median) -> {output}")
+          f"off {summary['median_runtime_guard_off']:.3f} s")
+    print(f"runtime ratio on / off: {spread_text(summary['runtime_ratio_on_over_off'])}")
+    print(f"guard's own time, share of predict time: {spread_text(summary['guard_share_of_predict'])} -> {output}")
     return 0
 
 
 # Generation: per-sample pipeline vs batched generate vs the Trainer path (single process and tp 2) -------
 
-METHODS = ("pipeline_per_sample", "pipeline_batched", "generate_loop", "trainer", "trainer_tp2")
+METHODS = ("pipeline_per_sample", "pipeline_batched", "generate_loop", "trainer", "trainer_streaming", "trainer_tp2")
 DEFAULT_LM = REPO / "examples" / "models" / "gpt2-num2words-en-ro"
 DEFAULT_PROMPTS = REPO / "examples" / "data" / "prompts.txt"
 
@@ -104,7 +119,10 @@ def _in_process(method: str, model, tokenizer, prompts: list[str], batch_size: i
     raise ValueError(method)
 
 
-def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: int) -> tuple[float, int]:
+def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: int,
+             streaming: bool = False) -> tuple[float, int]:
+    """The Trainer path in this process: `predict` (every output kept, as upstream), or with `streaming` the
+    path the examples run, `predict_to_file` (outputs decoded and written per batch)."""
     import tempfile
     import time
 
@@ -112,8 +130,10 @@ def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: 
     from datasets import Dataset
     from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
 
+    from ..metrics import GeneratedTokens
     from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
 
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     with tempfile.TemporaryDirectory(prefix="bench_trainer_") as output_dir:
         args = Seq2SeqTrainingArguments(output_dir=output_dir, per_device_eval_batch_size=batch_size,
                                         predict_with_generate=True, remove_unused_columns=False, report_to=[],
@@ -122,9 +142,14 @@ def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: 
                                                    data_collator=DataCollatorWithPadding(tokenizer))
         dataset = Dataset.from_dict(dict(tokenizer(prompts)))
         start = time.perf_counter()
-        out = trainer.predict(dataset, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        seconds = time.perf_counter() - start
-    assert out.predictions.shape[0] == len(prompts) and out.predictions.shape[1] >= new_tokens
+        if streaming:
+            metrics = trainer.predict_to_file(dataset, metric=GeneratedTokens(), fresh=True, **gen)
+            seconds = time.perf_counter() - start
+            assert metrics["predict_new_tokens"] == len(prompts) * new_tokens, metrics
+        else:
+            out = trainer.predict(dataset, **gen)
+            seconds = time.perf_counter() - start
+            assert out.predictions.shape[0] == len(prompts) and out.predictions.shape[1] >= new_tokens
     return seconds, len(prompts) * new_tokens  # min_new_tokens = max_new_tokens
 
 
@@ -165,9 +190,40 @@ def _config_model(tokenizer, out: Path, spec: str) -> Path:
     return out
 
 
+class _ShowOnce:
+    """A logging filter that lets each message through once: transformers 5.24 warns on every `generate` call
+    that passes `max_new_tokens` ("Both `max_new_tokens` (=16) and `max_length`(=20) seem to have been set"),
+    because its models carry a default `max_length`; a benchmark calls generate hundreds of times."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def filter(self, record) -> bool:
+        text = record.getMessage()
+        if text in self.seen:
+            return False
+        self.seen.add(text)
+        return True
+
+
+def quiet_repeated_warnings() -> None:
+    """Each library warning once in this process; our own per-run lines (where the parts go, progress) off."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    once = _ShowOnce()
+    for handler in hf_logging.get_logger().handlers + logging.getLogger().handlers:
+        handler.addFilter(once)
+    hf_logging.get_logger().addFilter(once)
+    logging.getLogger("ds_inference_integration").setLevel(logging.ERROR)
+
+
 def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes: list[int], prompts_file: str,
                      max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3) -> int:
     from transformers import AutoTokenizer
+
+    quiet_repeated_warnings()
 
     if not Path(prompts_file).is_file():
         if Path(prompts_file) == DEFAULT_PROMPTS:
@@ -205,42 +261,49 @@ def _bench_generation(models, base_tok, tmp, config_spec, batch_sizes, prompts, 
         n_params = sum(p.numel() for p in model.parameters())
         _in_process("generate_loop", model, tokenizer, prompts[:2], 2, 2)  # warm-up, untimed
         for bs in batch_sizes:
-            for method in methods:
-                if method == "pipeline_per_sample" and bs != batch_sizes[0]:
-                    continue  # it has no batch size: measured once
-                if method == "trainer_tp2":
-                    m = _trainer_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
-                    seconds, count = m["predict_runtime"], m["predict_outputs"] * new_tokens
-                    rss = [float(x) for x in m["predict_peak_rss_mb_per_rank"].split(",")]
-                else:
-                    runs = []
+            todo = [m for m in methods if not (m == "pipeline_per_sample" and bs != batch_sizes[0])]  # no batch size
+            timed: dict[str, list] = {m: [] for m in todo}
+            peaks: dict[str, float] = {}
+            for _ in range(repeats):  # repeats interleaved: repeat i of every method side by side
+                for method in todo:
+                    if method == "trainer_tp2":
+                        m = _trainer_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
+                        timed[method].append((m["predict_runtime"], m["predict_outputs"] * new_tokens))
+                        peaks[method] = [float(x) for x in m["predict_peak_rss_mb_per_rank"].split(",")]
+                        continue
                     with PeakRss() as peak:
-                        for _ in range(repeats):  # the median of `repeats` runs: single runs of < 1 s are noise
-                            if method == "trainer":
-                                runs.append(_trainer(model, tokenizer, prompts, bs, new_tokens))
-                            else:
-                                runs.append(_in_process(method, model, tokenizer, prompts, bs, new_tokens))
-                    seconds, count = sorted(runs)[len(runs) // 2]
-                    rss = [peak.mb]
+                        if method.startswith("trainer"):
+                            timed[method].append(_trainer(model, tokenizer, prompts, bs, new_tokens,
+                                                          streaming=method == "trainer_streaming"))
+                        else:
+                            timed[method].append(_in_process(method, model, tokenizer, prompts, bs, new_tokens))
+                    peaks[method] = [max(peak.mb, *peaks.get(method, [0.0]))]
+            for method in todo:
+                per_repeat = [count / seconds for seconds, count in timed[method]]
+                seconds, count = sorted(timed[method])[len(timed[method]) // 2]
                 row = {"model": label, "params_m": round(n_params / 1e6, 2), "method": method,
                        "batch_size": None if method == "pipeline_per_sample" else bs, "seconds": round(seconds, 4),
-                       "new_tokens": count, "tokens_per_s": round(count / seconds, 1), "peak_rss_mb": rss}
+                       "new_tokens": count, "tokens_per_s": round(statistics.median(per_repeat), 1),
+                       "tokens_per_s_spread": spread(per_repeat), "tokens_per_s_repeats": per_repeat,
+                       "peak_rss_mb": peaks[method]}
                 rows.append(row)
                 print(f"{label:<22} {method:<20} bs {str(row['batch_size']):>4}  {row['seconds']:8.3f} s  "
-                      f"{row['tokens_per_s']:9.1f} tok/s", flush=True)
+                      f"{row['tokens_per_s']:9.1f} tok/s (min {row['tokens_per_s_spread']['min']:.1f}, "
+                      f"max {row['tokens_per_s_spread']['max']:.1f})", flush=True)
     _write_report(rows, out_dir, dict(prompts=len(prompts), new_tokens=new_tokens, batch_sizes=batch_sizes,
                                       repeats=repeats))
     return 0
 
 
 def _ratio(rows, model, num, den, bs):
-    def tps(method):
+    """The ratio of tokens/s per repeat (repeat i of each method, run side by side), as its spread."""
+    def runs(method):
         for r in rows:
             if r["model"] == model and r["method"] == method and r["batch_size"] in (bs, None):
-                return r["tokens_per_s"]
+                return r["tokens_per_s_repeats"]
         return None
-    a, b = tps(num), tps(den)
-    return round(a / b, 2) if a and b else None
+    a, b = runs(num), runs(den)
+    return spread(x / y for x, y in zip(a, b)) if a and b else None
 
 
 def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
@@ -250,21 +313,24 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
         ratios[model] = {
             "generate_loop_over_pipeline_per_sample_bs8": _ratio(rows, model, "generate_loop", "pipeline_per_sample", 8),
             "trainer_over_generate_loop_bs8": _ratio(rows, model, "trainer", "generate_loop", 8),
+            "trainer_streaming_over_generate_loop_bs8": _ratio(rows, model, "trainer_streaming", "generate_loop", 8),
             "trainer_tp2_over_trainer_bs8": _ratio(rows, model, "trainer_tp2", "trainer", 8),
         }
     (out_dir / "bench.json").write_text(json.dumps({"setup": setup, "rows": rows, "ratios": ratios}, indent=2))
     lines = [f"Prompts: {setup['prompts']}, {setup['new_tokens']} new tokens each (greedy, min = max new tokens); "
-             f"in-process methods: median of {setup.get('repeats', 1)} runs; trainer_tp2: one launch, its predict "
-             "runtime.", ""]
-    lines += ["| model | method | batch | seconds | new tokens | tokens/s | peak RSS MB (per rank) |",
+             f"every method run {setup.get('repeats', 1)} times, the repeats interleaved (trainer_tp2: one launch "
+             "each, its predict runtime); tokens/s and ratios: median (min, max) over the repeats.", ""]
+    lines += ["| model | method | batch | seconds | new tokens | tokens/s median (min, max) | peak RSS MB (per rank) |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:
+        sp = r["tokens_per_s_spread"]
         lines.append(f"| {r['model']} | {r['method']} | {r['batch_size'] or '-'} | {r['seconds']:.3f} | "
-                     f"{r['new_tokens']} | {r['tokens_per_s']:.1f} | {', '.join(map(str, r['peak_rss_mb']))} |")
-    lines += ["", "| model | ratio | value |", "|---|---|---|"]
+                     f"{r['new_tokens']} | {sp['median']:.1f} ({sp['min']:.1f}, {sp['max']:.1f}) | "
+                     f"{', '.join(map(str, r['peak_rss_mb']))} |")
+    lines += ["", "| model | ratio of tokens/s | median (min, max) over repeats |", "|---|---|---|"]
     for model, rs in ratios.items():
         for name, value in rs.items():
-            lines.append(f"| {model} | {name} | {value} |")
+            lines.append(f"| {model} | {name} | {spread_text(value) if value else '-'} |")
     (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..memory import memory_mb
+from .bench import spread
 from .ranks import failure_text, start_ranks, wait_ranks
 
 MODES = ("single", "full", "shard-aware", "shard-aware-get-slice", "pre-sharded")
@@ -173,17 +174,45 @@ def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float, d
     return [json.loads(p.read_text()) for p in outs]
 
 
+def _ratios(rows: list[dict]) -> dict:
+    """One repeat's ratios: the worst rank of each path over the single process (or over the full load)."""
+    single = next(r for r in rows if r["mode"] == "single")
+
+    def worst(mode, key):
+        return max(r[key] for r in rows if r["mode"] == mode)
+
+    def both(r):
+        return r["ready_s"] + r["generate_s"]
+
+    full_both = max(both(r) for r in rows if r["mode"] == "full")
+    ratios = {
+        "peak_rss_per_rank_over_single": {m: worst(m, "peak_rss_mb") / single["peak_rss_mb"] for m in MODES[1:]},
+        # the same without what the interpreter and libraries hold before loading starts
+        "model_rss_per_rank_over_single": {
+            m: max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in rows if r["mode"] == m)
+            / (single["peak_rss_mb"] - single["baseline_rss_mb"]) for m in MODES[1:]},
+        "ready_time_over_full": {m: worst(m, "ready_s") / worst("full", "ready_s") for m in MODES[1:]},
+        "ready_time_over_single": {m: worst(m, "ready_s") / single["ready_s"] for m in MODES[1:]},
+        "ready_plus_first_generate_over_full": {
+            m: max(both(r) for r in rows if r["mode"] == m) / full_both for m in MODES[1:]},
+    }
+    if "peak_gpu_mb" in single:
+        ratios["peak_gpu_per_rank_over_single"] = {m: worst(m, "peak_gpu_mb") / single["peak_gpu_mb"]
+                                                   for m in MODES[1:]}
+    return ratios
+
+
 def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None = None,
-                 timeout: float = 1200, device: str = "cpu", dtype: str = "fp32") -> int:
+                 timeout: float = 1200, device: str = "cpu", dtype: str = "fp32", repeats: int = 3) -> int:
     """`device` cuda puts each rank's model on its GPU (NCCL) and adds peak GPU memory (allocated by torch) to
     every row; `dtype` is the dtype of the built checkpoint and of every loaded model."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as work:  # the model and its copies: gigabytes
-        return _bench_memory(config_spec, tp, out_dir, model_dir, timeout, Path(work), device, dtype)
+        return _bench_memory(config_spec, tp, out_dir, model_dir, timeout, Path(work), device, dtype, repeats)
 
 
 def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None, timeout: float, work: Path,
-                  device: str = "cpu", dtype: str = "fp32") -> int:
+                  device: str = "cpu", dtype: str = "fp32", repeats: int = 3) -> int:
     from .shard_command import run_shard
 
     t0 = time.perf_counter()
@@ -199,63 +228,44 @@ def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | Non
         return 1
     shard_seconds = time.perf_counter() - t0
     rows = []
-    for mode in MODES:
-        for r in _run_mode(mode, presharded if mode == "pre-sharded" else src, tp, work, timeout, device, dtype):
-            rows.append(r)
-            print(f"{mode:<12} rank {r['rank']}: peak RSS {r['peak_rss_mb']:8.1f} MB (after imports "
-                  f"{r['baseline_rss_mb']:.1f}), ready in {r['ready_s']:.2f} s, first generate {r['generate_s']:.2f} s",
-                  flush=True)
-    single = next(r for r in rows if r["mode"] == "single")
-    tokens_same = all(r["tokens"] == single["tokens"] for r in rows)
     import torch
 
-    reference = torch.load(work / "single_0.json.logits.pt")
-    for r in rows:
-        logits = torch.load(work / f"{r['mode']}_{r['rank']}.json.logits.pt")
-        r["logits_max_abs_diff_vs_single"] = float((logits - reference).abs().max())
-
-    def worst(mode, key):
-        return max(r[key] for r in rows if r["mode"] == mode)
-
-    def both(r):
-        return r["ready_s"] + r["generate_s"]
-
-    full_both = max(both(r) for r in rows if r["mode"] == "full")
-    ratios = {
-        "peak_rss_per_rank_over_single": {m: round(worst(m, "peak_rss_mb") / single["peak_rss_mb"], 3)
-                                          for m in MODES[1:]},
-        # the same without what the interpreter and libraries hold before loading starts
-        "model_rss_per_rank_over_single": {
-            m: round(max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in rows if r["mode"] == m)
-                     / (single["peak_rss_mb"] - single["baseline_rss_mb"]), 3) for m in MODES[1:]},
-        "ready_time_over_full": {m: round(worst(m, "ready_s") / worst("full", "ready_s"), 3) for m in MODES[1:]},
-        "ready_time_over_single": {m: round(worst(m, "ready_s") / single["ready_s"], 3) for m in MODES[1:]},
-        "ready_plus_first_generate_over_full": {
-            m: round(max(both(r) for r in rows if r["mode"] == m) / full_both, 3) for m in MODES[1:]},
-    }
-    if "peak_gpu_mb" in single:
-        ratios["peak_gpu_per_rank_over_single"] = {m: round(worst(m, "peak_gpu_mb") / single["peak_gpu_mb"], 3)
-                                                   for m in MODES[1:]}
+    for repeat in range(repeats):  # every path once per repeat: each ratio per repeat, then their spread
+        for mode in MODES:
+            for r in _run_mode(mode, presharded if mode == "pre-sharded" else src, tp, work, timeout, device, dtype):
+                r["repeat"] = repeat
+                rows.append(r)
+                print(f"repeat {repeat} {mode:<12} rank {r['rank']}: peak RSS {r['peak_rss_mb']:8.1f} MB (after "
+                      f"imports {r['baseline_rss_mb']:.1f}), ready in {r['ready_s']:.2f} s, first generate "
+                      f"{r['generate_s']:.2f} s", flush=True)
+        reference = torch.load(work / "single_0.json.logits.pt")  # this repeat's files, before the next overwrites
+        for r in rows:
+            if r["repeat"] == repeat:
+                logits = torch.load(work / f"{r['mode']}_{r['rank']}.json.logits.pt")
+                r["logits_max_abs_diff_vs_single"] = float((logits - reference).abs().max())
+    single = next(r for r in rows if r["mode"] == "single")
+    tokens_same = all(r["tokens"] == single["tokens"] for r in rows)
+    per_repeat = [_ratios([r for r in rows if r["repeat"] == i]) for i in range(repeats)]
+    ratios = {name: {m: spread(rs[name][m] for rs in per_repeat) for m in per_repeat[0][name]}
+              for name in per_repeat[0]}
     result = {"model_dir": str(src), "checkpoint_mb": round(size / 2**20, 1), "config": config_spec, "tp": tp,
-              "device": device, "dtype": dtype,
+              "device": device, "dtype": dtype, "repeats": repeats,
               "shard_command_s": round(shard_seconds, 2), "rows": rows, "ratios": ratios,
               "tokens_identical": tokens_same}
     (out_dir / "bench_memory.json").write_text(json.dumps(result, indent=2))
     lines = [f"Model: {config_spec or model_dir}, {size / 2**20:.0f} MiB {dtype} safetensors; tp {tp} on {device}; "
              f"`ds-inference shard` took {shard_seconds:.1f} s.", "",
-             "| path | rank | peak RSS MB | RSS after imports MB | ready s | first generate s | peak / single "
-             "| ready / full | ready+generate / full |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| repeat | path | rank | peak RSS MB | RSS after imports MB | ready s | first generate s |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        m = r["mode"]
-        vs_full = "| | |" if m == "single" else (f"| {r['ready_s'] / worst('full', 'ready_s'):.2f} | "
-                                               f"{both(r) / full_both:.2f} |")
-        lines.append(f"| {m} | {r['rank']} | {r['peak_rss_mb']:.0f} | {r['baseline_rss_mb']:.0f} | {r['ready_s']:.2f} | "
-                     f"{r['generate_s']:.2f} | {r['peak_rss_mb'] / single['peak_rss_mb']:.2f} {vs_full}")
-    lines += ["", f"Greedy tokens identical across all paths: {tokens_same}", "",
-              "Worst rank over single process (peak RSS; and peak minus RSS after imports): " + ", ".join(
-                  f"{m} {ratios['peak_rss_per_rank_over_single'][m]:.2f} ({ratios['model_rss_per_rank_over_single'][m]:.2f})"
-                  for m in MODES[1:])]
+        lines.append(f"| {r['repeat']} | {r['mode']} | {r['rank']} | {r['peak_rss_mb']:.0f} | {r['baseline_rss_mb']:.0f} "
+                     f"| {r['ready_s']:.2f} | {r['generate_s']:.2f} |")
+    lines += ["", f"Greedy tokens identical across all paths and repeats: {tokens_same}", "",
+              f"Ratios, worst rank of each path, median (min, max) over {repeats} repeats:", "",
+              "| ratio | " + " | ".join(MODES[1:]) + " |", "|---|" + "---|" * len(MODES[1:])]
+    for name, by_mode in ratios.items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{v['median']:.2f} ({v['min']:.2f}, {v['max']:.2f})" for v in by_mode.values()) + " |")
     if "peak_gpu_mb" in single:
         lines.append("Peak GPU memory (torch allocated) per rank, MB: " + ", ".join(
             f"{r['mode']} rank {r['rank']} {r['peak_gpu_mb']:.0f} (at ready {r['peak_gpu_mb_at_ready']:.0f})"

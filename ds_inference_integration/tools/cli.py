@@ -75,6 +75,20 @@ def _policy_check(ns: argparse.Namespace) -> int:
     return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout, json_path=ns.json)
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InferenceSetupError(f"{flag} {text!r} is not a comma-separated list of integers, e.g. 1,10") from None
+
+
+def _bench_predict(ns: argparse.Namespace) -> int:
+    from .bench_predict import bench_predict
+
+    return bench_predict(ns.model, ns.test_file, _int_list(ns.scales, "--scales"), ns.repeats, ns.nprocs,
+                         ns.batch_size, ns.max_examples, Path(ns.output_dir), ns.timeout)
+
+
 def _bench_guard(ns: argparse.Namespace) -> int:
     from .bench import bench_guard
 
@@ -99,7 +113,8 @@ def _shard(ns: argparse.Namespace) -> int:
 def _bench_memory(ns: argparse.Namespace) -> int:
     from .bench_memory import bench_memory
 
-    return bench_memory(ns.config, ns.tp_size, Path(ns.output_dir), ns.model, ns.timeout, ns.device, ns.dtype)
+    return bench_memory(ns.config, ns.tp_size, Path(ns.output_dir), ns.model, ns.timeout, ns.device, ns.dtype,
+                        ns.repeats)
 
 
 def _summary(ns: argparse.Namespace) -> int:
@@ -168,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repeats", type=int, default=3, help="in-process methods: median of this many runs")
     gen.add_argument("--output-dir", default="bench_out")
     gen.set_defaults(func=_bench_generation)
+    pred = bsub.add_parser("predict", help="streamed vs accumulate-everything predict: peak RSS and throughput "
+                                            "at 1x and 10x the test set")
+    pred.add_argument("--model", default=None, help="seq2seq model directory (default: the embedded T5)")
+    pred.add_argument("--test-file", default=None, help="json-lines translation file (default: the embedded test set)")
+    pred.add_argument("--scales", default="1,10", help="the test set repeated this many times, comma-separated")
+    pred.add_argument("--repeats", type=int, default=3)
+    pred.add_argument("--nprocs", type=int, default=1, help="ranks (tensor parallel over all of them)")
+    pred.add_argument("--batch-size", type=int, default=16)
+    pred.add_argument("--max-examples", type=int, default=None, help="first N examples of the test file (before repeating)")
+    pred.add_argument("--timeout", type=float, default=1800, help="seconds per measurement before the ranks are killed")
+    pred.add_argument("--output-dir", default="bench_out")
+    pred.set_defaults(func=_bench_predict)
     mem = bsub.add_parser("memory", help="peak RSS and time to ready per loading path, side by side")
     mem.add_argument("--config", default="2048,32,16,5504,8192",
                      help="Llama hidden,layers,heads,intermediate,vocab (default: about 6.3 GB in fp32)")
@@ -177,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
                      help="dtype of the built checkpoint and of every loaded model")
     mem.add_argument("--timeout", type=float, default=1200)
+    mem.add_argument("--repeats", type=int, default=3, help="every path this many times; ratios with their spread")
     mem.add_argument("--output-dir", default="bench_out")
     mem.set_defaults(func=_bench_memory)
     shard = sub.add_parser("shard", help="write a pre-sharded copy of a model directory (one file per rank)")

@@ -4,6 +4,8 @@ package when that module is first imported.
 
     DS_INFERENCE_FAULT=KIND:RANK:BATCH    at that batch, that rank: raise | kill (SIGKILL) | stop (SIGSTOP)
                                           | skew (generate from a different batch than its TP peers)
+                                          | killjob (SIGKILL to the launcher and every rank at once: a
+                                          scheduler's kill -9, a lost node)
     DS_INFERENCE_FAULT=fail_write:NAME    writing the output file NAME fails halfway (nothing renamed into place)
     DS_INFERENCE_FAULT=check_logits:RANK  that rank's `policy check` sees its sharded logits off by 1.0
 """
@@ -18,6 +20,26 @@ SPEC = os.environ.get("DS_INFERENCE_FAULT", "")
 KIND, _, ARG = SPEC.partition(":")
 
 
+def _kill_job():
+    """SIGKILL to this rank's launcher, every other child of it (the peer ranks) and this rank, in that order."""
+    launcher = os.getppid()
+    peers = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == launcher:
+                peers.append(int(entry))
+    for pid in [launcher, *peers, os.getpid()]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _patch_trainer(module):
     rank, batch = (int(x) for x in ARG.split(":"))
     original = module.DeepSpeedInferenceMixin.prediction_step
@@ -26,6 +48,8 @@ def _patch_trainer(module):
         if self.topology.rank == rank and self._batch_index + 1 == batch:
             if KIND == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif KIND == "killjob":
+                _kill_job()
             elif KIND == "stop":
                 import time
 
