@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import InferenceSetupError
@@ -87,7 +88,8 @@ def bench_guard(repeats: int, nprocs: int, output: Path) -> int:
 
 # Generation: per-sample pipeline vs batched generate vs the Trainer path (single process and tp 2) -------
 
-METHODS = ("pipeline_per_sample", "pipeline_batched", "generate_loop", "trainer", "trainer_streaming", "trainer_tp2")
+METHODS = ("pipeline_per_sample", "pipeline_batched", "generate_loop", "trainer", "trainer_streaming", "generate_loop_tp2",
+           "trainer_tp2")
 DEFAULT_LM = REPO / "examples" / "models" / "gpt2-num2words-en-ro"
 DEFAULT_PROMPTS = REPO / "examples" / "data" / "prompts.txt"
 
@@ -168,6 +170,70 @@ def _trainer_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_token
         if proc.returncode != 0:
             raise RuntimeError(f"tp2 run failed: {(proc.stdout + proc.stderr)[-2000:]}")
         return json.loads((Path(tmp) / "predict_results.json").read_text())
+
+
+def _generate_loop_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_tokens: int, max_prompts: int) -> dict:
+    """The bare batched `generate` loop at tp 2: the baseline of trainer_tp2 (same sharding, same batches on
+    both ranks, no Trainer, nothing decoded or written). Two ranks of `_generate_worker`, started as the tools
+    start ranks."""
+    from .ranks import failure_text, start_ranks, wait_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = start_ranks(2, "ds_inference_integration.tools.bench", [
+            "--generate-worker", str(model_dir), str(prompts_file), str(batch_size), str(new_tokens), str(max_prompts),
+            str(Path(tmp) / "result.json")], log_dir=tmp)
+        codes = wait_ranks(procs, 900)
+        if any(codes):
+            raise RuntimeError(f"generate_loop_tp2 failed: {failure_text(procs, codes)}")
+        return json.loads((Path(tmp) / "result.json").read_text())
+
+
+def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tokens: int, max_prompts: int,
+                     out: str) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..arguments import DeepSpeedInferenceArguments
+    from ..inference_setup import setup_inference
+    from ..topology import Topology
+
+    quiet_repeated_warnings()
+    topology = Topology.from_env()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(topology.rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model = setup_inference(model, DeepSpeedInferenceArguments(deepspeed_inference=True), topology, device).model
+    prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
+    model_on = next(model.parameters()).device
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    dist.barrier()
+    start = time.perf_counter()
+    count = 0
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch_size):
+            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True).to(model_on)
+            tokens = model.generate(**enc, **gen)
+            count += tokens[:, enc["input_ids"].shape[1]:].numel()
+    seconds = time.perf_counter() - start
+    from ..memory import memory_mb
+
+    peaks = [None] * topology.world_size
+    dist.all_gather_object(peaks, round(memory_mb("VmHWM"), 1))
+    if topology.rank == 0:
+        Path(out).write_text(json.dumps({"seconds": seconds, "new_tokens": count, "peak_rss_mb": peaks}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
 
 
 def _cuda() -> bool:
@@ -266,6 +332,11 @@ def _bench_generation(models, base_tok, tmp, config_spec, batch_sizes, prompts, 
             peaks: dict[str, float] = {}
             for _ in range(repeats):  # repeats interleaved: repeat i of every method side by side
                 for method in todo:
+                    if method == "generate_loop_tp2":
+                        m = _generate_loop_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
+                        timed[method].append((m["seconds"], m["new_tokens"]))
+                        peaks[method] = m["peak_rss_mb"]
+                        continue
                     if method == "trainer_tp2":
                         m = _trainer_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
                         timed[method].append((m["predict_runtime"], m["predict_outputs"] * new_tokens))
@@ -315,6 +386,7 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
             "trainer_over_generate_loop_bs8": _ratio(rows, model, "trainer", "generate_loop", 8),
             "trainer_streaming_over_generate_loop_bs8": _ratio(rows, model, "trainer_streaming", "generate_loop", 8),
             "trainer_tp2_over_trainer_bs8": _ratio(rows, model, "trainer_tp2", "trainer", 8),
+            "trainer_tp2_over_generate_loop_tp2_bs8": _ratio(rows, model, "trainer_tp2", "generate_loop_tp2", 8),
         }
     (out_dir / "bench.json").write_text(json.dumps({"setup": setup, "rows": rows, "ratios": ratios}, indent=2))
     lines = [f"Prompts: {setup['prompts']}, {setup['new_tokens']} new tokens each (greedy, min = max new tokens); "
@@ -357,3 +429,11 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "bench.png", dpi=110)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 8 and sys.argv[1] == "--generate-worker":
+        sys.exit(_generate_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+                                  sys.argv[7]))
+    print("usage: ds-inference bench generation|guard|predict|memory", file=sys.stderr)
+    sys.exit(2)
