@@ -59,10 +59,14 @@ def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path):
 
 def test_tools_that_need_the_repository_examples_say_so_in_one_line(tmp_path, monkeypatch):
     """Installed from a wheel, examples/ is not there: the benchmark commands say which file and what to pass."""
+    import logging
+
     import pytest
 
     from ds_inference_integration.errors import InferenceSetupError
     from ds_inference_integration.tools import bench
+
+    level = logging.getLogger("ds_inference_integration").level
 
     monkeypatch.setattr(bench, "RUN_TRANSLATION", tmp_path / "examples" / "run_translation.py")
     monkeypatch.setattr(bench, "REPO", tmp_path)
@@ -74,3 +78,6 @@ def test_tools_that_need_the_repository_examples_say_so_in_one_line(tmp_path, mo
                                                   r"pass --model MODEL_DIR"):
         bench.bench_generation(None, None, [1], str(REPO / "examples" / "data" / "prompts.txt"), 4, 2,
                                tmp_path / "bench", ["generate_loop"])
+    # called in a script's (here the tests') own process, the bench functions leave its logging alone: the
+    # benches quiet repeated warnings in their own processes only (a test that ran after this one lost its logs)
+    assert logging.getLogger("ds_inference_integration").level == level

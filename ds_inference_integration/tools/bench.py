@@ -273,7 +273,9 @@ class _ShowOnce:
 
 
 def quiet_repeated_warnings() -> None:
-    """Each library warning once in this process; our own per-run lines (where the parts go, progress) off."""
+    """Each library warning once in this process; our own per-run lines (where the parts go, progress) off.
+    For the bench commands' own processes only (cli.py, the workers): it changes logging for the whole process,
+    so a function a script or a test may call in its own process (`bench_generation`) does not call it."""
     import logging
 
     from transformers.utils import logging as hf_logging
@@ -288,8 +290,6 @@ def quiet_repeated_warnings() -> None:
 def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes: list[int], prompts_file: str,
                      max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3) -> int:
     from transformers import AutoTokenizer
-
-    quiet_repeated_warnings()
 
     if not Path(prompts_file).is_file():
         if Path(prompts_file) == DEFAULT_PROMPTS:

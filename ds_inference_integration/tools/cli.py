@@ -96,7 +96,9 @@ def _bench_guard(ns: argparse.Namespace) -> int:
 
 
 def _bench_generation(ns: argparse.Namespace) -> int:
-    from .bench import DEFAULT_PROMPTS, METHODS, bench_generation
+    from .bench import DEFAULT_PROMPTS, METHODS, bench_generation, quiet_repeated_warnings
+
+    quiet_repeated_warnings()  # this command's own process: transformers' per-call warnings once
 
     return bench_generation(ns.model, ns.config, [int(b) for b in ns.batch_sizes.split(",")],
                             ns.prompts or str(DEFAULT_PROMPTS),
