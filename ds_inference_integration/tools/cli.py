@@ -14,6 +14,10 @@
     ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] [--device cpu|cuda] [--dtype fp32|fp16|bf16]
                                           peak RSS (and GPU memory) and time to a ready model per loading
                                           path (single process, full, shard-aware, pre-sharded), side by side
+    ds-inference bench predict [--scales 1,10] [--nprocs N]
+                                          streamed vs accumulate-everything predict: peak RSS per rank and
+                                          examples/s at 1x and 10x the test set
+Every bench repeats its measurements (--repeats, default 3) and gives min / median / max beside each ratio.
 """
 
 from __future__ import annotations
@@ -182,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-prompts", type=int, default=32)
     gen.add_argument("--new-tokens", type=int, default=16)
     gen.add_argument("--methods", default=None, help="comma-separated subset of the methods")
-    gen.add_argument("--repeats", type=int, default=3, help="in-process methods: median of this many runs")
+    gen.add_argument("--repeats", type=int, default=3,
+                     help="every method this many times, interleaved; figures and ratios with their spread")
     gen.add_argument("--output-dir", default="bench_out")
     gen.set_defaults(func=_bench_generation)
     pred = bsub.add_parser("predict", help="streamed vs accumulate-everything predict: peak RSS and throughput "
