@@ -98,7 +98,6 @@ def _in_process(method: str, model, tokenizer, prompts: list[str], batch_size: i
     """Seconds and new tokens for one in-process method."""
     import time
 
-    import torch
     from transformers import pipeline
 
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -111,14 +110,23 @@ def _in_process(method: str, model, tokenizer, prompts: list[str], batch_size: i
         assert len(outputs) == len(prompts)
         return time.perf_counter() - start, len(prompts) * new_tokens  # min_new_tokens = max_new_tokens
     if method == "generate_loop":
-        count = 0
-        with torch.no_grad():
-            for i in range(0, len(prompts), batch_size):
-                enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True).to(model.device)
-                out = model.generate(**enc, **gen)
-                count += out[:, enc["input_ids"].shape[1]:].numel()
+        count = _generate_loop(model, tokenizer, prompts, batch_size, gen)
         return time.perf_counter() - start, count
     raise ValueError(method)
+
+
+def _generate_loop(model, tokenizer, prompts: list[str], batch_size: int, gen: dict) -> int:
+    """The bare batched `generate` loop (the baseline, in one process and at tp 2); returns the new tokens."""
+    import torch
+
+    on = next(model.parameters()).device
+    count = 0
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch_size):
+            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True).to(on)
+            out = model.generate(**enc, **gen)
+            count += out[:, enc["input_ids"].shape[1]:].numel()
+    return count
 
 
 def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: int,
@@ -214,16 +222,10 @@ def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tok
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model = setup_inference(model, DeepSpeedInferenceArguments(deepspeed_inference=True), topology, device).model
     prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
-    model_on = next(model.parameters()).device
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     dist.barrier()
     start = time.perf_counter()
-    count = 0
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch_size):
-            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True).to(model_on)
-            tokens = model.generate(**enc, **gen)
-            count += tokens[:, enc["input_ids"].shape[1]:].numel()
+    count = _generate_loop(model, tokenizer, prompts, batch_size, gen)
     seconds = time.perf_counter() - start
     from ..memory import memory_mb
 
