@@ -80,6 +80,11 @@ class DeepSpeedInferenceArguments:
                 raise InferenceSetupError(f"--replace_with_kernel_inject is refused: {problem}")
         if self.inference_timeout <= 0:
             raise InferenceSetupError(f"--inference_timeout {self.inference_timeout} must be a positive number of seconds")
+        from .deepspeed_compat import CPU_ALL_REDUCE_ENV, CPU_ALL_REDUCES
+
+        if os.environ.get(CPU_ALL_REDUCE_ENV, "gloo") not in CPU_ALL_REDUCES:  # refused before the model loads
+            raise InferenceSetupError(f"{CPU_ALL_REDUCE_ENV}={os.environ[CPU_ALL_REDUCE_ENV]!r} is invalid; "
+                                      f"valid: {', '.join(CPU_ALL_REDUCES)}")
 
     def resolve_dtype(self, fp16: bool = False, bf16: bool = False) -> torch.dtype:
         """The inference dtype: explicit `--inference_dtype`, else the training args' mixed precision, else fp32."""

@@ -2,8 +2,8 @@
 DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review of this file:
 
 * kernel injection does not run with transformers 5 (`kernel_injection_problem`: refused up front);
-* its CPU all-reduce reads LOCAL_SIZE, ignores process groups, and leaks /dev/shm (`init_deepspeed_comm`,
-  `unlink_shm_segment`);
+* its CPU all-reduce busy-waits with no timeout, reads LOCAL_SIZE, ignores process groups, and leaks /dev/shm
+  (`cpu_all_reduce`: gloo unless asked for, `init_deepspeed_comm`, `unlink_shm_segment`);
 * it special-cases the class GPT2Block (`plain_subclass`);
 * it casts every floating buffer to the inference dtype (`buffers_kept_apart`, `restore_buffers`);
 * its head-aware split reads the KV-head count for the query side too (`kv_heads_seen_by_deepspeed`).
@@ -24,6 +24,7 @@ import os
 import torch
 from torch import nn
 
+from .errors import InferenceSetupError
 from .topology import Topology, threads_per_rank
 
 # DeepSpeed's fused inference kernels (`replace_with_kernel_inject`) run with none of the architectures they
@@ -55,25 +56,43 @@ def kernel_injection_problem() -> str | None:
 
 # Communication ----------------------------------------------------------------------------------------------
 
-def init_deepspeed_comm(topology: Topology) -> None:
-    """Wrap the already-initialised torch process group in deepspeed.comm.
+# Which all-reduce CPU ranks use: torch.distributed's gloo (the default), or DeepSpeed's shared-memory op.
+CPU_ALL_REDUCE_ENV = "DS_INFERENCE_CPU_ALL_REDUCE"
+CPU_ALL_REDUCES = ("gloo", "shm")
 
-    On CPU, DeepSpeed's shared-memory all-reduce ignores process groups and reads LOCAL_SIZE (set by
-    the `deepspeed` launcher; torchrun's LOCAL_WORLD_SIZE is copied to it): it is used only when one
-    TP group spans the whole single-node world, and plain torch.distributed all-reduce otherwise.
-    """
+
+def cpu_all_reduce(topology: Topology, environ=os.environ) -> str:
+    """`gloo` unless DS_INFERENCE_CPU_ALL_REDUCE=shm asks for DeepSpeed's shared-memory all-reduce (and it can
+    serve this world). Why gloo by default: DeepSpeed's op (`shm.cpp`, `wait_buffer_state_until_2`) busy-waits
+    with no timeout and no yield, so ranks that share their cores with anything else collapse (more ranks than
+    free cores ran up to 125x slower than with gloo on this 2-core machine, 2026-12-01), and only our watchdog
+    bounds a wait for a stopped peer; gloo honours the process-group timeout. It also costs a ~25 s JIT build per venv and a
+    66 MB /dev/shm buffer per rank that DeepSpeed never removes. On tiny CPU models gloo is no slower:
+    the whole test suite took 517 s with gloo and 537 s with shm (`pytest tests -n 2`, same tree). The op
+    ignores process groups and reads LOCAL_SIZE, so it can serve only one TP group spanning the whole
+    single-node world; otherwise gloo is used whatever the variable says."""
+    wanted = environ.get(CPU_ALL_REDUCE_ENV, "gloo")
+    if wanted not in CPU_ALL_REDUCES:
+        raise InferenceSetupError(f"{CPU_ALL_REDUCE_ENV}={wanted!r} is invalid; valid: {', '.join(CPU_ALL_REDUCES)}")
+    spans_node = (topology.world_size > 1 and topology.tp_size == topology.world_size
+                  and environ.get("LOCAL_SIZE") == str(topology.world_size))
+    return "shm" if wanted == "shm" and spans_node else "gloo"
+
+
+def init_deepspeed_comm(topology: Topology) -> str:
+    """Wrap the already-initialised torch process group in deepspeed.comm (on CPU with the all-reduce chosen
+    by `cpu_all_reduce`; on GPU DeepSpeed's own choice, NCCL). Returns the all-reduce used, for the log."""
     import deepspeed
 
     if "LOCAL_SIZE" not in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
         os.environ["LOCAL_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]  # torchrun's name for it
     local_size = os.environ.get("LOCAL_SIZE")
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ and local_size:
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and "OMP_NUM_THREADS" not in os.environ and local_size:
         # The deepspeed launcher leaves every CPU rank all cores: oversubscribed ranks stall in all-reduce.
         torch.set_num_threads(threads_per_rank(int(local_size)))
-    # (a world of one has nothing to all-reduce: building the op would cost ~25 s of JIT compile for nothing)
-    shm_ok = (topology.world_size > 1 and topology.tp_size == topology.world_size
-              and os.environ.get("LOCAL_SIZE") == str(topology.world_size))
-    if not shm_ok:  # do not even build (JIT-compile) the shared-memory op that would go unused
+    shm_ok = not on_gpu and cpu_all_reduce(topology) == "shm"
+    if not shm_ok:  # do not even build (JIT-compile, ~25 s) the shared-memory op that would go unused
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=None)
     comm = importlib.import_module("deepspeed.comm.comm")
@@ -81,6 +100,7 @@ def init_deepspeed_comm(topology: Topology) -> None:
         comm.cdb.shm_vector_kernel_level = 0
     if comm.cdb is not None and getattr(comm.cdb, "shm_comm_op", None) is not None:
         unlink_shm_segment(topology.rank)
+    return "nccl" if on_gpu else "DeepSpeed shared memory" if shm_ok else "gloo"
 
 
 def unlink_shm_segment(rank: int) -> None:

@@ -43,8 +43,7 @@ def setup_inference(model: nn.Module, inference_args: DeepSpeedInferenceArgument
         check_head_counts(policy, model.config, topology.tp_size)
     groups = init_process_groups(topology, device.type, inf.inference_timeout)
     watchdog.start(topology.rank, topology.world_size, inf.inference_timeout)
-    if groups.mesh is not None:
-        init_deepspeed_comm(topology)
+    all_reduce = init_deepspeed_comm(topology) if groups.mesh is not None else None
     model, report = shard_model(model, inf, topology, groups, policy, dtype, device=device)
-    logger.warning("deepspeed_inference: %s; %s", topology, report)
+    logger.warning("deepspeed_inference: %s%s; %s", topology, f", all-reduce {all_reduce}" if all_reduce else "", report)
     return InferenceSetup(model=model, topology=topology, groups=groups, report=report, dtype=dtype)

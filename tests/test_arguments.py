@@ -79,6 +79,29 @@ def test_topology_rejects_tp_that_does_not_divide_world(world, tp, valid):
         Topology.create(world, 0, tp)
 
 
+@pytest.mark.parametrize("world, tp, local, asked, used", [
+    (2, 2, "2", None, "gloo"),   # the default, also where DeepSpeed's op could serve the world
+    (2, 2, "2", "gloo", "gloo"),
+    (2, 2, "2", "shm", "shm"),
+    (4, 4, "4", "shm", "shm"),
+    (4, 2, "4", "shm", "gloo"),  # DP x TP: the op ignores process groups
+    (2, 2, "1", "shm", "gloo"),  # two nodes: the op is single-node only
+    (2, 2, None, "shm", "gloo"),
+])
+def test_cpu_ranks_all_reduce_with_gloo_unless_asked(world, tp, local, asked, used):
+    """DeepSpeed's shared-memory all-reduce busy-waits with no timeout: CPU ranks use gloo by default."""
+    from ds_inference_integration.deepspeed_compat import cpu_all_reduce
+
+    environ = {k: v for k, v in (("LOCAL_SIZE", local), ("DS_INFERENCE_CPU_ALL_REDUCE", asked)) if v is not None}
+    assert cpu_all_reduce(Topology.create(world, 0, tp), environ) == used
+
+
+def test_a_bad_cpu_all_reduce_is_refused_with_the_arguments(monkeypatch):
+    monkeypatch.setenv("DS_INFERENCE_CPU_ALL_REDUCE", "nccl")
+    with pytest.raises(InferenceSetupError, match=r"^DS_INFERENCE_CPU_ALL_REDUCE='nccl' is invalid; valid: gloo, shm$"):
+        DeepSpeedInferenceArguments(deepspeed_inference=True)
+
+
 def test_legacy_options_keep_their_old_meaning():
     argv, legacy = translate_legacy_args(["--evaluation_strategy=steps", "--overwrite_output_dir", "--do_eval"])
     assert argv == ["--eval_strategy=steps", "--do_eval"] and legacy == {"overwrite_output_dir": True}

@@ -47,8 +47,7 @@ def test_tp2_generation_equals_single_process_and_grouping_keeps_order(tmp_path)
 
 def test_num_return_sequences_with_sampling(tmp_path):
     args = [*ARGS, "--do_sample", "--num_return_sequences", "2", "--max_prompts", "6", "--seed", "3"]
-    run = run_example(args, tmp_path, script=RUN_GENERATION)
-    assert_ok(run)
+    run = run_in_process(args, tmp_path, script=RUN_GENERATION)
     assert len(run.predictions()) == 12
     rows = [json.loads(line) for line in (tmp_path / "generated_predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and all(len(r["generations"]) == 2 for r in rows)

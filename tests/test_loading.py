@@ -131,7 +131,8 @@ def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     args = ["--do_predict", "--max_predict_samples", "24", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]
     ref = run_in_process(["--model_name_or_path", str(src), *args], tmp_path / "ref")
     assert_ok(ref)
-    tp = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2)
+    tp = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2,
+                     launcher="torchrun")  # lighter than the deepspeed launcher's two extra Pythons
     assert_ok(tp)
     assert tp.predictions() == ref.predictions() and len(ref.predictions()) == 24
     assert tp.output.count("model loaded pre-sharded: read") == 2  # one line per rank, naming the path

@@ -116,15 +116,26 @@ def test_unlisted_architectures_get_a_derived_policy(tmp_path):
     assert suggested_policy.model_types == ("xglm",)
 
 
-def test_policy_cli_list_show_suggest(model_dirs):
-    listed = policy_cli("list").stdout
+def test_policy_cli_list_show_suggest(model_dirs, capsys):
+    """In this process, through the command's own main() (the installed `ds-inference` script is run by the
+    install test): `policy list`, `show` and `suggest` start no rank."""
+    from types import SimpleNamespace
+
+    from ds_inference_integration.tools.cli import main
+
+    def policy_command(*args: str) -> SimpleNamespace:
+        code = main(["policy", *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    listed = policy_command("list").stdout
     for model_type in ("t5", "mt5", "bart", "mbart", "marian", "gpt2", "gpt_bigcode", "llama", "mistral", "opt",
                        "bloom", "gpt_neox", "falcon"):
         assert re.search(rf"^{model_type} ", listed, re.M), model_type
-    assert "multi_query = true" in policy_cli("show", "gpt_bigcode").stdout
-    shown = policy_cli("suggest", str(model_dirs["gpt2"]))
+    assert "multi_query = true" in policy_command("show", "gpt_bigcode").stdout
+    shown = policy_command("suggest", str(model_dirs["gpt2"]))
     assert shown.returncode == 0 and "shipped policy" in shown.stdout and "[attention]" in shown.stdout
-    bad = policy_cli("show", "nope")
+    bad = policy_command("show", "nope")
     assert bad.returncode == 2 and bad.stderr.startswith("error: no policy for model_type 'nope'")
 
 

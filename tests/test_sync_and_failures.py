@@ -273,18 +273,22 @@ STOP_ARGS = ["--do_predict", "--max_predict_samples", "64", "--per_device_eval_b
              "--deepspeed_inference", "--tp_size", "2", "--inference_timeout", "10"]
 
 
-@pytest.mark.parametrize("nprocs, launcher", [(4, "torchrun"), (2, "deepspeed")],
+@pytest.mark.parametrize("nprocs, launcher, all_reduce", [(4, "torchrun", "gloo"), (2, "deepspeed", "shm")],
                          ids=["dp2_x_tp2_gloo_torchrun", "tp2_shared_memory_all_reduce_deepspeed"])
-def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs, launcher):
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs, launcher, all_reduce):
     """SIGSTOP: not dead, so no connection closes. Under DP x TP the TP all-reduce is gloo's; at tp = world on
-    one node it is DeepSpeed's shared-memory all-reduce, which busy-waits with no timeout of its own. (torchrun
-    hosts the rendezvous store in its agent, the deepspeed launcher in rank 0: the watchdog works with both.)"""
+    one node, when asked for, it is DeepSpeed's shared-memory all-reduce, which busy-waits with no timeout of
+    its own. (torchrun hosts the rendezvous store in its agent, the deepspeed launcher in rank 0: the watchdog
+    works with both.)"""
     import re
     import time
 
-    run = run_example(STOP_ARGS, tmp_path, nprocs=nprocs, timeout=300, fault="stop:1:2", launcher=launcher)
+    run = run_example(STOP_ARGS, tmp_path, nprocs=nprocs, timeout=300, fault="stop:1:2", launcher=launcher,
+                      env={"DS_INFERENCE_CPU_ALL_REDUCE": all_reduce})
     ended = time.time()
     assert run.returncode != 0
+    used = "all-reduce DeepSpeed shared memory" if all_reduce == "shm" else "all-reduce gloo"
+    assert used in run.output, run.output[-3000:]
     stopped_at = float(re.search(r"fault: rank 1 stops at ([0-9.]+)", run.output).group(1))
     assert ended - stopped_at < 10 + 15, (ended - stopped_at, run.output[-3000:])
     errors = [e for e in run.error_lines() if "stopped answering" in e]

@@ -51,7 +51,7 @@ def test_proposal_command_eval_and_beam_search_predict_equal_single_process(sing
     assert got["predict_samples_per_second"] > 0
     # Metrics are printed and written by one rank only.
     assert tp.output.count("***** predict metrics *****") == 1
-    assert "deepspeed_inference: world 2 = tp 2 x dp 1" in tp.output
+    assert "deepspeed_inference: world 2 = tp 2 x dp 1 (rank 0), all-reduce gloo;" in tp.output
     assert tp.output.count("model loaded shard-aware: read") == 2  # the default for a safetensors checkpoint
 
 
