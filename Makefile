@@ -9,17 +9,17 @@ NUM_GPUS ?= 2
 
 .PHONY: demo test test-fast test-all lint install clean
 
+# Bytecode for everything installed is compiled on every core: pip compiles on one (54 s of the 109 s install
+# here), compileall -j 0 took 38 s on 2 cores (2026-12-01). It is not optional: without it every process
+# compiles what it imports, each time under PYTHONDONTWRITEBYTECODE (23 s instead of 8 s to import an example's
+# stack). Files that do not parse on this Python (torch's py312 test helpers) fail there as they do, silently,
+# under pip: hence the ignored status.
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
-	# Bytecode for everything installed, on every core: pip compiles on one (54 s of the 109 s install here),
-	# compileall -j 0 took 38 s on 2 cores (2026-12-01). It is not optional: without it every process compiles
-	# what it imports, each time under PYTHONDONTWRITEBYTECODE (23 s instead of 8 s to import an example's
-	# stack). Files that do not parse on this Python (torch's py312 test helpers) fail here as they do, silently,
-	# under pip: hence the ignored status.
 	-$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null
 	touch $(STAMP)
 

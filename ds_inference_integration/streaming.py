@@ -260,8 +260,10 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
 
     `dataset` is already in processing order; `order[pos]` is the input index of position `pos` (None: the
     identity). Every rank walks the same number of steps: each step generates one batch of its replica (or
-    nothing, once its replica is done) and joins one all-reduce of the examples done, which feeds the progress
-    line and lets replicas with less left wait for the others without any long collective."""
+    nothing, once its replica is done) and, with more than one replica, joins one all-reduce of the examples
+    done, which feeds the progress line and lets replicas with less left wait for the others without any long
+    collective. With one replica rank 0 writes every record itself, and its TP peers keep step inside
+    `generate`: no all-reduce per step."""
     import time
 
     import torch
@@ -330,10 +332,11 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
                 records = _records(tokenizer, pad, tokens, labels, positions, order, metric)
                 writer.write(records[first:])
                 written = len(records) - first
-        count = torch.tensor([written], dtype=torch.long, device=device)
-        if distributed:
+        if distributed and topo.dp_size > 1:  # the other replicas' progress (one replica: rank 0 writes it all)
+            count = torch.tensor([written], dtype=torch.long, device=device)
             dist.all_reduce(count)
-        already += int(count)
+            written = int(count)
+        already += written
         if topo.rank == 0:
             progress.update(already)
     if writer is not None:
