@@ -198,28 +198,21 @@ def _generate_loop_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new
 
 def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tokens: int, max_prompts: int,
                      out: str) -> int:
-    import datetime
-
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..arguments import DeepSpeedInferenceArguments
     from ..inference_setup import setup_inference
-    from ..topology import Topology
+    from .ranks import init_rank
 
     quiet_repeated_warnings()
-    topology = Topology.from_env()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(topology.rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    topology, device = init_rank(timeout=300)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model = setup_inference(model, DeepSpeedInferenceArguments(deepspeed_inference=True), topology, device).model
     prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)

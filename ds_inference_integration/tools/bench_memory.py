@@ -81,12 +81,10 @@ def build_config_model(spec: str, out: Path, dtype_name: str = "fp32") -> Path:
 
 
 def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", dtype_name: str = "fp32") -> int:
-    import datetime
     import importlib
     import os
 
     import torch
-    import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments
@@ -95,18 +93,21 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     from ..loading import load_model
     from ..policy import policy_for_run
     from ..topology import Topology, init_process_groups
+    from .ranks import init_rank
 
     importlib.import_module("deepspeed")  # every mode imports the same libraries
 
-    topology = Topology.from_env()
     device, dtype = torch.device(device_name), DTYPES[dtype_name]
     cuda = device.type == "cuda"
+    if mode == "single":  # no process group: the baseline is a plain from_pretrained
+        topology = Topology.from_env()
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+    else:
+        topology, device = init_rank(timeout=600, device_type=device.type)
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # the CUDA context exists before the clock starts, on every path
-    if mode != "single":
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     baseline = memory_mb("VmRSS")
 
     def sync():

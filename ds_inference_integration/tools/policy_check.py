@@ -294,21 +294,15 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
 
 
 def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
     from ..deepspeed_compat import init_deepspeed_comm
     from ..errors import InferenceSetupError
-    from ..topology import Topology, init_process_groups
+    from ..topology import init_process_groups
+    from .ranks import init_rank
 
-    topology = Topology.from_env()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(topology.rank % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    groups = init_process_groups(topology, "cuda" if torch.cuda.is_available() else "cpu", timeout=120)
+    topology, device = init_rank(timeout=120)
+    groups = init_process_groups(topology, device.type, timeout=120)
     init_deepspeed_comm(topology)
     checks: list[dict] = []
 

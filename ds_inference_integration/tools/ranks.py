@@ -54,6 +54,27 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path) -> li
     return procs
 
 
+def init_rank(timeout: float, device_type: str | None = None):
+    """The start of every rank worker `start_ranks` starts: (topology from the environment, this rank's device),
+    with the default process group up (NCCL on GPU, gloo on CPU) and bounded by `timeout` seconds.
+    `device_type`: "cuda" or "cpu", or None for a GPU where there is one."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from ..topology import Topology
+
+    topology = Topology.from_env()
+    cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", topology.rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    return topology, device
+
+
 def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     """Exit codes; once one rank fails (after 5 s for its peers to report) or at the deadline, the rest are killed."""
     deadline = time.monotonic() + timeout

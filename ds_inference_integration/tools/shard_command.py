@@ -76,10 +76,6 @@ def _presharded_before(out: Path) -> bool:
 
 
 def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) -> int:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
@@ -88,14 +84,10 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
     from ..loading import load_model, policy_id
     from ..policy import policy_for_run
     from ..presharded import write_presharded
-    from ..topology import Topology, init_process_groups
+    from ..topology import init_process_groups
+    from .ranks import init_rank
 
-    topology = Topology.from_env()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=300))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", topology.rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    topology, device = init_rank(timeout=300)
     try:
         groups = init_process_groups(topology, device.type, timeout=300)
         init_deepspeed_comm(topology)
