@@ -9,18 +9,19 @@ NUM_GPUS ?= 2
 
 .PHONY: demo test test-fast test-all lint install clean
 
-# Bytecode for everything installed is compiled on every core: pip compiles on one (54 s of the 109 s install
-# here), compileall -j 0 took 38 s on 2 cores (2026-12-01). It is not optional: without it every process
-# compiles what it imports, each time under PYTHONDONTWRITEBYTECODE (23 s instead of 8 s to import an example's
-# stack). Files that do not parse on this Python (torch's py312 test helpers) fail there as they do, silently,
-# under pip: hence the ignored status.
+# Python writes the bytecode of what it imports the first time it imports it, also where the environment sets
+# PYTHONDONTWRITEBYTECODE (this machine does): otherwise every process compiles its whole stack again, each time
+# (23 s instead of 8 s to import an example's stack). Lazily, because a run imports a fraction of what is
+# installed: pip's own compile took 54 s of a 109 s install, compileall -j 0 of the venv 38 s, the first import
+# of the stack 20 s (2 cores, 2026-12-01). The checkout's __pycache__ directories are ignored by git.
+unexport PYTHONDONTWRITEBYTECODE
+
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
-	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	touch $(STAMP)
 
 # The main job: the embedded English->Romanian model, tensor parallel over $(NUM_GPUS) ranks
