@@ -11,9 +11,11 @@ NUM_GPUS ?= 2
 
 # Python writes the bytecode of what it imports the first time it imports it, also where the environment sets
 # PYTHONDONTWRITEBYTECODE (this machine does): otherwise every process compiles its whole stack again, each time
-# (23 s instead of 8 s to import an example's stack). Lazily, because a run imports a fraction of what is
-# installed: pip's own compile took 54 s of a 109 s install, compileall -j 0 of the venv 38 s, the first import
-# of the stack 20 s (2 cores, 2026-12-01). The checkout's __pycache__ directories are ignored by git.
+# (23 s instead of 8 s to import an example's stack). The install imports the stack every rank imports once, so
+# that parallel first processes do not each compile it: compiling everything installed (compileall -j 0) took
+# 38 s, this import 20 s, and leaving all of it to the tests cost them 53 s (pytest 555 s against 502 s, fresh
+# clones, 2 cores, 2026-12-01); pip's own compile (one core) took 54 s of a 109 s install. The checkout's
+# __pycache__ directories are ignored by git.
 unexport PYTHONDONTWRITEBYTECODE
 
 install: $(STAMP)
@@ -22,6 +24,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
+	$(BIN)/python -c "import deepspeed, ds_inference_integration.trainer, ds_inference_integration.tools.cli"
 	touch $(STAMP)
 
 # The main job: the embedded English->Romanian model, tensor parallel over $(NUM_GPUS) ranks

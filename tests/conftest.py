@@ -53,12 +53,14 @@ class Run:
 FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: the fault hooks, never in the package
 
 
-def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, launcher: str = "deepspeed",
+def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, launcher: str = "torchrun",
                 script: Path = RUN_TRANSLATION, timeout: float = 240, fault: str | None = None,
                 env: dict | None = None) -> Run:
-    """Run an example script single-process (nprocs None) or under a real launcher; never hangs, and leaves no
-    process behind (the whole process group is killed afterwards, stopped ranks included). `fault` sets
-    DS_INFERENCE_FAULT with the tests' fault hooks on the path (tests/faults/sitecustomize.py)."""
+    """Run an example script single-process (nprocs None) or under a real launcher: torchrun unless the test is
+    about the `deepspeed` launcher, which starts two Pythons that import DeepSpeed before the ranks (~5
+    CPU-seconds a launch, against one that imports torch). Never hangs, and leaves no process behind (the whole
+    process group is killed afterwards, stopped ranks included). `fault` sets DS_INFERENCE_FAULT with the
+    tests' fault hooks on the path (tests/faults/sitecustomize.py)."""
     script_args = [str(script), "--output_dir", str(output_dir), *args]
     if nprocs is None:
         cmd = [sys.executable, *script_args]

@@ -131,8 +131,7 @@ def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     args = ["--do_predict", "--max_predict_samples", "24", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]
     ref = run_in_process(["--model_name_or_path", str(src), *args], tmp_path / "ref")
     assert_ok(ref)
-    tp = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2,
-                     launcher="torchrun")  # lighter than the deepspeed launcher's two extra Pythons
+    tp = run_example(["--model_name_or_path", str(out), *args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2)
     assert_ok(tp)
     assert tp.predictions() == ref.predictions() and len(ref.predictions()) == 24
     assert tp.output.count("model loaded pre-sharded: read") == 2  # one line per rank, naming the path
@@ -140,7 +139,7 @@ def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     _, damaged, manifest = _copy(presharded, tmp_path / "copy")
     _rewrite(damaged / manifest["files"][1]["name"], _bump)
     run = run_example(["--model_name_or_path", str(damaged), *args, "--deepspeed_inference"], tmp_path / "damaged",
-                      nprocs=2)  # the deepspeed launcher adds no traceback of its own (torchrun does)
+                      nprocs=2, launcher="deepspeed")  # which adds no traceback of its own (torchrun does)
     assert run.returncode != 0 and "Traceback" not in run.output
     errors = run.error_lines()
     assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]

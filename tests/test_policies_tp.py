@@ -227,7 +227,7 @@ def test_a_derived_policy_that_does_not_work_is_refused_before_generating(tmp_pa
     tok.save_pretrained(tmp_path / arch)
     run = run_example(["--model_name_or_path", str(tmp_path / arch), "--max_new_tokens", "4",
                        "--max_prompts", "4", "--report_to", "none", "--deepspeed_inference"], tmp_path / "out",
-                      nprocs=2, script=EXAMPLES / "run_generation.py")  # the deepspeed launcher: exit 2 passes
+                      nprocs=2, script=EXAMPLES / "run_generation.py", launcher="deepspeed")  # exit 2 passes
     assert run.returncode == 2, run.output[-3000:]
     errors = run.error_lines()
     assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]

@@ -37,7 +37,7 @@ def test_proposal_command_eval_and_beam_search_predict_equal_single_process(sing
     launch: eval BLEU and every predicted line equal to one process."""
     args = [*PROPOSAL, "--do_predict", "--num_beams", "4", "--max_predict_samples", "101"]
     ref = single("proposal_beams4", args)
-    tp = run_example([*args, "--deepspeed_inference"], tmp_path, nprocs=2)
+    tp = run_example([*args, "--deepspeed_inference"], tmp_path, nprocs=2, launcher="deepspeed")
     assert_ok(tp)
     got, want = tp.results("eval"), ref.results("eval")
     assert got["eval_bleu"] == want["eval_bleu"] >= 90
@@ -71,7 +71,7 @@ def test_bad_setup_fails_fast_on_every_rank(tmp_path):
     shown in one process in test_sync_and_failures.py, and head counts in test_policy.py.)"""
     args = [*PREDICT, "--deepspeed_inference", "--max_predict_samples", "8", "--tp_size", "3"]
     expected = "--tp_size 3 does not fit 2 rank(s): it must divide the world size; valid: 1, 2"
-    run = run_example(args, tmp_path / "out", nprocs=2, timeout=120)
+    run = run_example(args, tmp_path / "out", nprocs=2, timeout=120, launcher="deepspeed")
     assert run.returncode != 0
     errors = run.error_lines()
     assert sorted(e.rsplit(" [rank ", 1)[1] for e in errors) == ["0]", "1]"], run.output[-3000:]
