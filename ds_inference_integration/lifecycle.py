@@ -15,9 +15,14 @@ import torch.distributed as dist
 from . import watchdog
 from .errors import InferenceSetupError, LockstepError
 
-# A setup error is the same on every rank, but a launcher ends all ranks as soon as one exits non-zero:
-# each rank waits this long after reporting, so that its peers reach the same check and report too.
-REPORT_GRACE_SECONDS = 3.0
+# A setup error is the same on every rank, but a launcher ends all ranks as soon as one exits non-zero (the
+# deepspeed launcher polls every second and SIGKILLs the rest; torchrun stops them too). So a rank that has
+# printed its line waits until every rank has said, in the launcher's rendezvous store, that it printed its
+# own, and at most this long (a peer that does not fail the same way is ended by the launcher anyway). A fixed
+# sleep of 3 s was not enough: in CI, under load from a parallel test, rank 0 had not reached the check 3 s
+# after rank 1 had (2026-12-02), and only rank 1's line was printed.
+REPORT_GRACE_SECONDS = 30.0
+_REPORTED_KEY = "ds_inference_reported"
 
 
 def _exit_now(code: int) -> None:
@@ -42,8 +47,9 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
         # One write, starting on a fresh line: ranks share the launcher's stream (and tqdm's \r lines).
         sys.stderr.write(f"\nerror: {e} [rank {rank}]\n")
         sys.stderr.flush()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            time.sleep(REPORT_GRACE_SECONDS)
+        ranks = getattr(e, "ranks", None) or range(int(os.environ.get("WORLD_SIZE", "1")))
+        if len(ranks) > 1:  # a setup error is every rank's; a lock-step failure is its TP group's
+            wait_for_peers_to_report(int(rank), list(ranks), REPORT_GRACE_SECONDS)
         _exit_now(2)
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank now, never hang
         traceback.print_exc()
@@ -57,3 +63,39 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
         # all output is written, so leave without it.
         _exit_now(0)
     return 0
+
+
+def wait_for_peers_to_report(rank: int, ranks: list[int], grace: float) -> int:
+    """Count this rank as reported in the launcher's rendezvous store, then wait until all of `ranks` (the ranks
+    that fail the same way) have, or `grace` seconds at most; returns the count seen last (0 when there is no
+    store to count in).
+
+    Before the process group exists nobody hosts the store yet: rank 0 hosts it then, as torch's env://
+    rendezvous would (multi-tenant, so a process group created later in this process shares it), unless
+    torchrun's agent already does (TORCHELASTIC_USE_AGENT_STORE). Every store call is bounded by what is left
+    of `grace`; a store that cannot be reached ends the wait, never the exit."""
+    import datetime
+
+    deadline = time.monotonic() + grace
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:  # not started by a launcher with a rendezvous store: wait a little, blind
+        time.sleep(min(grace, 3.0))
+        return 0
+    key = f"{_REPORTED_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{ranks[0]}"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    seen = 0
+    try:
+        timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        if dist.is_available() and dist.is_initialized():
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+        else:
+            hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            store = dist.TCPStore(host, int(port), world_size=world, is_master=hosts, wait_for_workers=False,
+                                  multi_tenant=True, timeout=timeout)
+        seen = store.add(key, 1)
+        while seen < len(ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen = store.add(key, 0)
+    except Exception:  # noqa: BLE001 - the store host has left, or never came: nothing more to wait for
+        pass
+    return seen

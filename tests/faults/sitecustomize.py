@@ -8,6 +8,8 @@ package when that module is first imported.
                                           scheduler's kill -9, a lost node)
     DS_INFERENCE_FAULT=fail_write:NAME    writing the output file NAME fails halfway (nothing renamed into place)
     DS_INFERENCE_FAULT=check_logits:RANK  that rank's `policy check` sees its sharded logits off by 1.0
+    DS_INFERENCE_FAULT=slow_start:RANK:S  that rank starts S seconds late (a loaded machine: its peers reach
+                                          every check first)
 """
 
 import importlib.abc
@@ -91,6 +93,13 @@ def _patch_check(module):
 
     module._run_model_naming_failures = run
 
+
+if KIND == "slow_start":
+    _rank, _, _seconds = ARG.partition(":")
+    if os.environ.get("RANK") == _rank and "LOCAL_RANK" in os.environ:  # a rank, not its launcher
+        import time
+
+        time.sleep(float(_seconds))
 
 PATCHES = {"ds_inference_integration.files": _patch_files} if KIND == "fail_write" else (
     {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
