@@ -12,10 +12,9 @@ import os
 import sys
 from typing import Any
 
-import torch
 from transformers import HfArgumentParser
 
-from .arguments import DeepSpeedInferenceArguments, prepare_argv, world_size_from_env
+from .arguments import DeepSpeedInferenceArguments, prepare_argv, run_defaults, world_size_from_env
 from .errors import InferenceSetupError
 
 
@@ -37,8 +36,6 @@ class InferenceArgumentParser(HfArgumentParser):
 
     def _prepare_dict(self, args: dict[str, Any]) -> dict[str, Any]:
         """The same preparation as `prepare_argv`, for arguments given as a dict (a .json / .yaml file)."""
-        from .topology import Topology
-
         if "evaluation_strategy" in args:
             args.setdefault("eval_strategy", args.pop("evaluation_strategy"))
         self.legacy = {"overwrite_output_dir": bool(args.pop("overwrite_output_dir"))} \
@@ -48,10 +45,7 @@ class InferenceArgumentParser(HfArgumentParser):
             inference_args = DeepSpeedInferenceArguments(**{k: v for k, v in args.items() if k in known})
         except TypeError as e:
             raise InferenceSetupError(str(e)) from None
-        world = world_size_from_env()
-        if inference_args.deepspeed_inference:
-            Topology.create(world, int(os.environ.get("RANK", "0")), inference_args.tp_size)
-            args.setdefault("ddp_timeout", inference_args.inference_timeout)
-        if world > 1 and not torch.cuda.is_available():
-            args.setdefault("use_cpu", True)
+        for name, value in run_defaults(inference_args, world_size_from_env(),
+                                        int(os.environ.get("RANK", "0"))).items():
+            args.setdefault(name, value)
         return args

@@ -165,26 +165,35 @@ def _has_option(argv: list[str], name: str) -> bool:
     return any(a == name or a.startswith(name + "=") for a in argv)
 
 
+def run_defaults(inference_args: DeepSpeedInferenceArguments, world: int, rank: int) -> dict[str, object]:
+    """The training arguments a run of the flag family implies, after checking the layout against the world
+    (a bad --tp_size fails here, before any process group or model): `ddp_timeout` from --inference_timeout,
+    and `use_cpu` for a multi-rank run on a machine without a GPU (else accelerate makes every rank a world
+    of one). The caller keeps whatever the user gave explicitly."""
+    from .topology import Topology
+
+    defaults: dict[str, object] = {}
+    if inference_args.deepspeed_inference:
+        Topology.create(world, rank, inference_args.tp_size)
+        defaults["ddp_timeout"] = inference_args.inference_timeout
+    if world > 1 and not torch.cuda.is_available():
+        defaults["use_cpu"] = True
+    return defaults
+
+
 def prepare_argv(argv: list[str]) -> tuple[list[str], dict[str, bool]]:
     """Make a script's argv ready for `HfArgumentParser` with `Seq2SeqTrainingArguments`.
 
-    Runs before `TrainingArguments` exists, because that object starts torch.distributed:
-    legacy options are translated; the flag family is parsed and validated (a bad --tp_size fails
-    here, before any process group or model); a multi-rank run on a machine without a GPU gets
-    `--use_cpu` (else accelerate makes every rank a world of one); and `--inference_timeout`
-    becomes the process-group timeout unless `--ddp_timeout` is given.
+    Runs before `TrainingArguments` exists, because that object starts torch.distributed: legacy options are
+    translated; the flag family is parsed and validated, and `run_defaults` added where the command line
+    does not give them.
     """
     from transformers import HfArgumentParser
 
-    from .topology import Topology
-
     argv, legacy = translate_legacy_args(argv)
     inference_args, _ = HfArgumentParser((DeepSpeedInferenceArguments,)).parse_known_args(argv)
-    world = world_size_from_env()
-    if inference_args.deepspeed_inference:
-        Topology.create(world, int(os.environ.get("RANK", "0")), inference_args.tp_size)
-        if not _has_option(argv, "--ddp_timeout"):
-            argv = [*argv, "--ddp_timeout", str(inference_args.inference_timeout)]
-    if world > 1 and not torch.cuda.is_available() and not _has_option(argv, "--use_cpu"):
-        argv = [*argv, "--use_cpu"]
+    defaults = run_defaults(inference_args, world_size_from_env(), int(os.environ.get("RANK", "0")))
+    for name, value in defaults.items():
+        if not _has_option(argv, f"--{name}"):
+            argv = [*argv, f"--{name}"] if value is True else [*argv, f"--{name}", str(value)]
     return argv, legacy
