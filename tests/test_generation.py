@@ -4,6 +4,7 @@ padding, prompts stripped, outputs in input order; tp 2 equals one process; leng
 import json
 
 import numpy as np
+import pytest
 
 from conftest import EXAMPLES, assert_ok, run_example, run_in_process
 from ds_inference_integration.length_grouping import padding_fraction, unsort
@@ -87,3 +88,30 @@ def test_bench_generation_writes_table_json_and_a_png_that_opens(tmp_path):
     assert out.count("seem to have been set") <= 2, out[-3000:]  # once for max_, once for min_new_tokens
     with Image.open(tmp_path / "bench.png") as png:
         assert png.size[0] > 300 and png.size[1] > 200
+
+
+def test_bench_prompts_repeat_the_file_in_order(tmp_path):
+    from ds_inference_integration.tools.bench import read_prompts
+
+    (tmp_path / "p.txt").write_text("one\n\ntwo\nthree\n")
+    assert read_prompts(tmp_path / "p.txt", 2) == ["one", "two"]
+    assert read_prompts(tmp_path / "p.txt", 7) == ["one", "two", "three", "one", "two", "three", "one"]
+
+
+@pytest.mark.slow  # one tp-2 launch of the bench's paired worker (~30 s): `make test-all` runs it
+def test_bench_generation_pairs_the_tp2_trainer_path_with_the_bare_loop_in_the_same_ranks(tmp_path):
+    import subprocess
+
+    from conftest import BIN
+
+    proc = subprocess.run([str(BIN / "ds-inference"), "bench", "generation", "--methods", "trainer_streaming_tp2",
+                           "--batch-sizes", "8", "--max-prompts", "10", "--new-tokens", "3", "--repeats", "2",
+                           "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"trainer_streaming_tp2", "generate_loop_tp2_paired"}
+    assert all(r["new_tokens"] == 10 * 3 and len(r["peak_rss_mb"]) == 2 and len(r["tokens_per_s_repeats"]) == 2
+               for r in rows.values())
+    ratio = report["ratios"]["embedded"]["trainer_streaming_tp2_over_generate_loop_tp2_paired_bs8"]
+    assert ratio["n"] == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]

@@ -89,7 +89,11 @@ def bench_guard(repeats: int, nprocs: int, output: Path) -> int:
 # Generation: per-sample pipeline vs batched generate vs the Trainer path (single process and tp 2) -------
 
 METHODS = ("pipeline_per_sample", "pipeline_batched", "generate_loop", "trainer", "trainer_streaming", "generate_loop_tp2",
-           "trainer_tp2")
+           "trainer_tp2", "trainer_streaming_tp2")
+# trainer_streaming_tp2 also reports its paired baseline under this name: the bare loop run in the same two ranks,
+# on the same sharded model, alternating with predict_to_file (loop, predict, predict, loop in each launch), so
+# that the ratio of the two is not the ratio of two launches (the machine's speed drifts between launches).
+PAIRED_TP2_BASELINE = "generate_loop_tp2_paired"
 DEFAULT_LM = REPO / "examples" / "models" / "gpt2-num2words-en-ro"
 DEFAULT_PROMPTS = REPO / "examples" / "data" / "prompts.txt"
 
@@ -165,9 +169,11 @@ def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: 
 
 def _trainer_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_tokens: int, max_prompts: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.txt"  # the same prompts as the other methods (repeated to max_prompts)
+        prompts.write_text("\n".join(read_prompts(prompts_file, max_prompts)) + "\n", encoding="utf-8")
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
                str(REPO / "examples" / "run_generation.py"), "--output_dir", tmp, "--model_name_or_path",
-               str(model_dir), "--prompts_file", str(prompts_file), "--max_prompts", str(max_prompts),
+               str(model_dir), "--prompts_file", str(prompts), "--max_prompts", str(max_prompts),
                "--per_device_eval_batch_size", str(batch_size), "--max_new_tokens", str(new_tokens),
                "--min_new_tokens", str(new_tokens), "--report_to", "none", "--disable_tqdm", "true",
                "--deepspeed_inference"]
@@ -196,6 +202,85 @@ def _generate_loop_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new
         return json.loads((Path(tmp) / "result.json").read_text())
 
 
+def _paired_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_tokens: int, max_prompts: int) -> dict:
+    """predict_to_file against the bare batched `generate` loop in the same two ranks (one launch): seconds of
+    each, the mean of its two runs in the order loop, predict, predict, loop."""
+    from .ranks import failure_text, start_ranks, wait_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = start_ranks(2, "ds_inference_integration.tools.bench", [
+            "--paired-worker", str(model_dir), str(prompts_file), str(batch_size), str(new_tokens), str(max_prompts),
+            str(Path(tmp) / "result.json")], log_dir=tmp)
+        codes = wait_ranks(procs, 900)
+        if any(codes):
+            raise RuntimeError(f"trainer_streaming_tp2 failed: {failure_text(procs, codes)}")
+        return json.loads((Path(tmp) / "result.json").read_text())
+
+
+def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_tokens: int, max_prompts: int,
+                   out: str) -> int:
+    """One rank of `_paired_tp2`: the Trainer shards the model (as a user's script would), then the bare loop
+    runs on the Trainer's sharded model and `predict_to_file` through the Trainer, alternating."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset, disable_progress_bars
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding, Seq2SeqTrainingArguments
+
+    from ..arguments import DeepSpeedInferenceArguments
+    from ..memory import memory_mb
+    from ..metrics import GeneratedTokens
+    from ..topology import Topology
+    from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
+
+    quiet_repeated_warnings()
+    disable_progress_bars()
+    topology = Topology.from_env()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = read_prompts(prompts_file, max_prompts)
+    with tempfile.TemporaryDirectory(prefix="bench_paired_") as output_dir:
+        args = Seq2SeqTrainingArguments(output_dir=output_dir, per_device_eval_batch_size=batch_size,
+                                        predict_with_generate=True, remove_unused_columns=False, report_to=[],
+                                        use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+        trainer = DeepSpeedInferenceSeq2SeqTrainer(
+            model=model, args=args, processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
+            inference_args=DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.world_size))
+        dataset = Dataset.from_dict(dict(tokenizer(prompts)))
+        gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        _generate_loop(trainer.model, tokenizer, prompts[:2], 2, {**gen, "pad_token_id": tokenizer.pad_token_id})
+        seconds: dict[str, list[float]] = {"loop": [], "predict": []}
+        for method in ("loop", "predict", "predict", "loop"):
+            dist.barrier()
+            start = time.perf_counter()
+            if method == "loop":
+                count = _generate_loop(trainer.model, tokenizer, prompts, batch_size,
+                                       {**gen, "pad_token_id": tokenizer.pad_token_id})
+            else:
+                metrics = trainer.predict_to_file(dataset, metric=GeneratedTokens(), fresh=True, **gen)
+                assert metrics["predict_new_tokens"] == len(prompts) * new_tokens, metrics
+            dist.barrier()
+            seconds[method].append(time.perf_counter() - start)
+        assert count == len(prompts) * new_tokens, count
+        peaks = [None] * topology.world_size
+        dist.all_gather_object(peaks, round(memory_mb("VmHWM"), 1))
+        if topology.rank == 0:
+            Path(out).write_text(json.dumps({"loop_seconds": statistics.mean(seconds["loop"]),
+                                             "predict_seconds": statistics.mean(seconds["predict"]),
+                                             "new_tokens": count, "peak_rss_mb": peaks}))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def read_prompts(prompts_file: str | Path, max_prompts: int) -> list[str]:
+    """The file's non-empty lines, repeated in order until there are `max_prompts` of them."""
+    lines = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()]
+    return [lines[i % len(lines)] for i in range(max_prompts)] if lines else []
+
+
 def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tokens: int, max_prompts: int,
                      out: str) -> int:
     import torch
@@ -214,7 +299,7 @@ def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tok
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = setup_inference(model, DeepSpeedInferenceArguments(deepspeed_inference=True), topology, device).model
-    prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
+    prompts = read_prompts(prompts_file, max_prompts)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     dist.barrier()
     start = time.perf_counter()
@@ -291,7 +376,7 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
             example_path(DEFAULT_PROMPTS, "ds-inference bench generation", "--prompts FILE")
         raise InferenceSetupError(f"--prompts {prompts_file!r} does not exist")
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()][:max_prompts]
+    prompts = read_prompts(prompts_file, max_prompts)
     model_dir = model_dir or example_path(DEFAULT_LM, "ds-inference bench generation", "--model MODEL_DIR")
     if "trainer_tp2" in methods:
         example_path(REPO / "examples" / "run_generation.py", "ds-inference bench generation's trainer_tp2",
@@ -332,6 +417,12 @@ def _bench_generation(models, base_tok, tmp, config_spec, batch_sizes, prompts, 
                         timed[method].append((m["seconds"], m["new_tokens"]))
                         peaks[method] = m["peak_rss_mb"]
                         continue
+                    if method == "trainer_streaming_tp2":
+                        m = _paired_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
+                        timed[method].append((m["predict_seconds"], m["new_tokens"]))
+                        timed.setdefault(PAIRED_TP2_BASELINE, []).append((m["loop_seconds"], m["new_tokens"]))
+                        peaks[method] = peaks[PAIRED_TP2_BASELINE] = m["peak_rss_mb"]
+                        continue
                     if method == "trainer_tp2":
                         m = _trainer_tp2(path, Path(prompts_file), bs, new_tokens, max_prompts)
                         timed[method].append((m["predict_runtime"], m["predict_outputs"] * new_tokens))
@@ -344,7 +435,7 @@ def _bench_generation(models, base_tok, tmp, config_spec, batch_sizes, prompts, 
                         else:
                             timed[method].append(_in_process(method, model, tokenizer, prompts, bs, new_tokens))
                     peaks[method] = [max(peak.mb, *peaks.get(method, [0.0]))]
-            for method in todo:
+            for method in timed:
                 per_repeat = [count / seconds for seconds, count in timed[method]]
                 seconds, count = sorted(timed[method])[len(timed[method]) // 2]
                 row = {"model": label, "params_m": round(n_params / 1e6, 2), "method": method,
@@ -382,6 +473,8 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
             "trainer_streaming_over_generate_loop_bs8": _ratio(rows, model, "trainer_streaming", "generate_loop", 8),
             "trainer_tp2_over_trainer_bs8": _ratio(rows, model, "trainer_tp2", "trainer", 8),
             "trainer_tp2_over_generate_loop_tp2_bs8": _ratio(rows, model, "trainer_tp2", "generate_loop_tp2", 8),
+            "trainer_streaming_tp2_over_generate_loop_tp2_paired_bs8": _ratio(rows, model, "trainer_streaming_tp2",
+                                                                              PAIRED_TP2_BASELINE, 8),
         }
     (out_dir / "bench.json").write_text(json.dumps({"setup": setup, "rows": rows, "ratios": ratios}, indent=2))
     lines = [f"Prompts: {setup['prompts']}, {setup['new_tokens']} new tokens each (greedy, min = max new tokens); "
@@ -427,6 +520,9 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 8 and sys.argv[1] == "--paired-worker":
+        sys.exit(_paired_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+                                sys.argv[7]))
     if len(sys.argv) == 8 and sys.argv[1] == "--generate-worker":
         sys.exit(_generate_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
                                   sys.argv[7]))

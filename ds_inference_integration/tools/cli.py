@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--config", default=None, help="also a random GPT-2 of n_embd,n_layer,n_head, e.g. 512,8,8")
     gen.add_argument("--batch-sizes", default="1,2,4,8,16")
     gen.add_argument("--prompts", default=None, help="prompts file (default: the repository's examples/data/prompts.txt)")
-    gen.add_argument("--max-prompts", type=int, default=32)
+    gen.add_argument("--max-prompts", type=int, default=32, help="this many prompts: the file's, repeated in order")
     gen.add_argument("--new-tokens", type=int, default=16)
     gen.add_argument("--methods", default=None, help="comma-separated subset of the methods")
     gen.add_argument("--repeats", type=int, default=3,
