@@ -150,9 +150,10 @@ def model_identity(model, dtype) -> dict:
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """`key: old -> new` for every leaf that differs."""
+    """`key: old -> new` for every leaf that differs, in the order of `new` (RunIdentity's: model, data,
+    layout, generation), so that the line, which names the first four, names the weightiest first."""
     out = []
-    for key in sorted(set(old) | set(new)):
+    for key in [*new, *(k for k in old if k not in new)]:
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += differences(a, b, f"{prefix}{key}.")

@@ -48,8 +48,8 @@ def make_trainer(model_dir, output_dir, labels=True, sources=WORDS, **args):
         texts = tok.batch_decode(greedy, skip_special_tokens=True)
         refs = [t if i % 2 else " ".join(t.split()[:-1] + ["seven"]) for i, t in enumerate(texts)]
         columns["labels"] = tok(text_target=refs)["input_ids"]
-    training_args = Seq2SeqTrainingArguments(output_dir=str(output_dir), per_device_eval_batch_size=4,
-                                             predict_with_generate=True, report_to="none", seed=3, **args)
+    training_args = Seq2SeqTrainingArguments(output_dir=str(output_dir), predict_with_generate=True, report_to="none",
+                                             **{"per_device_eval_batch_size": 4, "seed": 3, **args})
     trainer = DeepSpeedInferenceSeq2SeqTrainer(model=model, args=training_args, processing_class=tok,
                                                data_collator=DataCollatorForSeq2Seq(tok, model=model))
     return trainer, Dataset.from_dict(columns), tok
@@ -235,6 +235,41 @@ def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(t
         other.predict_to_file(other_data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
     got = trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=4, max_new_tokens=6, fresh=True)
     assert got["predict_generated_samples"] == len(WORDS)
+
+
+def test_a_resume_with_another_model_or_layout_is_refused_naming_what_differs(tiny_t5, tmp_path, monkeypatch):
+    """Parts written by one run are continued only by the same run: another model (other weights and config at
+    another path), another batch size, or another tp / dp layout is refused in one line naming the field."""
+    import dataclasses
+
+    from ds_inference_integration.streaming import open_run
+
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path)
+    identity = None
+
+    def keep(parts_dir, ident, fresh):  # the run's identity, as predict_to_file computes it before generating
+        nonlocal identity
+        identity = ident
+        raise RuntimeError("stop before generating")
+
+    monkeypatch.setattr("ds_inference_integration.streaming.open_run", keep)
+    with pytest.raises(RuntimeError, match="stop before generating"):
+        trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
+    monkeypatch.undo()
+    parts = tmp_path / "predict_parts"
+    open_run(parts, identity, fresh=True)  # parts of this run, as a crash would leave them
+    other_model = save_tiny_model("t5", tmp_path / "other_t5", d_ff=64)
+    other, other_data, _ = make_trainer(other_model, tmp_path)
+    with pytest.raises(InferenceSetupError, match=r"different predict run \(model\.name_or_path: '.*/t5' -> "
+                                                  r"'.*/other_t5'; model\.config_sha256: "):
+        other.predict_to_file(other_data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
+    wider, wider_data, _ = make_trainer(tiny_t5, tmp_path, per_device_eval_batch_size=8)
+    with pytest.raises(InferenceSetupError, match=r"different predict run \(layout\.batch_size: 4 -> 8\)"):
+        wider.predict_to_file(wider_data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
+    sharded = dataclasses.replace(identity, layout={**identity.layout, "tp_size": 2, "dp_size": 2})
+    with pytest.raises(InferenceSetupError, match=r"\(layout\.tp_size: 1 -> 2; layout\.dp_size: 1 -> 2\)"):
+        open_run(parts, sharded, fresh=False)
+    assert open_run(parts, identity, fresh=False)  # the same run continues
 
 
 def test_data_without_references_predicts_with_upstreams_collator(tiny_t5, tmp_path):
