@@ -210,11 +210,8 @@ def test_a_crash_during_the_merge_loses_nothing_and_generates_nothing_again(tiny
     assert not (out / "predict_parts").exists()
 
 
-def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(tiny_t5, tmp_path, monkeypatch):
-    trainer, data, _ = make_trainer(tiny_t5, tmp_path)
-    (tmp_path / "predict_parts").mkdir()
-    from ds_inference_integration.streaming import open_run
-
+def identity_before_generating(trainer, data, monkeypatch, **gen):
+    """The run's identity as predict_to_file computes it, before anything is generated."""
     identity = None
 
     def keep(parts_dir, ident, fresh):
@@ -224,8 +221,17 @@ def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(t
 
     monkeypatch.setattr("ds_inference_integration.streaming.open_run", keep)
     with pytest.raises(RuntimeError, match="stop before generating"):
-        trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
+        trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
     monkeypatch.undo()
+    return identity
+
+
+def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(tiny_t5, tmp_path, monkeypatch):
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path)
+    (tmp_path / "predict_parts").mkdir()
+    from ds_inference_integration.streaming import open_run
+
+    identity = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
     open_run(tmp_path / "predict_parts", identity, fresh=True)
     with pytest.raises(InferenceSetupError, match=r"different predict run \(generation.kwargs.num_beams: 1 -> 4\); "
                                                   r"re-run the same command to resume it, or pass --overwrite_output_dir"):
@@ -245,17 +251,7 @@ def test_a_resume_with_another_model_or_layout_is_refused_naming_what_differs(ti
     from ds_inference_integration.streaming import open_run
 
     trainer, data, _ = make_trainer(tiny_t5, tmp_path)
-    identity = None
-
-    def keep(parts_dir, ident, fresh):  # the run's identity, as predict_to_file computes it before generating
-        nonlocal identity
-        identity = ident
-        raise RuntimeError("stop before generating")
-
-    monkeypatch.setattr("ds_inference_integration.streaming.open_run", keep)
-    with pytest.raises(RuntimeError, match="stop before generating"):
-        trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=1, max_new_tokens=6)
-    monkeypatch.undo()
+    identity = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
     parts = tmp_path / "predict_parts"
     open_run(parts, identity, fresh=True)  # parts of this run, as a crash would leave them
     other_model = save_tiny_model("t5", tmp_path / "other_t5", d_ff=64)

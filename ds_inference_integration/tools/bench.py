@@ -188,32 +188,30 @@ def _trainer_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_token
 
 def _generate_loop_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_tokens: int, max_prompts: int) -> dict:
     """The bare batched `generate` loop at tp 2: the baseline of trainer_tp2 (same sharding, same batches on
-    both ranks, no Trainer, nothing decoded or written). Two ranks of `_generate_worker`, started as the tools
-    start ranks."""
-    from .ranks import failure_text, start_ranks, wait_ranks
-
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = start_ranks(2, "ds_inference_integration.tools.bench", [
-            "--generate-worker", str(model_dir), str(prompts_file), str(batch_size), str(new_tokens), str(max_prompts),
-            str(Path(tmp) / "result.json")], log_dir=tmp)
-        codes = wait_ranks(procs, 900)
-        if any(codes):
-            raise RuntimeError(f"generate_loop_tp2 failed: {failure_text(procs, codes)}")
-        return json.loads((Path(tmp) / "result.json").read_text())
+    both ranks, no Trainer, nothing decoded or written). Two ranks of `_generate_worker`."""
+    return _launch_tp2("--generate-worker", "generate_loop_tp2", model_dir, prompts_file, batch_size, new_tokens,
+                       max_prompts)
 
 
 def _paired_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_tokens: int, max_prompts: int) -> dict:
     """predict_to_file against the bare batched `generate` loop in the same two ranks (one launch): seconds of
-    each, the mean of its two runs in the order loop, predict, predict, loop."""
+    each, the mean of its two runs in the order loop, predict, predict, loop. Two ranks of `_paired_worker`."""
+    return _launch_tp2("--paired-worker", "trainer_streaming_tp2", model_dir, prompts_file, batch_size, new_tokens,
+                       max_prompts)
+
+
+def _launch_tp2(worker_flag: str, method: str, model_dir: Path, prompts_file: Path, batch_size: int,
+                new_tokens: int, max_prompts: int) -> dict:
+    """Two ranks of one of this module's workers, started as the tools start ranks; rank 0's result."""
     from .ranks import failure_text, start_ranks, wait_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         procs = start_ranks(2, "ds_inference_integration.tools.bench", [
-            "--paired-worker", str(model_dir), str(prompts_file), str(batch_size), str(new_tokens), str(max_prompts),
+            worker_flag, str(model_dir), str(prompts_file), str(batch_size), str(new_tokens), str(max_prompts),
             str(Path(tmp) / "result.json")], log_dir=tmp)
         codes = wait_ranks(procs, 900)
         if any(codes):
-            raise RuntimeError(f"trainer_streaming_tp2 failed: {failure_text(procs, codes)}")
+            raise RuntimeError(f"{method} failed: {failure_text(procs, codes)}")
         return json.loads((Path(tmp) / "result.json").read_text())
 
 
