@@ -6,7 +6,8 @@ DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review 
   (`cpu_all_reduce`: gloo unless asked for, `init_deepspeed_comm`, `unlink_shm_segment`);
 * it special-cases the class GPT2Block (`plain_subclass`);
 * it casts every floating buffer to the inference dtype (`buffers_kept_apart`, `restore_buffers`);
-* its head-aware split reads the KV-head count for the query side too (`kv_heads_seen_by_deepspeed`).
+* its head-aware split reads the KV-head count for the query side too (`kv_heads_seen_by_deepspeed`);
+* it splits CodeGen's fused qkv_proj in 4 blocks per rank (`head_grain`: refused up front, not by its assert).
 
 Elsewhere, because it is the substance of a module rather than a patch: `attention.py` splits the
 projections DeepSpeed 0.19.8 splits wrongly (fused QKV, fewer KV heads than ranks). Not worked around:
@@ -171,3 +172,16 @@ def kv_heads_seen_by_deepspeed(config: object, heads):
         yield
     finally:
         setattr(config, name, old)
+
+
+# DeepSpeed 0.19's AutoTP splits CodeGen's fused qkv_proj as CodeGen's own attention lays it out, in
+# `codegen_mp_num` = 4 blocks (deepspeed/module_inject/fusedqkv_utils.py, `_codegen_type_transpose`), and asserts
+# `num_kv_heads % (tp_size * 4) == 0` in the middle of sharding: a tiny CodeGen with 4 heads at tp 2 failed there
+# with "codgen autoTP requires num_kv_heads % (mp_size*codegen_mp_num) == 0" (2026-12-02), one with 8 heads passed
+# every `policy check`. The grain is checked with the head counts instead, before the model loads.
+_HEAD_GRAIN = {"codegen": 4}
+
+
+def head_grain(model_type: str) -> int:
+    """How many heads each rank's share must be a multiple of, in DeepSpeed's split of this model type (1: any)."""
+    return _HEAD_GRAIN.get(model_type, 1)

@@ -23,6 +23,7 @@ from pathlib import Path
 import tomllib
 from torch import nn
 
+from .deepspeed_compat import head_grain
 from .errors import InferenceSetupError
 
 
@@ -200,11 +201,13 @@ def check_head_counts(policy: Policy | str | None, config: object, tp_size: int)
                     f"policy {policy.source}: {model_type} config has no head-count attribute {attr!r}"
                 )
             continue
-        if value % tp_size:
-            valid = [d for d in range(1, value + 1) if value % d == 0]
+        grain = head_grain(model_type)
+        if value % (tp_size * grain):
+            valid = [d for d in range(1, value + 1) if value % (d * grain) == 0]
+            split = f" x {grain} (DeepSpeed splits its fused qkv_proj in {grain} blocks per rank)" if grain > 1 else ""
             raise InferenceSetupError(
-                f"{model_type}: {attr}={value} is not divisible by --tp_size {tp_size}; "
-                f"valid tp sizes: {', '.join(map(str, valid))}"
+                f"{model_type}: {attr}={value} is not divisible by --tp_size {tp_size}{split}; "
+                f"valid tp sizes: {', '.join(map(str, valid)) or 'none'}"
             )
 
 

@@ -101,3 +101,18 @@ def test_head_counts_must_divide_tp():
         check_head_counts(resolve_policy("auto", bart), bart, 4)
     with pytest.raises(InferenceSetupError, match="num_attention_heads=3 is not divisible"):
         check_head_counts(None, cfg, 2)  # autotp: the config's usual head-count names
+
+
+def test_codegen_heads_must_divide_tp_times_deepspeeds_four_blocks():
+    """DeepSpeed splits CodeGen's fused qkv_proj in 4 blocks per rank and asserts on it mid-sharding: the head count
+    is checked against tp x 4 before the model loads (a tiny CodeGen with 8 heads passes `policy check` at tp 2)."""
+    from transformers import CodeGenConfig
+
+    four, eight = CodeGenConfig(n_head=4, n_embd=128), CodeGenConfig(n_head=8, n_embd=128)
+    with pytest.raises(InferenceSetupError, match=r"^codegen: num_attention_heads=4 is not divisible by --tp_size 2 "
+                                                  r"x 4 \(DeepSpeed splits its fused qkv_proj in 4 blocks per rank\); "
+                                                  r"valid tp sizes: 1$"):
+        check_head_counts(resolve_policy("auto", four), four, 2)
+    check_head_counts(resolve_policy("auto", eight), eight, 2)
+    with pytest.raises(InferenceSetupError, match=r"num_attention_heads=8 .* --tp_size 4 x 4 .*; valid tp sizes: 1, 2$"):
+        check_head_counts(resolve_policy("auto", eight), eight, 4)
