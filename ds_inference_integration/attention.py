@@ -2,7 +2,7 @@
 
 Two cases, each a small named piece:
 
-* fused QKV (GPT-2 `c_attn`, GPTBigCode `c_attn`, Falcon/NeoX `query_key_value`): this rank's query
+* fused QKV (GPT-2 `c_attn`, GPTBigCode `c_attn`, Falcon/NeoX `query_key_value`, Falcon's grouped one): this rank's query
   heads and their key/value heads are cut out and packed in the layout the attention forward expects;
 * fewer key/value heads than ranks (multi-query and grouped-query attention): each rank keeps a copy
   of the KV head its query heads read (vLLM's `QKVParallelLinear` idea), instead of DeepSpeed's
@@ -89,6 +89,9 @@ class HeadLayout:
         }
 
 
+FUSED_LAYOUTS = ("qkv", "per_head", "grouped")
+
+
 def _rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:
     return [offset + h * head_dim + i for h in heads for i in range(head_dim)]
 
@@ -105,7 +108,10 @@ def split_fused_qkv(linear: nn.Module, layout: str, heads: HeadLayout) -> tuple[
     """This rank's rows of a fused QKV linear; returns the shard and the head dim.
 
     `layout` "qkv": [Q | K | V] blocks (GPT-2, GPTBigCode multi-query, Falcon multi-query);
-    "per_head": [q k v] interleaved per head (GPTBigCode multi-head, GPT-NeoX, BLOOM).
+    "per_head": [q k v] interleaved per head (GPTBigCode multi-head, GPT-NeoX, BLOOM);
+    "grouped": [q_1 .. q_g k v] per key/value head, g = query heads per KV head (Falcon's new decoder
+    architecture, transformers' `FalconAttention._split_heads`): each rank keeps, for each of its KV heads, its
+    own query heads of that group and the group's k and v, in the same layout.
     """
     out = linear.weight.shape[0]
     if layout == "qkv":
@@ -114,13 +120,22 @@ def split_fused_qkv(linear: nn.Module, layout: str, heads: HeadLayout) -> tuple[
         rows = (_rows(heads.q_heads(), head_dim)
                 + _rows(heads.kv_heads_of_rank(), head_dim, q_size)
                 + _rows(heads.kv_heads_of_rank(), head_dim, q_size + kv_size))
+    elif layout == "grouped":
+        per = heads.query_heads // heads.kv_heads
+        head_dim, rem = divmod(out, heads.kv_heads * (per + 2))
+        mine = set(heads.q_heads())
+        rows = []
+        for g in heads.kv_heads_of_rank():
+            block = g * (per + 2) * head_dim
+            rows += _rows([h - g * per for h in range(g * per, (g + 1) * per) if h in mine], head_dim, block)
+            rows += _rows(range(per, per + 2), head_dim, block)  # the group's k and v
     elif layout == "per_head":
         if heads.kv_heads != heads.query_heads:
             raise InferenceSetupError("layout 'per_head' needs as many key/value heads as query heads")
         head_dim, rem = divmod(out, 3 * heads.query_heads)
         rows = _rows(heads.q_heads(), 3 * head_dim)
     else:
-        raise InferenceSetupError(f"fused QKV layout {layout!r} is unknown; valid: qkv, per_head")
+        raise InferenceSetupError(f"fused QKV layout {layout!r} is unknown; valid: {', '.join(FUSED_LAYOUTS)}")
     if rem:
         raise InferenceSetupError(f"fused QKV has {out} outputs, which does not fit {heads.query_heads} query "
                                   f"and {heads.kv_heads} key/value heads in layout {layout!r}")

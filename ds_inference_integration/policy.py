@@ -23,6 +23,7 @@ from pathlib import Path
 import tomllib
 from torch import nn
 
+from .attention import FUSED_LAYOUTS
 from .deepspeed_compat import head_grain
 from .errors import InferenceSetupError
 
@@ -54,7 +55,7 @@ _GENERIC_HEAD_ATTRIBUTES = ("num_attention_heads", "num_heads", "n_head", "encod
 class AttentionSpec:
     """Fused-QKV and multi-/grouped-query attention, split by `attention.py` rather than DeepSpeed.
 
-    `fused_qkv` (+ `layout` "qkv" or "per_head") names a fused projection; `query`/`key`/`value` name
+    `fused_qkv` (+ `layout` "qkv", "per_head" or "grouped") names a fused projection; `query`/`key`/`value` name
     separate ones (split here only when there are fewer KV heads than ranks). `local` maps attributes
     of the attention module to per-rank values (q_heads, kv_heads, q_width, kv_width, q_per_kv, head_dim).
     """
@@ -143,8 +144,9 @@ def _parse_attention(path: Path, data: object) -> AttentionSpec | None:
         raise _schema_error(path, "[attention] needs either fused_qkv = \"...\" or query/key/value = \"...\"")
     if data.get("key") and not (data.get("query") and data.get("value")):
         raise _schema_error(path, "[attention] with key = ... also needs query = ... and value = ...")
-    if data.get("layout", "qkv") not in ("qkv", "per_head"):
-        raise _schema_error(path, f"[attention] layout {data.get('layout')!r} is unknown; valid: qkv, per_head")
+    if data.get("layout", "qkv") not in FUSED_LAYOUTS:
+        raise _schema_error(path, f"[attention] layout {data.get('layout')!r} is unknown; "
+                                  f"valid: {', '.join(FUSED_LAYOUTS)}")
     local = data.get("local", {})
     bad = {k: v for k, v in local.items() if v not in _LOCAL_VALUES}
     if bad:

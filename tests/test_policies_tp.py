@@ -236,3 +236,18 @@ def test_a_derived_policy_that_does_not_work_is_refused_before_generating(tmp_pa
     assert all(f"the policy derived for model_type '{arch}'" in e and why in e and
                "ds-inference policy suggest MODEL_DIR" in e for e in errors), errors
     assert "Traceback" not in run.output and not (tmp_path / "out" / "generated_predictions.txt").exists()
+
+
+def test_grouped_fused_qkv_keeps_each_ranks_query_heads_with_their_groups_k_and_v():
+    """Falcon's new decoder architecture: [q_1 .. q_4 k v] per KV head (8 query heads, 2 KV heads, head dim 1 so
+    that a row is a head). At tp 4 rank 1 holds query heads 2 and 3 of group 0 and a copy of its k and v; at tp 2
+    rank 1 holds group 1 whole."""
+    linear = torch.nn.Linear(4, 12, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.arange(12.0)[:, None].expand(12, 4))
+    shard, head_dim = split_fused_qkv(linear, "grouped", HeadLayout(8, 2, 4, 1))
+    assert head_dim == 1 and shard.weight[:, 0].tolist() == [2, 3, 4, 5] and shard.source_rows == [2, 3, 4, 5]
+    shard, _ = split_fused_qkv(linear, "grouped", HeadLayout(8, 2, 2, 1))
+    assert shard.weight[:, 0].tolist() == [6, 7, 8, 9, 10, 11]
+    shard, _ = split_fused_qkv(linear, "grouped", HeadLayout(8, 2, 4, 3))
+    assert shard.weight[:, 0].tolist() == [8, 9, 10, 11]  # rank 3: query heads 6, 7 of group 1

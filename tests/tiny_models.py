@@ -30,6 +30,9 @@ DECODERS = {
                                          num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2),
     "falcon": lambda: tr.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                       multi_query=True, new_decoder_architecture=False, initializer_range=0.2),
+    # Falcon-40B-style: grouped KV heads in the fused projection; 2 KV heads are split at tp 2, replicated at tp 4
+    "falcon_new": lambda: tr.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=2,
+                                          new_decoder_architecture=True, initializer_range=0.2),
 }
 
 
