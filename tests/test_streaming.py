@@ -309,3 +309,14 @@ def test_the_example_predicts_a_file_with_only_the_source_side(tmp_path):
                           tmp_path / "full")
     assert bare.predictions() == full.predictions() and len(bare.predictions()) == 10
     assert "predict_bleu" not in bare.results("predict") and "predict_bleu" in full.results("predict")
+
+
+def test_a_run_identity_is_the_same_before_and_after_an_earlier_generate_in_the_process(tiny_t5, tmp_path, monkeypatch):
+    """transformers fills its defaults into the model's generation_config at the first generate; an eval before
+    predict (`--do_eval --do_predict`) must not make the predict run's identity differ from a `--do_predict` run's."""
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path)
+    before = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
+    trainer.predict(data, num_beams=1, max_new_tokens=6)  # any earlier generate in this process
+    after = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
+    assert after.generation == before.generation and after == before
+    assert before.generation["generation_config"]["num_beams"] == 1  # effective values, defaults filled in
