@@ -33,5 +33,6 @@ def check_lockstep(inputs: dict, topology: Topology, tp_group, device, batch_ind
         group = topology.tp_group_ranks()[topology.dp_rank]
         raise LockstepError(
             f"lock-step guard: batch {batch_index} differs between ranks {group[0]} and "
-            f"{', '.join(str(group[r]) for r in differ)} of TP group {group}; refusing to generate from mixed inputs", ranks=group
+            f"{', '.join(str(group[r]) for r in differ)} of TP group {group}; refusing to generate from mixed inputs",
+            ranks=group,
         )

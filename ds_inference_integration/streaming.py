@@ -149,6 +149,23 @@ def model_identity(model, dtype) -> dict:
             "dtype": str(dtype).replace("torch.", ""), "weight_files": files}
 
 
+def generation_identity(generation_config) -> dict | None:
+    """The generation settings `generate` will use, as a resume compares them: the model's config with the
+    library's defaults filled in where it leaves a value unset, as `generate` fills them
+    (`_prepare_generation_config`), and no private entries. transformers 5.24 fills those defaults into the model's
+    own `generation_config` at its first `generate` (a tiny T5's `top_p` None -> 1.0, `_from_model_config` True ->
+    False, and 25 more), so the config as stored differs before and after any earlier generate in the process
+    (`--do_eval` before `--do_predict`), though the outputs cannot."""
+    if generation_config is None:
+        return None
+    import copy
+
+    effective = copy.deepcopy(generation_config)
+    effective.update(**effective._get_default_generation_params(), defaults_only=True)
+    settings = json.loads(effective.to_json_string(use_diff=False))
+    return {k: v for k, v in sorted(settings.items()) if not k.startswith("_") and k != "transformers_version"}
+
+
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     """`key: old -> new` for every leaf that differs, in the order of `new` (RunIdentity's: model, data,
     layout, generation), so that the line, which names the first four, names the weightiest first."""

@@ -326,7 +326,7 @@ class DeepSpeedInferenceMixin:
 
     def _stream_identity(self, dataset, order):
         """What decides the bytes of a streamed predict (streaming.RunIdentity): a resume must match it."""
-        from .streaming import RunIdentity, fingerprint_rows, model_identity
+        from .streaming import RunIdentity, fingerprint_rows, generation_identity, model_identity
 
         generation_config = getattr(self.model, "generation_config", None)
         gen = {k: v for k, v in sorted((self._gen_kwargs or {}).items()) if v is not None}
@@ -338,7 +338,7 @@ class DeepSpeedInferenceMixin:
             layout={"tp_size": self.topology.tp_size, "dp_size": self.topology.dp_size,
                     "batch_size": self.args.eval_batch_size},
             generation={"kwargs": json.loads(json.dumps(gen, default=str)),
-                        "generation_config": _effective_generation_config(generation_config),
+                        "generation_config": generation_identity(generation_config),
                         "seed": self.args.seed if sampling else None},
         )
 
@@ -384,19 +384,3 @@ class DeepSpeedInferenceSeq2SeqTrainer(DeepSpeedInferenceMixin, Seq2SeqTrainer):
 class DeepSpeedInferenceTrainer(DeepSpeedInferenceMixin, Trainer):
     """`Trainer` with `--deepspeed_inference` tensor-parallel predict/evaluate."""
 
-
-def _effective_generation_config(generation_config) -> dict | None:
-    """The generation settings `generate` will use, as a resume compares them: the model's config with the
-    library's defaults filled in where it leaves a value unset, as `generate` fills them
-    (`_prepare_generation_config`), and no private entries. transformers 5.24 fills those defaults into the model's
-    own `generation_config` at its first `generate` (a tiny T5's `top_p` None -> 1.0, `_from_model_config` True ->
-    False, and 25 more), so the config as stored differs before and after any earlier generate in the process
-    (`--do_eval` before `--do_predict`), though the outputs cannot."""
-    if generation_config is None:
-        return None
-    import copy
-
-    effective = copy.deepcopy(generation_config)
-    effective.update(**effective._get_default_generation_params(), defaults_only=True)
-    settings = json.loads(effective.to_json_string(use_diff=False))
-    return {k: v for k, v in sorted(settings.items()) if not k.startswith("_") and k != "transformers_version"}

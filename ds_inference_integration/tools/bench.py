@@ -222,7 +222,7 @@ def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_token
     import torch
     import torch.distributed as dist
     from datasets import Dataset, disable_progress_bars
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding, Seq2SeqTrainingArguments
+    from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
 
     from ..arguments import DeepSpeedInferenceArguments
     from ..memory import memory_mb
@@ -233,11 +233,7 @@ def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_token
     quiet_repeated_warnings()
     disable_progress_bars()
     topology = Topology.from_env()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model, tokenizer = _decoder_for_batches(model_dir)
     prompts = read_prompts(prompts_file, max_prompts)
     with tempfile.TemporaryDirectory(prefix="bench_paired_") as output_dir:
         args = Seq2SeqTrainingArguments(output_dir=output_dir, per_device_eval_batch_size=batch_size,
@@ -248,14 +244,14 @@ def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_token
             inference_args=DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.world_size))
         dataset = Dataset.from_dict(dict(tokenizer(prompts)))
         gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        _generate_loop(trainer.model, tokenizer, prompts[:2], 2, {**gen, "pad_token_id": tokenizer.pad_token_id})
+        loop_gen = {**gen, "pad_token_id": tokenizer.pad_token_id}  # the bare loop passes the pad id itself
+        _generate_loop(trainer.model, tokenizer, prompts[:2], 2, loop_gen)
         seconds: dict[str, list[float]] = {"loop": [], "predict": []}
         for method in ("loop", "predict", "predict", "loop"):
             dist.barrier()
             start = time.perf_counter()
             if method == "loop":
-                count = _generate_loop(trainer.model, tokenizer, prompts, batch_size,
-                                       {**gen, "pad_token_id": tokenizer.pad_token_id})
+                count = _generate_loop(trainer.model, tokenizer, prompts, batch_size, loop_gen)
             else:
                 metrics = trainer.predict_to_file(dataset, metric=GeneratedTokens(), fresh=True, **gen)
                 assert metrics["predict_new_tokens"] == len(prompts) * new_tokens, metrics
@@ -273,6 +269,19 @@ def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_token
     return 0
 
 
+def _decoder_for_batches(model_dir):
+    """A decoder-only model (fp32, eval) and its tokenizer padding on the left, as batched generation needs
+    (new tokens follow every prompt directly); a tokenizer without a pad token pads with its EOS token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tokenizer
+
+
 def read_prompts(prompts_file: str | Path, max_prompts: int) -> list[str]:
     """The file's non-empty lines, repeated in order until there are `max_prompts` of them."""
     lines = [p for p in Path(prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()]
@@ -281,9 +290,7 @@ def read_prompts(prompts_file: str | Path, max_prompts: int) -> list[str]:
 
 def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tokens: int, max_prompts: int,
                      out: str) -> int:
-    import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..arguments import DeepSpeedInferenceArguments
     from ..inference_setup import setup_inference
@@ -291,11 +298,7 @@ def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tok
 
     quiet_repeated_warnings()
     topology, device = init_rank(timeout=300)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model, tokenizer = _decoder_for_batches(model_dir)
     model = setup_inference(model, DeepSpeedInferenceArguments(deepspeed_inference=True), topology, device).model
     prompts = read_prompts(prompts_file, max_prompts)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -388,18 +391,12 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
 
 def _bench_generation(models, base_tok, tmp, config_spec, batch_sizes, prompts, prompts_file, max_prompts,
                       new_tokens, out_dir, methods, repeats) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if config_spec:
         models[f"config({config_spec})"] = _config_model(base_tok, tmp / "config_model", config_spec)
     rows = []
     for label, path in models.items():
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model, tokenizer = _decoder_for_batches(path)
         if _cuda():
             model = model.cuda()
         n_params = sum(p.numel() for p in model.parameters())
