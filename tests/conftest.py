@@ -203,7 +203,8 @@ def _starts_processes(fn) -> bool:
 # The longest tests (seconds, `--durations` of a warm run with two workers, 2026-12-02) start first, then the other
 # launched ones, then the in-process ones: the two workers (`make test`, --dist worksteal) then finish together
 # instead of one running a 98 s test alone at the end.
-LONGEST = {"test_every_architecture_matches_the_unsharded_model[4]": 98, "test_dp2_x_tp2_on_four_ranks": 70,
+LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
+           "test_every_architecture_matches_the_unsharded_model[4-subset]": 40, "test_dp2_x_tp2_on_four_ranks": 70,
            "test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes": 63,
            "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 51,
            "test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it": 44,
