@@ -11,7 +11,7 @@ import torch
 from .errors import InferenceSetupError  # noqa: F401  (also importable from here, as before)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-POLICY_MODES = ("auto", "autotp")
+POLICY_MODES = ("auto", "autotp", "derive")
 LOADING_MODES = ("auto", "full", "shard-aware", "pre-sharded")
 
 
@@ -37,8 +37,9 @@ class DeepSpeedInferenceArguments:
     injection_policy: str = field(
         default="auto",
         metadata={
-            "help": "'auto' (the policies/ file for the model's model_type), 'autotp' (DeepSpeed's automatic "
-            "mode), or a path to a policy file."
+            "help": "'auto' (the policies/ file for the model's model_type, else a policy derived from the model), "
+            "'derive' (derived even where a file exists), 'autotp' (DeepSpeed's automatic mode), or a path to a "
+            "policy file."
         },
     )
     replace_with_kernel_inject: bool = field(

@@ -8,6 +8,7 @@ values and a skeleton's weights are read (`loading.py`).
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import logging
 import time
@@ -24,7 +25,8 @@ from .deepspeed_compat import (
     plain_subclass,
     restore_buffers,
 )
-from .policy import DERIVE, Policy, build_injection_policy, derive_policy
+from .derivation import derive_policy
+from .policy import DERIVE, Policy, build_injection_policy
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 
 logger = logging.getLogger(__name__)
@@ -119,11 +121,19 @@ def _has(layer: nn.Module, path: str) -> bool:
 
 def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayout, head_dim: int) -> None:
     values = heads.local_values(head_dim)
+    config_copied = False
     for attr, value_name in policy.attention.local:
-        if not hasattr(attention, attr):
-            raise InferenceSetupError(f"policy {policy.source}: {type(attention).__name__} has no attribute {attr!r} "
+        owner = attention
+        if attr.startswith("config."):
+            attr = attr.removeprefix("config.")
+            if not config_copied:  # the model's config is shared by every layer and by generate: never change it
+                attention.config = copy.copy(attention.config)
+                config_copied = True
+            owner = attention.config
+        if not hasattr(owner, attr):
+            raise InferenceSetupError(f"policy {policy.source}: {type(owner).__name__} has no attribute {attr!r} "
                                       f"([attention.local])")
-        setattr(attention, attr, values[value_name])
+        setattr(owner, attr, values[value_name])
 
 
 def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
@@ -135,10 +145,18 @@ def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
     if policy is None:
         return f"DeepSpeed's automatic policy (autotp) for model_type {model_type!r}"
     if str(policy.source).startswith("<derived"):
-        return f"the policy derived for model_type {model_type!r} ({dict(policy.layers)})"
+        return f"the policy derived for model_type {model_type!r} ({_derived_summary(policy)})"
     if policy.source.resolve().parent != POLICY_DIR.resolve():
         return f"policy {policy.source}"
     return None
+
+
+def _derived_summary(policy: Policy) -> str:
+    spec = policy.attention
+    attention = "" if spec is None else (
+        f"; attention {spec.fused_qkv} (fused, layout {spec.layout})" if spec.fused_qkv else
+        f"; attention {spec.query}/{spec.key}/{spec.value} ({spec.query_heads} / {spec.kv_heads} heads)")
+    return f"row-parallel linears {dict(policy.layers)}{attention}"
 
 
 def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
@@ -173,6 +191,9 @@ def shard_model(
     from .loading import PreShardedLoader, open_loader, policy_id
     from .verify_policy import reference_copies, verify_sharded_layers
 
+    if policy == DERIVE and topology.tp_size > 1:  # before the loader: a pre-sharded directory names the derived policy
+        policy = derive_policy(model)
+        logger.warning("no policy file for model_type %r: derived %s", model.config.model_type, _derived_summary(policy))
     loader = open_loader(model, topology.tp_size, topology.tp_rank, policy_id(policy), dtype, groups.tp)
     load_start = getattr(model, "_ds_inference_loader_start", None)
     device = torch.device(device)
@@ -181,10 +202,6 @@ def shard_model(
     heads, attentions, copies, unchecked = None, [], {}, None
     if topology.tp_size > 1:
         kwargs["tensor_parallel"] = {"tp_size": topology.tp_size, "mpu": ModelParallelUnit(groups), "tp_group": groups.tp}
-        if policy == DERIVE:
-            policy = derive_policy(model)
-            logger.warning("no policy file for model_type %r: derived row-parallel linears %s",
-                           model.config.model_type, dict(policy.layers))
         unchecked = _unchecked(policy, model) if not args.replace_with_kernel_inject else None
         if verify and unchecked and not isinstance(loader, PreShardedLoader):  # pre-sharded: checked when sharded
             copy_start = time.perf_counter()

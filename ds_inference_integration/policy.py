@@ -57,7 +57,9 @@ class AttentionSpec:
 
     `fused_qkv` (+ `layout` "qkv", "per_head" or "grouped") names a fused projection; `query`/`key`/`value` name
     separate ones (split here only when there are fewer KV heads than ranks). `local` maps attributes
-    of the attention module to per-rank values (q_heads, kv_heads, q_width, kv_width, q_per_kv, head_dim).
+    of the attention module to per-rank values (q_heads, kv_heads, q_width, kv_width, q_per_kv, head_dim);
+    `config.<attribute>` is an attribute of the module's own config (Phi-3 reads `self.config.num_attention_heads`),
+    set on a copy of that config which only this module holds.
     """
 
     query_heads: str | int  # a config attribute, or a fixed number
@@ -102,7 +104,8 @@ def load_policy(path: str | Path) -> Policy:
     """Parse and schema-check one policy file."""
     path = Path(path)
     if not path.is_file():
-        raise InferenceSetupError(f"--injection_policy {str(path)!r} is not a file; valid: auto, autotp, or a policy file path")
+        raise InferenceSetupError(f"--injection_policy {str(path)!r} is not a file; "
+                                  "valid: auto, autotp, derive, or a policy file path")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -148,9 +151,14 @@ def _parse_attention(path: Path, data: object) -> AttentionSpec | None:
         raise _schema_error(path, f"[attention] layout {data.get('layout')!r} is unknown; "
                                   f"valid: {', '.join(FUSED_LAYOUTS)}")
     local = data.get("local", {})
-    bad = {k: v for k, v in local.items() if v not in _LOCAL_VALUES}
+    # `config.num_attention_heads = ...` unquoted is a nested table in TOML: the same entry as the quoted key
+    local = {f"{k}.{kk}" if isinstance(v, dict) else k: vv for k, v in local.items()
+             for kk, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
+    bad = {k: v for k, v in local.items() if v not in _LOCAL_VALUES or k.count(".") > 1
+           or (k.count(".") == 1 and not k.startswith("config."))}
     if bad:
-        raise _schema_error(path, f"[attention.local] values {bad} are unknown; valid: {sorted(_LOCAL_VALUES)}")
+        raise _schema_error(path, f"[attention.local] entries {bad} are unknown; valid: an attribute of the attention "
+                                  f"module or config.<attribute>, each = one of {sorted(_LOCAL_VALUES)}")
     return AttentionSpec(
         query_heads=data["query_heads"], kv_heads=data["kv_heads"], fused_qkv=data.get("fused_qkv"),
         layout=data.get("layout", "qkv"), query=data.get("query"), key=data.get("key"), value=data.get("value"),
@@ -181,10 +189,12 @@ def policy_for_config(config: object) -> Policy | None:
 
 
 def resolve_policy(spec: str, config: object) -> Policy | str | None:
-    """The policy for `--injection_policy spec`: a Policy, None for DeepSpeed AutoTP, or DERIVE when
-    `auto` finds no file for this model type (a policy is then derived from the model itself)."""
+    """The policy for `--injection_policy spec`: a Policy, None for DeepSpeed AutoTP, or DERIVE for `derive` and
+    when `auto` finds no file for this model type (a policy is then derived from the model itself)."""
     if spec == "autotp":
         return None
+    if spec == DERIVE:  # derive even where a file exists: what `policy check --policy derive` compares
+        return DERIVE
     if spec == "auto":
         return policy_for_config(config) or DERIVE
     return load_policy(spec)
@@ -220,7 +230,7 @@ def policy_for_run(spec: str, config: object, tp_size: int) -> Policy | str | No
     return policy
 
 
-def _is_linear(module: nn.Module) -> bool:
+def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
@@ -230,7 +240,7 @@ def _deepspeed_key(path: str) -> str:
     return f"{parts[-2]}.{parts[-1]}" if len(parts) > 1 else f".{parts[-1]}"
 
 
-def _layer_classes(model: nn.Module) -> dict[str, type]:
+def layer_classes(model: nn.Module) -> dict[str, type]:
     """Classes of modules held in a ModuleList (the repeated layers), by name."""
     found: dict[str, type] = {}
     for module in model.modules():
@@ -243,7 +253,7 @@ def _layer_classes(model: nn.Module) -> dict[str, type]:
 def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple[str, ...]]:
     """Validate `policy` against the real model; return DeepSpeed's `injection_policy` dict."""
     model_name = type(model).__name__
-    classes = _layer_classes(model)
+    classes = layer_classes(model)
     result: dict[type, tuple[str, ...]] = {}
     for pattern, names in policy.layers.items():
         matched = [cls for name, cls in classes.items() if fnmatch.fnmatchcase(name, pattern)]
@@ -258,7 +268,7 @@ def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple
                 for inst in model.modules() if type(inst) is cls
                 for path, m in inst.named_modules() if path
             }
-            linears = sorted(p for p, m in modules.items() if _is_linear(m))
+            linears = sorted(p for p, m in modules.items() if is_linear(m))
             keys = []
             for name in names:
                 hits = [p for p in modules if p == name or p.endswith("." + name)]
@@ -267,7 +277,7 @@ def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple
                         f"policy {policy.source}: {name!r} names no module inside {cls.__name__} of {model_name}; "
                         f"linears there: {', '.join(sorted(set(linears)))}"
                     )
-                not_linear = [p for p in hits if not _is_linear(modules[p])]
+                not_linear = [p for p in hits if not is_linear(modules[p])]
                 if not_linear:
                     raise InferenceSetupError(
                         f"policy {policy.source}: {name!r} in {cls.__name__} is {type(modules[not_linear[0]]).__name__}, "
@@ -285,29 +295,6 @@ def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple
                 )
             result[cls] = keys
     return result
-
-
-def derive_policy(model: nn.Module) -> Policy:
-    """A policy for a model with no policy file, from DeepSpeed's AutoTP parser (the linears before
-    each norm, and `o_proj`/`out_proj`/`down_proj`-style names, are row-parallel)."""
-    from deepspeed.module_inject.auto_tp import AutoTP
-
-    model_type = getattr(model.config, "model_type", type(model).__name__)
-    try:
-        parsed = AutoTP.tp_parser(model)
-    except (AssertionError, ValueError, AttributeError) as e:
-        raise InferenceSetupError(
-            f"cannot derive a policy for model_type {model_type!r} ({e}); write one: "
-            "`ds-inference policy suggest MODEL_DIR > my_policy.toml`, edit it, then --injection_policy my_policy.toml"
-        ) from None
-    layers = {cls.__name__: tuple(sorted(n.lstrip(".") for n in names)) for cls, names in parsed if names}
-    if not layers:
-        raise InferenceSetupError(
-            f"cannot derive a policy for model_type {model_type!r}: no row-parallel linear found; "
-            "write one with `ds-inference policy suggest MODEL_DIR`"
-        )
-    return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
-                  model_types=(model_type,), head_count_attributes=(), layers=layers)
 
 
 def policy_to_toml(policy: Policy) -> str:
@@ -329,7 +316,8 @@ def policy_to_toml(policy: Policy) -> str:
         else:
             lines += [f"{k} = {q(getattr(spec, k))}" for k in ("query", "key", "value")]
         if spec.local:
-            lines.append("local = { " + ", ".join(f"{k} = {q(v)}" for k, v in spec.local) + " }")
+            # a key with a dot ("config.num_attention_heads") is quoted, or TOML would read it as a nested table
+            lines.append("local = { " + ", ".join(f"{q(k) if '.' in k else k} = {q(v)}" for k, v in spec.local) + " }")
     return "\n".join(lines) + "\n"
 
 

@@ -55,7 +55,8 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # library log lines must not mix into the TOML
         from transformers import AutoConfig
 
-        from ..policy import derive_policy, policy_for_config, policy_to_toml
+        from ..derivation import derive_policy
+        from ..policy import policy_for_config, policy_to_toml
 
         config = AutoConfig.from_pretrained(ns.model_dir)
         shipped = policy_for_config(config)
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = psub.add_parser("check", help="shard over N ranks and compare with the unsharded model")
     check.add_argument("model_dirs", nargs="+", metavar="MODEL_DIR")
     check.add_argument("--tp-size", type=int, required=True)
-    check.add_argument("--policy", default="auto", help="auto (default), autotp, or a policy file")
+    check.add_argument("--policy", default="auto", help="auto (default), autotp, derive, or a policy file")
     check.add_argument("--timeout", type=float, default=300, help="seconds before the ranks are killed")
     check.add_argument("--json", metavar="FILE", help="also write every check's result and figures to FILE")
     check.set_defaults(func=_policy_check)
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("model_dir")
     shard.add_argument("--tp-size", type=int, required=True)
     shard.add_argument("out_dir")
-    shard.add_argument("--policy", default="auto", help="auto (default), autotp, or a policy file")
+    shard.add_argument("--policy", default="auto", help="auto (default), autotp, derive, or a policy file")
     shard.add_argument("--dtype", default="fp32", help="dtype of the rank files: fp32 (default), fp16, bf16")
     shard.add_argument("--timeout", type=float, default=1800)
     shard.set_defaults(func=_shard)

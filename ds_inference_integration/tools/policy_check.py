@@ -175,8 +175,9 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from ..arguments import DeepSpeedInferenceArguments
+    from ..derivation import derive_policy
     from ..inject import shard_model
-    from ..policy import DERIVE, check_head_counts, derive_policy, resolve_policy
+    from ..policy import DERIVE, check_head_counts, resolve_policy
 
     name = Path(model_dir).name
     config = AutoConfig.from_pretrained(model_dir)
@@ -290,7 +291,8 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         if mode == "shard-aware":
             if topology.rank == 0:
                 start_writing(out)
-            write_presharded(model, Path(model_dir), out, topology, groups, policy_id(policy), torch.float32)
+            write_presharded(model, Path(model_dir), out, topology, groups, policy_id(report.policy_object or policy),
+                             torch.float32)
 
 
 def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:

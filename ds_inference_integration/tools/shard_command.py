@@ -38,7 +38,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
     if dtype not in DTYPES:
         print(f"error: --dtype {dtype!r} is invalid; valid: {', '.join(DTYPES)}", file=sys.stderr)
         return 2
-    if policy not in ("auto", "autotp"):
+    if policy not in ("auto", "autotp", "derive"):
         from ..policy import load_policy
 
         load_policy(policy)  # a missing or malformed policy file: one line now, before any rank starts
@@ -99,7 +99,8 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
         policy = None if policy_spec == "autotp" else policy_for_run(policy_spec, config, topology.tp_size)
         model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware")
         model, report = shard_model(model, args, topology, groups, policy, dtype, device=device)
-        manifest = write_presharded(model, Path(src), Path(out), topology, groups, policy_id(policy), dtype)
+        manifest = write_presharded(model, Path(src), Path(out), topology, groups,
+                                    policy_id(report.policy_object or policy), dtype)
         if manifest is not None:
             Path(status, "result.json").write_text(json.dumps(manifest))
     except InferenceSetupError as e:
