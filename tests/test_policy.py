@@ -85,7 +85,7 @@ def test_schema_errors(tmp_path, text, message):
 
 
 def test_unknown_policy_name_and_model_type():
-    with pytest.raises(InferenceSetupError, match="'nope.toml' is not a file; valid: auto, autotp, or a policy file path"):
+    with pytest.raises(InferenceSetupError, match="'nope.toml' is not a file; valid: auto, autotp, derive, or a policy file path"):
         resolve_policy("nope.toml", AutoConfig.for_model("t5"))
     assert resolve_policy("auto", AutoConfig.for_model("xglm")) == DERIVE  # no file: derived from the model
 
