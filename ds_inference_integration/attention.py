@@ -142,6 +142,11 @@ def split_fused_qkv(linear: nn.Module, layout: str, heads: HeadLayout) -> tuple[
     return _take(linear, rows), head_dim
 
 
+def whole(linear: nn.Module) -> ColumnShard:
+    """The linear unsplit, as a ColumnShard that DeepSpeed leaves alone (a module the policy replicates)."""
+    return _take(linear, list(range(linear.weight.shape[0])))
+
+
 def split_heads(linear: nn.Module, heads: range, n_heads: int) -> tuple[ColumnShard, int]:
     """Rows of the given heads of a separate Q, K or V projection with `n_heads` heads."""
     head_dim = linear.weight.shape[0] // n_heads

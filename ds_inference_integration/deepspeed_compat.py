@@ -7,7 +7,8 @@ DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review 
 * it special-cases the class GPT2Block (`plain_subclass`);
 * it casts every floating buffer to the inference dtype (`buffers_kept_apart`, `restore_buffers`);
 * its head-aware split reads the KV-head count for the query side too (`kv_heads_seen_by_deepspeed`);
-* it splits CodeGen's fused qkv_proj in 4 blocks per rank (`head_grain`: refused up front, not by its assert).
+* it splits CodeGen's fused qkv_proj in 4 blocks per rank (`head_grain`: refused up front, not by its assert);
+* its AutoTP parser refuses some models by class name before parsing them (`autotp_row_parallel`).
 
 Elsewhere, because it is the substance of a module rather than a patch: `attention.py` splits the
 projections DeepSpeed 0.19.8 splits wrongly (fused QKV, fewer KV heads than ranks). Not worked around:
@@ -185,3 +186,23 @@ _HEAD_GRAIN = {"codegen": 4}
 def head_grain(model_type: str) -> int:
     """How many heads each rank's share must be a multiple of, in DeepSpeed's split of this model type (1: any)."""
     return _HEAD_GRAIN.get(model_type, 1)
+
+
+def autotp_row_parallel(model: nn.Module) -> list[tuple[type, list[str]]]:
+    """DeepSpeed AutoTP's parse of `model`: [(layer class, its row-parallel `parent.linear` keys)], [] if none.
+
+    `AutoTP.tp_parser` first refuses any model whose class name is in `AutoTP.supported`'s list (deberta,
+    flaubert, fsmt, gpt2, led, longformer, xlm, xlnet in 0.19), by name, before parsing. The parse itself is
+    generic (the linear before each norm, and o_proj/out_proj/down_proj-style names), and a derived policy is
+    checked numerically before it is used: on tiny LED and FSMT it found fc2 and the attention outputs, and
+    `policy check` matched the unsharded model (2026-12-02). GPT-2's Conv1D layers are not nn.Linear to the
+    parser, so it finds nothing there (GPT-2 ships a policy)."""
+    from unittest import mock
+
+    from deepspeed.module_inject.auto_tp import AutoTP
+
+    with mock.patch.object(AutoTP, "supported", staticmethod(lambda m: True)):
+        try:
+            return [(cls, list(names)) for cls, names in AutoTP.tp_parser(model) if names]
+        except (AssertionError, ValueError, AttributeError):
+            return []

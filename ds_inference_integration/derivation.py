@@ -11,19 +11,21 @@ Three parts, each from the best source there is:
 * the attention module's per-rank attributes (`[attention.local]`): the head counts its own code reads, on
   itself or on its config (`self.config.num_attention_heads` in Phi-3).
 
-What cannot be placed is refused in one line naming the module: a norm over the whole query projection
-(OLMo-2's `q_norm`) mixes every head, so no rank can compute it from its own heads.
+An attention no rank can compute from its own heads is kept whole on every rank (`replicated`), with a warning
+naming the module: a norm over the whole query projection (OLMo-2's `q_norm`) mixes every head. The rest of
+the layer is still split.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from pathlib import Path
 
 from torch import nn
 
-from .deepspeed_compat import head_grain
+from .deepspeed_compat import autotp_row_parallel, head_grain
 from .errors import InferenceSetupError
 from .policy import AttentionSpec, Policy, is_linear, layer_classes
 
@@ -40,6 +42,7 @@ LOCAL_ATTRIBUTES = {
     "embed_dim": "q_width", "split_size": "q_width", "hidden_size": "q_width", "all_head_size": "q_width",
     "kv_heads": "kv_heads", "kv_dim": "kv_width",
 }
+logger = logging.getLogger(__name__)
 CONFIG_LOCAL = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head")
 
 
@@ -81,13 +84,7 @@ def _autotp_rows(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """{layer class name: DeepSpeed AutoTP's row-parallel keys}, each key the linear's parent and own name
     ("self_attn.o_proj", "fc2"): one class can hold different modules in different places (T5's encoder and
     decoder blocks are both T5Block), and a policy name matches as a whole-component suffix."""
-    from deepspeed.module_inject.auto_tp import AutoTP
-
-    try:
-        parsed = AutoTP.tp_parser(model)
-    except (AssertionError, ValueError, AttributeError):
-        return {}
-    return {cls.__name__: tuple(sorted(n.lstrip(".") for n in names)) for cls, names in parsed if names}
+    return {cls.__name__: tuple(sorted(n.lstrip(".") for n in names)) for cls, names in autotp_row_parallel(model)}
 
 
 def derive_row_parallel(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -191,38 +188,42 @@ def _whole_projection_norms(attention: nn.Module, projections: list[nn.Module], 
     return None
 
 
-def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]]) -> AttentionSpec | None:
+def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]]
+                     ) -> tuple[AttentionSpec | None, dict[str, tuple[str, ...]]]:
     """The attention table for a model with no policy file, or None where DeepSpeed's own split is right
-    (separate q/k/v with as many key/value heads as query heads, or a fused layout only DeepSpeed knows)."""
+    (separate q/k/v with as many key/value heads as query heads, or a fused layout only DeepSpeed knows); and
+    {layer class: attention paths} to keep whole, where no rank can compute the attention from its own heads."""
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     q_attr, kv_attr = _head_counts(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if q_attr is None or head_grain(model_type) > 1:
-        return None  # no head count to split by, or a layout DeepSpeed keeps its own record of (CodeGen)
+        return None, {}  # no head count to split by, or a layout DeepSpeed keeps its own record of (CodeGen)
     q = getattr(text, q_attr)
     kv = kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q
     classes = layer_classes(model)
     found = [(name, a) for name in layers if name in classes
              for a in _attention_modules(next(m for m in model.modules() if type(m) is classes[name]))]
     if not found:
-        return None
-    specs = set()
+        return None, {}
+    specs, replicated = set(), {}
     for layer_name, (path, attention, fused, separate) in found:
-        if not fused and kv == q:
-            continue  # DeepSpeed's head-aware split of separate projections is right
         prefix = f"{path}." if path else ""
         projections = [attention.get_submodule(n) for n in ((fused,) if fused else separate)]
+        norm = _whole_projection_norms(attention, projections, projections[0].weight.shape[0] // q)
+        if norm:
+            logger.warning("%s: %s.%s%s normalises a whole projection (%d features, %d heads): no rank can compute "
+                           "it from its own heads, so that attention is kept whole on every rank", model_type,
+                           layer_name, prefix, norm, projections[0].weight.shape[0], q)
+            replicated.setdefault(layer_name, []).append(path)
+            continue
+        if not fused and kv == q:
+            continue  # DeepSpeed's head-aware split of separate projections is right
         if fused:
             out = projections[0].weight.shape[0]
             head_dim = out // (q + 2 * kv)
         else:
             head_dim = projections[1].weight.shape[0] // kv
-        norm = _whole_projection_norms(attention, projections, head_dim)
-        if norm:
-            raise _cannot_derive(model_type, f"{layer_name}.{prefix}{norm} normalises a whole projection "
-                                             f"({projections[0].weight.shape[0]} features, {q} heads), so no rank "
-                                             "can compute it from its own heads")
         local = _local_attributes(attention, q, kv, head_dim)
         kv_value = kv_attr if kv_attr is not None else q_attr  # no KV-head attribute: as many as query heads
         if fused:
@@ -236,15 +237,19 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]]) -> At
         paths = sorted(s.fused_qkv or s.key for s in specs)
         raise _cannot_derive(model_type, f"more than one attention to split here ({', '.join(paths)}); a policy "
                                          "holds one [attention] table")
-    return specs.pop() if specs else None
+    return (specs.pop() if specs else None), {k: tuple(v) for k, v in replicated.items()}
 
 
 def derive_policy(model: nn.Module) -> Policy:
     """A complete policy for a model with no policy file: row-parallel linears and the attention table."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
     layers = derive_row_parallel(model)
-    attention = derive_attention(model, layers)
+    attention, replicated = derive_attention(model, layers)
+    # a row-parallel linear inside a module kept whole is not split either
+    layers = {name: tuple(r for r in rows if not any(r == p or r.startswith(p + ".") for p in replicated.get(name, ())))
+              for name, rows in layers.items()}
     q_attr, _ = _head_counts(model.config)
     heads = (q_attr,) if q_attr else ()
     return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
-                  model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention)
+                  model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention,
+                  replicated=replicated)

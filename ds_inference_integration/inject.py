@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError
-from .attention import HeadLayout, split_fused_qkv, split_heads
+from .attention import HeadLayout, split_fused_qkv, split_heads, whole
 from .deepspeed_compat import (
     buffers_kept_apart,
     kv_heads_seen_by_deepspeed,
@@ -72,6 +72,30 @@ def conv1d_to_linear(layer: nn.Module) -> None:
                 linear.bias.data.copy_(child.bias.detach())
             parent, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent) if parent else layer, attr, linear)
+
+
+def replicate_modules(layers: list[nn.Module], policy: Policy) -> int:
+    """Keep every linear under the policy's `replicated` modules whole on every rank (a ColumnShard of all its
+    rows, which DeepSpeed neither splits nor all-reduces); returns how many linears were kept whole."""
+    kept, found = 0, set()
+    for layer in layers:
+        for pattern, paths in policy.replicated.items():
+            if not fnmatch.fnmatchcase(type(layer).__name__, pattern):
+                continue
+            for path in paths:
+                for hit, module in list(layer.named_modules()):
+                    if hit and (hit == path or hit.endswith("." + path)):
+                        found.add((pattern, path))
+                        for name, child in list(module.named_modules()):
+                            if name and isinstance(child, nn.Linear):
+                                _replace(module, name, whole(child))
+                                kept += 1
+    missing = [(pattern, path) for pattern, paths in policy.replicated.items() for path in paths
+               if (pattern, path) not in found]
+    if missing:
+        raise InferenceSetupError(f"policy {policy.source}: replicated {missing[0][1]!r} names no module inside "
+                                  f"{missing[0][0]}")
+    return kept
 
 
 def _head_layout(policy: Policy, config: object, topology: Topology) -> HeadLayout:
@@ -156,7 +180,8 @@ def _derived_summary(policy: Policy) -> str:
     attention = "" if spec is None else (
         f"; attention {spec.fused_qkv} (fused, layout {spec.layout})" if spec.fused_qkv else
         f"; attention {spec.query}/{spec.key}/{spec.value} ({spec.query_heads} / {spec.kv_heads} heads)")
-    return f"row-parallel linears {dict(policy.layers)}{attention}"
+    kept = f"; kept whole on every rank: {dict(policy.replicated)}" if policy.replicated else ""
+    return f"row-parallel linears {dict(policy.layers)}{attention}{kept}"
 
 
 def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
@@ -212,6 +237,8 @@ def shard_model(
             for layer in layers:
                 conv1d_to_linear(layer)
                 plain_subclass(layer)
+            if policy.replicated:
+                replicate_modules(layers, policy)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for a in (split_attention(layer, policy, heads) for layer in layers) if a]

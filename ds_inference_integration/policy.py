@@ -11,13 +11,17 @@ module paths relative to the layer, matched as whole-component suffixes ("fc2",
     head_count_attributes = ["num_heads"]      # config attributes that must divide by tp
     [layers.T5Block]
     row_parallel = ["SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo"]
+
+`replicated = ["self_attn"]` in a layer's table keeps every linear under those modules whole on every rank (no
+split, no all-reduce): for an attention no rank can compute from its own heads (FSMT views its output at the
+input's width; OLMo-2 normalises the whole query projection), while the rest of the layer is split.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
@@ -42,7 +46,7 @@ def _shipped_policy_dir() -> Path:
 
 POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR") or _shipped_policy_dir())
 _TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention"}
-_LAYER_KEYS = {"row_parallel"}
+_LAYER_KEYS = {"row_parallel", "replicated"}
 _ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local"}
 _LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim"}
 DERIVE = "derive"  # resolve_policy's answer for a model type with no policy file: derive one from the model
@@ -81,6 +85,7 @@ class Policy:
     layers: dict[str, tuple[str, ...]]  # class-name glob -> row-parallel module paths
     match: tuple[tuple[str, object], ...] = ()  # config attribute == value, to choose between files
     attention: AttentionSpec | None = None
+    replicated: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> modules kept whole
 
     def matches(self, config: object) -> bool:
         return all(getattr(config, k, None) == v for k, v in self.match)
@@ -116,11 +121,16 @@ def load_policy(path: str | Path) -> Policy:
     layers = data.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise _schema_error(path, "needs a [layers.<ClassName>] table with row_parallel = [...]")
-    parsed_layers = {}
+    parsed_layers, replicated = {}, {}
     for pattern, entry in layers.items():
         if not isinstance(entry, dict) or set(entry) - _LAYER_KEYS or "row_parallel" not in entry:
-            raise _schema_error(path, f"[layers.{pattern}] must hold exactly: row_parallel = [...]")
-        parsed_layers[pattern] = _str_list(path, f"layers.{pattern}.row_parallel", entry["row_parallel"])
+            raise _schema_error(path, f"[layers.{pattern}] must hold row_parallel = [...] (and may hold "
+                                      "replicated = [...]), nothing else")
+        parsed_layers[pattern] = _str_list(path, f"layers.{pattern}.row_parallel", entry["row_parallel"], True)
+        if "replicated" in entry:
+            replicated[pattern] = _str_list(path, f"layers.{pattern}.replicated", entry["replicated"])
+        if not parsed_layers[pattern] and pattern not in replicated:
+            raise _schema_error(path, f"'layers.{pattern}.row_parallel' must be a non-empty list of strings, got []")
     match = data.get("match", {})
     if not isinstance(match, dict):
         raise _schema_error(path, f"'match' must be a table of config attribute = value, got {match!r}")
@@ -130,6 +140,7 @@ def load_policy(path: str | Path) -> Policy:
         model_types=_str_list(path, "model_types", data.get("model_types")),
         head_count_attributes=_str_list(path, "head_count_attributes", data.get("head_count_attributes", []), True),
         layers=parsed_layers,
+        replicated=replicated,
         match=tuple(sorted(match.items())),
         attention=_parse_attention(path, data.get("attention")),
     )
@@ -308,6 +319,8 @@ def policy_to_toml(policy: Policy) -> str:
         lines.append("match = { " + ", ".join(f"{k} = {q(v)}" for k, v in policy.match) + " }")
     for pattern, names in policy.layers.items():
         lines += ["", f"[layers.{q(pattern)}]", f"row_parallel = [{', '.join(map(q, names))}]"]
+        if policy.replicated.get(pattern):
+            lines.append(f"replicated = [{', '.join(map(q, policy.replicated[pattern]))}]")
     spec = policy.attention
     if spec is not None:
         lines += ["", "[attention]", f"query_heads = {q(spec.query_heads)}", f"kv_heads = {q(spec.kv_heads)}"]

@@ -69,12 +69,38 @@ def test_the_configs_tp_plan_is_the_first_source_of_row_parallel_linears():
     assert derive_policy(model_of(config)).layers == {"LlamaDecoderLayer": ("mlp.down_proj", "self_attn.o_proj")}
 
 
-def test_a_norm_over_the_whole_query_projection_is_refused_naming_it():
-    """OLMo-2 normalises all of q_proj's output at once: no rank can, from its own heads."""
-    with pytest.raises(InferenceSetupError, match=r"cannot derive a policy for model_type 'olmo2': "
-                                                  r"Olmo2DecoderLayer\.self_attn\.q_norm normalises a whole projection"):
-        derive_policy(model_of(tr.Olmo2Config(**COMMON, num_key_value_heads=2)))
-    derive_policy(model_of(tr.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32)))  # per-head norms: fine
+def test_an_attention_no_rank_can_compute_from_its_own_heads_is_kept_whole(caplog):
+    """OLMo-2 normalises all of q_proj's output at once: its attention is kept whole on every rank (with a warning
+    naming the norm), and the MLP is still split; per-head norms (Qwen3) split as usual."""
+    with caplog.at_level("WARNING"):
+        policy = derive_policy(model_of(tr.Olmo2Config(**COMMON, num_key_value_heads=2)))
+    assert policy.replicated == {"Olmo2DecoderLayer": ("self_attn",)} and policy.attention is None
+    assert policy.layers == {"Olmo2DecoderLayer": ("mlp.down_proj",)}  # o_proj is inside the whole attention
+    assert "Olmo2DecoderLayer.self_attn.q_norm normalises a whole projection" in caplog.text
+    qwen3 = derive_policy(model_of(tr.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32)))
+    assert not qwen3.replicated and qwen3.attention is not None
+
+
+def test_replicated_modules_are_read_written_and_refused_when_they_name_nothing(tmp_path):
+    from ds_inference_integration.inject import replicate_modules
+
+    path = tmp_path / "p.toml"
+    path.write_text('model_types = ["x"]\n[layers.LlamaDecoderLayer]\nrow_parallel = ["mlp.down_proj"]\n'
+                    'replicated = ["self_attn"]\n')
+    policy = load_policy(path)
+    assert policy.replicated == {"LlamaDecoderLayer": ("self_attn",)}
+    path.write_text(policy_to_toml(policy))
+    assert load_policy(path).replicated == policy.replicated
+    model = model_of(tr.LlamaConfig(**COMMON, num_key_value_heads=4))
+    layers = list(model.model.layers)
+    assert replicate_modules(layers, policy) == 4  # q, k, v, o of the one layer: whole, and not nn.Linear
+    assert not any(isinstance(m, torch.nn.Linear) for m in layers[0].self_attn.modules())
+    path.write_text('model_types = ["x"]\n[layers.LlamaDecoderLayer]\nrow_parallel = []\nreplicated = ["attn"]\n')
+    with pytest.raises(InferenceSetupError, match="replicated 'attn' names no module inside LlamaDecoderLayer"):
+        replicate_modules(list(model_of(tr.LlamaConfig(**COMMON)).model.layers), load_policy(path))
+    path.write_text('model_types = ["x"]\n[layers.LlamaDecoderLayer]\nrow_parallel = []\n')
+    with pytest.raises(InferenceSetupError, match="row_parallel' must be a non-empty list"):
+        load_policy(path)
 
 
 def test_a_derived_policy_written_out_reads_back_the_same(tmp_path):

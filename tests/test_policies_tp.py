@@ -15,7 +15,7 @@ import torch
 from conftest import BIN, save_tiny_model
 from ds_inference_integration.attention import HeadLayout, split_fused_qkv
 from ds_inference_integration.policy import load_policy, policy_to_toml
-from tiny_models import DECODERS, save_decoder
+from tiny_models import DECODERS, KEPT_WHOLE, save_decoder, save_kept_whole
 
 SEQ2SEQ = ("t5", "mt5", "bart", "mbart", "marian")
 CHECKS_PER_MODEL = 8
@@ -26,6 +26,7 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("arch")
     dirs = {name: save_decoder(name, root) for name in DECODERS}
     dirs.update({kind: save_tiny_model(kind, root / kind) for kind in SEQ2SEQ})
+    dirs.update({name: save_kept_whole(name, root) for name in KEPT_WHOLE})
     return dirs
 
 
@@ -85,6 +86,8 @@ def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, subset, 
     assert not any(checks[n]["weights_per_rank"]["data"]["kv_replicated"] for n in ("gpt_bigcode_mha", "bloom")
                    if n in checks)
     assert checks["t5"]["loading_shard-aware"]["data"]["ties"] > 0  # shared embeddings stay tied
+    # attentions no rank can compute from its own heads are kept whole (counted in the target), the rest split
+    assert {n for n, c in checks.items() if c["weights_per_rank"]["data"]["replicated_bytes"]} == set(KEPT_WHOLE) & set(checks)
 
 
 def test_wrong_policy_fails_naming_the_layer(model_dirs, tmp_path):

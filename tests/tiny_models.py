@@ -47,3 +47,33 @@ def save_decoder(name: str, root: Path) -> Path:
     # one family saved as a sharded checkpoint with an index, so every loading check covers that layout too
     model.save_pretrained(path, **({"max_shard_size": "300KB"} if name == "llama_kv2" else {}))
     return path
+
+
+# Encoder-decoders and decoders whose attention is kept whole on every rank (`replicated` in the policy):
+# FSMT, LED and Pegasus-X by a shipped file, OLMo-2 by the derived policy. Widths as the other seq2seq models.
+_S2S = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=2, eos_token_id=1, decoder_start_token_id=0, init_std=0.5,
+            forced_eos_token_id=None)
+KEPT_WHOLE = {
+    "fsmt": lambda: tr.FSMTConfig(**{k: v for k, v in _S2S.items() if k != "vocab_size"}, langs=["en", "ro"],
+                                  src_vocab_size=VOCAB, tgt_vocab_size=VOCAB),
+    "led": lambda: tr.LEDConfig(**_S2S, max_encoder_position_embeddings=64, max_decoder_position_embeddings=64,
+                                attention_window=8),
+    "pegasus_x": lambda: tr.PegasusXConfig(**_S2S, block_size=8, num_global_tokens=4),
+    "olmo2": lambda: tr.Olmo2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+                                    eos_token_id=1, initializer_range=0.2),
+}
+
+
+def save_kept_whole(name: str, root: Path) -> Path:
+    torch.manual_seed(0)
+    config = KEPT_WHOLE[name]()
+    cls = tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
+    model = cls.from_config(config)
+    if config.is_encoder_decoder:
+        model.generation_config.max_length = 12
+    path = Path(root) / name
+    model.save_pretrained(path)
+    return path

@@ -114,6 +114,8 @@ def _run_model(model, inputs, torch) -> dict:
         out = model(**kwargs)
         hidden = (list(out.encoder_hidden_states or []) + list(out.decoder_hidden_states or [])
                   if model.config.is_encoder_decoder else list(out.hidden_states))
+        # an entry can itself be a tuple (Pegasus-X: each encoder layer's token and global-token states)
+        hidden = [t for h in hidden for t in (h if isinstance(h, (tuple, list)) else (h,))]
         greedy = model.generate(**inputs, do_sample=False, num_beams=1, **gen)
         beam = model.generate(**inputs, do_sample=False, num_beams=3, **gen)
         torch.manual_seed(1234)
@@ -131,10 +133,20 @@ def _reference(cls, model_dir, inputs, topology, groups, torch) -> dict:
     box = [None]
     first = dist.get_global_rank(groups.tp, 0)
     if topology.rank == first:
-        box[0] = _run_model(cls.from_pretrained(model_dir, dtype=torch.float32).eval(), inputs, torch)
+        try:
+            box[0] = _run_model(cls.from_pretrained(model_dir, dtype=torch.float32).eval(), inputs, torch)
+        except Exception as e:  # its peers wait in the broadcast below: send them the failure, not nothing
+            box[0] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     if topology.tp_size > 1:
         dist.broadcast_object_list(box, src=first, group=groups.tp)
+    if "error" in box[0]:
+        raise ReferenceFailed(f"the unsharded model fails before any sharding ({box[0]['error']})")
     return box[0]
+
+
+class ReferenceFailed(Exception):
+    """The unsharded model itself fails on the check's inputs: on every rank alike, so the check goes on with the
+    next model."""
 
 
 def _run_model_naming_failures(model, inputs, patterns, torch) -> dict:
@@ -165,6 +177,25 @@ def _layer_weight_bytes(model, patterns) -> int:
                 if p.ndim == 2 and id(p) not in seen:
                     seen.add(id(p))
                     total += p.numel() * p.element_size()
+    return total
+
+
+def _replicated_bytes(model, policy) -> int:
+    """Bytes of the 2-D weights under the modules a policy keeps whole (`replicated`), in this rank's model."""
+    import fnmatch
+
+    if policy is None or not getattr(policy, "replicated", None):
+        return 0
+    seen, total = set(), 0
+    for layer in model.modules():
+        for pattern, paths in policy.replicated.items():
+            if fnmatch.fnmatchcase(type(layer).__name__, pattern):
+                for name, module in layer.named_modules():
+                    if name and any(name == p or name.endswith("." + p) for p in paths):
+                        for param in module.parameters():
+                            if param.ndim == 2 and id(param) not in seen:
+                                seen.add(id(param))
+                                total += param.numel() * param.element_size()
     return total
 
 
@@ -230,7 +261,8 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     every = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
     dist.all_gather(every, mine, group=groups.tp)
     shares = [int(b) / max(full_bytes, 1) for b in every]
-    target = 1 / topology.tp_size
+    tp = topology.tp_size
+    kv_bytes = n_kv = 0
     kv = ""
     if report.replicated_kv:  # each rank keeps a whole KV head where 1/tp of the KV weights would be
         text = config.get_text_config()
@@ -238,12 +270,16 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
         n_q, n_kv = (v if isinstance(v, int) else getattr(config, v) for v in (spec.query_heads, spec.kv_heads))
         hidden = text.hidden_size
         kv_bytes = 2 * n_kv * (hidden // n_q) * hidden * 4 * text.num_hidden_layers
-        target = ((full_bytes - kv_bytes) / topology.tp_size + kv_bytes / n_kv) / full_bytes
-        kv = f" (KV heads replicated: +{target - 1 / topology.tp_size:.1%} over 1/tp, counted in the target)"
+    whole = _replicated_bytes(model, policy)  # modules the policy keeps whole: every rank holds all of them
+    target = ((full_bytes - kv_bytes - whole) / tp + (kv_bytes / n_kv if n_kv else 0) + whole) / full_bytes
+    if kv_bytes or whole:
+        what = " and ".join(w for w, b in (("KV heads", kv_bytes), ("modules kept whole", whole)) if b)
+        kv = f" ({what} replicated: +{target - 1 / tp:.1%} over 1/tp, counted in the target)"
     check(all(abs(share - target) <= BYTES_TOLERANCE * target for share in shares), "weights_per_rank",
           f"layer weights per rank: {', '.join(f'{s:.1%}' for s in shares)} of {full_bytes} bytes "
           f"(target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}",
-          shares=shares, target=target, full_bytes=full_bytes, kv_replicated=bool(report.replicated_kv))
+          shares=shares, target=target, full_bytes=full_bytes, kv_replicated=bool(report.replicated_kv),
+          replicated_bytes=whole)
     if work_dir is not None:
         for ok, kind, text, data in _check_loading(model_dir, cls, config, model, got["greedy"], inputs, args, topology,
                                                    groups, resolve_policy(policy_spec, config), work_dir):
@@ -317,6 +353,8 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
                 _check_one(d, policy_spec, topology, groups, checks, Path(out_dir))
             except InferenceSetupError as e:
                 checks.append(check_record(Path(d).name, topology.tp_size, "setup", False, f"setup: {e}"))
+            except ReferenceFailed as e:
+                checks.append(check_record(Path(d).name, topology.tp_size, "reference", False, f"reference: {e}"))
             except Exception as e:  # a rank that raised mid-collective: report it and stop here
                 checks.append(check_record(Path(d).name, topology.tp_size, "error", False,
                                            f"{type(e).__name__}: {str(e)[:300]}", exception=type(e).__name__))
