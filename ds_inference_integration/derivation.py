@@ -27,6 +27,7 @@ from torch import nn
 
 from .deepspeed_compat import autotp_row_parallel, head_grain
 from .errors import InferenceSetupError
+from .experts import is_packed_experts
 from .policy import AttentionSpec, Policy, is_linear, layer_classes
 
 # Config attributes holding the query and key/value head counts, in the order they are looked for.
@@ -103,7 +104,7 @@ def derive_row_parallel(model: nn.Module) -> dict[str, tuple[str, ...]]:
         rows |= {k for k in autotp.get(name, ()) if not any(p == k or p.endswith("." + k) for p in named)}
         if rows:
             layers[name] = tuple(sorted(rows))
-    if not layers:
+    if not layers and not derive_experts(model):
         raise _cannot_derive(model_type, "no row-parallel linear found (neither the config's base_model_tp_plan "
                                          "nor DeepSpeed AutoTP names one)")
     return layers
@@ -252,4 +253,15 @@ def derive_policy(model: nn.Module) -> Policy:
     heads = (q_attr,) if q_attr else ()
     return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
                   model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention,
-                  replicated=replicated)
+                  replicated=replicated, experts=derive_experts(model))
+
+
+def derive_experts(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """{layer class: paths of its packed mixture-of-experts modules} (3-D gate_up_proj and down_proj)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for name, cls in layer_classes(model).items():
+        layer = next(m for m in model.modules() if type(m) is cls)
+        paths = tuple(p for p, m in layer.named_modules() if p and is_packed_experts(m))
+        if paths:
+            found[name] = paths
+    return found

@@ -26,6 +26,7 @@ from .deepspeed_compat import (
     restore_buffers,
 )
 from .derivation import derive_policy
+from .experts import experts_modules, split_experts
 from .policy import DERIVE, Policy, build_injection_policy
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 
@@ -58,7 +59,8 @@ def _param_bytes(model: nn.Module) -> int:
 # Preparation: what DeepSpeed would get wrong, made right on the model first --------------------------
 
 def _layers(model: nn.Module, policy: Policy) -> list[nn.Module]:
-    return [m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in policy.layers)]
+    patterns = {*policy.layers, *policy.replicated, *policy.experts}
+    return [m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns)]
 
 
 def conv1d_to_linear(layer: nn.Module) -> None:
@@ -181,7 +183,8 @@ def _derived_summary(policy: Policy) -> str:
         f"; attention {spec.fused_qkv} (fused, layout {spec.layout})" if spec.fused_qkv else
         f"; attention {spec.query}/{spec.key}/{spec.value} ({spec.query_heads} / {spec.kv_heads} heads)")
     kept = f"; kept whole on every rank: {dict(policy.replicated)}" if policy.replicated else ""
-    return f"row-parallel linears {dict(policy.layers)}{attention}{kept}"
+    experts = f"; experts split: {dict(policy.experts)}" if policy.experts else ""
+    return f"row-parallel linears {dict(policy.layers)}{attention}{kept}{experts}"
 
 
 def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
@@ -239,6 +242,11 @@ def shard_model(
                 plain_subclass(layer)
             if policy.replicated:
                 replicate_modules(layers, policy)
+            for layer in layers:
+                for pattern, paths in policy.experts.items():
+                    if fnmatch.fnmatchcase(type(layer).__name__, pattern):
+                        for experts in experts_modules(layer, paths):
+                            split_experts(experts, topology.tp_size, topology.tp_rank, groups.tp)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for a in (split_attention(layer, policy, heads) for layer in layers) if a]

@@ -38,6 +38,7 @@ from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
 logger = logging.getLogger(__name__)
 
 DEFERRED_TYPES = ("Linear", "Conv1D", "ColumnShard")  # modules whose parameters wait for the split
+PACKED_KEY = "<packed>"  # KeyPlan.key_of's key for a parameter built from several checkpoint tensors
 
 
 def is_skeleton(model: nn.Module) -> bool:
@@ -178,6 +179,7 @@ class ShardAwareLoader(Loader):
         super().__init__(Path(model_dir), dtype, kind="shard-aware", key_of=plan.key_of, transposed=plan.transposed,
                          missing=plan.missing, buffers=plan.buffers)
         self.ckpt = ckpt
+        self.packed = plan.packed
 
     def _key(self, names: list[str]) -> str:
         for n in names:
@@ -187,9 +189,31 @@ class ShardAwareLoader(Loader):
 
     def _read_whole(self, names, p) -> torch.Tensor:
         before = self.ckpt.bytes_read
-        t = self.ckpt.read(self._key(names), dtype=self.dtype, view=True)
+        key = self._key(names)
+        t = (self._read_packed(self.packed[key], getattr(p, "expert_slices", None)) if key in self.packed
+             else self.ckpt.read(key, dtype=self.dtype, view=True))
         self.bytes_read += self.ckpt.bytes_read - before
         return t
+
+    def _read_packed(self, source: PackedSource, slices) -> torch.Tensor:
+        """Packed experts from the per-expert tensors: whole, or (`slices`, set by `experts.split_experts`) only this
+        rank's rows of each expert's gate and up (dim 1) or columns of its down projection (dim 2)."""
+        def stacked(j: int, rows=None, cols=None) -> torch.Tensor:
+            return torch.stack([self.ckpt.read(k, rows=rows, cols=cols, dtype=self.dtype) for k in source.keys[j]])
+
+        if slices is None:
+            return torch.cat([stacked(j) for j in range(len(source.keys))], dim=1)
+        if slices.dim == 2:
+            return torch.cat([stacked(0, cols=[r]) for r in slices.ranges], dim=2)
+        pieces, offset = [], 0
+        starts = []
+        for j in range(len(source.keys)):
+            starts.append(offset)
+            offset += self.ckpt.shape(source.keys[j][0])[0]
+        for a, b in slices.ranges:
+            j = max(i for i, s in enumerate(starts) if s <= a)
+            pieces.append(stacked(j, rows=[(a - starts[j], b - starts[j])]))
+        return torch.cat(pieces, dim=1)
 
     def _read_shard(self, names, module, p, tp_rank) -> torch.Tensor:
         name = names[0]
@@ -315,9 +339,33 @@ class PreShardedLoader(Loader):
 
 # Choosing the path ---------------------------------------------------------------------------------
 
-def _checkpoint_names(model: nn.Module, ckpt: SafetensorsCheckpoint) -> tuple[dict[str, str], str | None]:
+@dataclass
+class PackedSource:
+    """A parameter transformers builds at load from several checkpoint tensors (packed experts): `keys[j][e]` is
+    source pattern j's tensor of expert e; the parameter is those stacked over experts (MergeModulelist, dim 0),
+    the patterns then concatenated along dim 1 (Concatenate: gate then up) when there are several."""
+
+    keys: list[list[str]]
+
+    def shape(self, ckpt: SafetensorsCheckpoint) -> tuple[int, ...]:
+        first = tuple(ckpt.shape(self.keys[0][0]))
+        return (len(self.keys[0]), sum(ckpt.shape(k[0])[0] for k in self.keys), *first[1:])
+
+
+def _packing(converter) -> bool:
+    """The conversions read here: experts stacked (MergeModulelist dim 0), then gate and up joined (Concatenate
+    dim 1) or not; transformers applies them to every packed-experts family (conversion_mapping.py)."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+
+
+def _checkpoint_names(model: nn.Module, ckpt: SafetensorsCheckpoint
+                      ) -> tuple[dict[str, str], dict[str, PackedSource], str | None]:
     """Model name -> checkpoint key, renamed the way `from_pretrained` renames them (transformers' own
-    key renamings and base-model prefix); a reason instead when a key needs more than renaming."""
+    key renamings and base-model prefix); packed experts -> their per-expert tensors; a reason instead when a
+    key needs another conversion."""
+    import re
+
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
@@ -326,13 +374,26 @@ def _checkpoint_names(model: nn.Module, ckpt: SafetensorsCheckpoint) -> tuple[di
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
     meta_state = dict(model.state_dict())
     out: dict[str, str] = {}
+    parts: dict[str, dict[tuple[int, int], str]] = {}
     for key in ckpt.entries:
-        name, converter = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
-                                            meta_state)
-        if converter is not None:
-            return {}, f"checkpoint tensor {key} needs conversion ({converter}), not only slicing"
+        name, pattern = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
+                                          meta_state)
+        if pattern is not None:
+            converter = next((c for c in converters if pattern in getattr(c, "source_patterns", ())), None)
+            expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+            if converter is None or not _packing(converter) or expert is None:
+                return {}, {}, f"checkpoint tensor {key} needs conversion ({pattern}), not only slicing"
+            parts.setdefault(name, {})[(converter.source_patterns.index(pattern), int(expert.group(1)))] = key
+            continue
         out.setdefault(name, key)
-    return out, None
+    packed = {}
+    for name, found in parts.items():
+        patterns = sorted({j for j, _ in found})
+        experts = sorted({e for _, e in found})
+        if any((j, e) not in found for j in patterns for e in experts) or experts != list(range(len(experts))):
+            return {}, {}, f"checkpoint tensors of {name} do not cover every expert of every part"
+        packed[name] = PackedSource([[found[(j, e)] for e in experts] for j in patterns])
+    return out, packed, None
 
 
 @dataclass
@@ -341,15 +402,22 @@ class KeyPlan:
     transposed: set[str]  # Conv1D weights, stored [in, out]
     missing: set[str]  # replicated parameters the checkpoint lacks (the model initialises them)
     buffers: dict[str, str]  # persistent buffers the checkpoint has
+    packed: dict[str, PackedSource] = field(default_factory=dict)  # parameter name -> its per-expert tensors
 
 
 def plan_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> tuple[KeyPlan | None, str | None]:
     """Map every parameter of a skeleton to a checkpoint tensor of the right shape.
     Returns (plan, None) or (None, a reason why the checkpoint does not fit)."""
-    key_by_name, reason = _checkpoint_names(model, ckpt)
+    key_by_name, packed, reason = _checkpoint_names(model, ckpt)
     if reason:
         return None, reason
     plan = KeyPlan({}, set(), set(), {})
+    for name, source in packed.items():
+        want = tuple(dict(model.named_parameters(remove_duplicate=False))[name].shape)
+        if source.shape(ckpt) != want:
+            return None, f"checkpoint tensors of {name} make shape {list(source.shape(ckpt))}, the model wants {list(want)}"
+        key_by_name[name] = PACKED_KEY + name
+        plan.packed[PACKED_KEY + name] = source
     for module_name, module in model.named_modules(remove_duplicate=False):
         if type(module).__name__ == "Conv1D":
             plan.transposed.add(f"{module_name}.weight" if module_name else "weight")
@@ -363,7 +431,7 @@ def plan_keys(model: nn.Module, ckpt: SafetensorsCheckpoint) -> tuple[KeyPlan | 
                 return None, f"the checkpoint has no tensor for {group[0]}"
             plan.missing.update(group)
             continue
-        if tuple(ckpt.shape(found)) != shapes[group[0]]:
+        if not found.startswith(PACKED_KEY) and tuple(ckpt.shape(found)) != shapes[group[0]]:
             return None, (f"checkpoint tensor {found} has shape {list(ckpt.shape(found))}, the model wants "
                           f"{list(shapes[group[0]])}")
         for name in group:

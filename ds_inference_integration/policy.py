@@ -15,6 +15,7 @@ module paths relative to the layer, matched as whole-component suffixes ("fc2",
 `replicated = ["self_attn"]` in a layer's table keeps every linear under those modules whole on every rank (no
 split, no all-reduce): for an attention no rank can compute from its own heads (FSMT views its output at the
 input's width; OLMo-2 normalises the whole query projection), while the rest of the layer is split.
+`experts = ["mlp.experts"]` names packed mixture-of-experts modules, each expert's MLP split (`experts.py`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _shipped_policy_dir() -> Path:
 
 POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR") or _shipped_policy_dir())
 _TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention"}
-_LAYER_KEYS = {"row_parallel", "replicated"}
+_LAYER_KEYS = {"row_parallel", "replicated", "experts"}
 _ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local"}
 _LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim"}
 DERIVE = "derive"  # resolve_policy's answer for a model type with no policy file: derive one from the model
@@ -86,6 +87,7 @@ class Policy:
     match: tuple[tuple[str, object], ...] = ()  # config attribute == value, to choose between files
     attention: AttentionSpec | None = None
     replicated: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> modules kept whole
+    experts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> packed experts modules
 
     def matches(self, config: object) -> bool:
         return all(getattr(config, k, None) == v for k, v in self.match)
@@ -121,15 +123,17 @@ def load_policy(path: str | Path) -> Policy:
     layers = data.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise _schema_error(path, "needs a [layers.<ClassName>] table with row_parallel = [...]")
-    parsed_layers, replicated = {}, {}
+    parsed_layers, replicated, experts = {}, {}, {}
     for pattern, entry in layers.items():
         if not isinstance(entry, dict) or set(entry) - _LAYER_KEYS or "row_parallel" not in entry:
             raise _schema_error(path, f"[layers.{pattern}] must hold row_parallel = [...] (and may hold "
-                                      "replicated = [...]), nothing else")
+                                      "replicated = [...] and experts = [...]), nothing else")
         parsed_layers[pattern] = _str_list(path, f"layers.{pattern}.row_parallel", entry["row_parallel"], True)
         if "replicated" in entry:
             replicated[pattern] = _str_list(path, f"layers.{pattern}.replicated", entry["replicated"])
-        if not parsed_layers[pattern] and pattern not in replicated:
+        if "experts" in entry:
+            experts[pattern] = _str_list(path, f"layers.{pattern}.experts", entry["experts"])
+        if not parsed_layers[pattern] and pattern not in replicated and pattern not in experts:
             raise _schema_error(path, f"'layers.{pattern}.row_parallel' must be a non-empty list of strings, got []")
     match = data.get("match", {})
     if not isinstance(match, dict):
@@ -141,6 +145,7 @@ def load_policy(path: str | Path) -> Policy:
         head_count_attributes=_str_list(path, "head_count_attributes", data.get("head_count_attributes", []), True),
         layers=parsed_layers,
         replicated=replicated,
+        experts=experts,
         match=tuple(sorted(match.items())),
         attention=_parse_attention(path, data.get("attention")),
     )
@@ -319,8 +324,9 @@ def policy_to_toml(policy: Policy) -> str:
         lines.append("match = { " + ", ".join(f"{k} = {q(v)}" for k, v in policy.match) + " }")
     for pattern, names in policy.layers.items():
         lines += ["", f"[layers.{q(pattern)}]", f"row_parallel = [{', '.join(map(q, names))}]"]
-        if policy.replicated.get(pattern):
-            lines.append(f"replicated = [{', '.join(map(q, policy.replicated[pattern]))}]")
+        for key in ("replicated", "experts"):
+            if getattr(policy, key).get(pattern):
+                lines.append(f"{key} = [{', '.join(map(q, getattr(policy, key)[pattern]))}]")
     spec = policy.attention
     if spec is not None:
         lines += ["", "[attention]", f"query_heads = {q(spec.query_heads)}", f"kv_heads = {q(spec.kv_heads)}"]

@@ -102,19 +102,22 @@ def test_wrong_policy_fails_naming_the_layer(model_dirs, tmp_path):
 
 def test_unlisted_architectures_get_a_derived_policy(tmp_path):
     """No file names these model types: the derived policy (row-parallel linears and, where DeepSpeed's own split
-    would be wrong, the attention table) matches the unsharded model. Before the attention table was derived,
-    Phi-3 failed on shapes, Persimmon gave logits 0.65 off, and a one-KV-head Gemma gave every KV head to rank 0
-    (58.6% / 41.4% of the weights at tp 2)."""
+    would be wrong, the attention table, the experts, an attention kept whole) matches the unsharded model. One
+    model per way of deriving; every derived architecture of the zoo is `policy matrix`'s, in `make test-all`.
+    Before the attention table was derived, Phi-3 failed on shapes, Persimmon gave logits 0.65 off, and a
+    one-KV-head Gemma gave every KV head to rank 0 (58.6% / 41.4% of the weights at tp 2); before the experts were
+    split, Mixtral's shard-aware loading refused its checkpoint."""
     import transformers as tr
 
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
     configs = {
-        "qwen3": tr.Qwen3Config(**common, num_key_value_heads=2, head_dim=32),
         "xglm": tr.XGLMConfig(d_model=128, ffn_dim=256, num_layers=2, attention_heads=4, max_position_embeddings=64),
-        "gptj": tr.GPTJConfig(n_embd=128, n_layer=2, n_head=4, n_positions=64, rotary_dim=16),
         "phi3": tr.Phi3Config(**common, num_key_value_heads=2),  # fused qkv_proj and gate_up_proj
         "persimmon": tr.PersimmonConfig(**common, qk_layernorm=True),  # fused [q k v] per head, per-head norms
         "gemma": tr.GemmaConfig(**common, num_key_value_heads=1, head_dim=32),  # one KV head: a copy on each rank
+        # packed experts, each expert's MLP split; OLMoE's attention (normed over its whole q_proj) kept whole
+        "mixtral": tr.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "olmoe": tr.OlmoeConfig(**common, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
     }
     dirs = []
     for name, config in configs.items():
@@ -126,18 +129,22 @@ def test_unlisted_architectures_get_a_derived_policy(tmp_path):
     proc, report = policy_check(dirs, 2, tmp_path)
     checks = assert_all_pass(proc, report, list(configs), 2)
     assert "no policy file for model_type 'xglm': derived row-parallel linears" in proc.stdout + proc.stderr
-    gemma = checks["gemma"]["weights_per_rank"]["data"]
-    assert gemma["kv_replicated"] and all(abs(s - gemma["target"]) <= 0.05 * gemma["target"] for s in gemma["shares"])
+    for name in configs:  # the weight share, experts counted, within 5% of its target (a copy of KV heads, or the
+        data = checks[name]["weights_per_rank"]["data"]  # attention kept whole, counted in it)
+        assert all(abs(s - data["target"]) <= 0.05 * data["target"] for s in data["shares"]), (name, data)
+    assert checks["gemma"]["weights_per_rank"]["data"]["kv_replicated"]
+    assert checks["mixtral"]["weights_per_rank"]["data"]["target"] == 0.5  # the experts split too, not replicated
+    assert checks["olmoe"]["weights_per_rank"]["data"]["replicated_bytes"] > 0
 
     # `suggest` prints a loadable policy file; checked with --policy it passes too.
-    suggested = policy_cli("suggest", dirs[1])
+    suggested = policy_cli("suggest", dirs[0])
     assert suggested.returncode == 0, suggested.stderr
     path = tmp_path / "xglm.toml"
     path.write_text(suggested.stdout)
     suggested_policy = load_policy(path)
     assert suggested_policy.layers == {"XGLMDecoderLayer": ("fc2", "self_attn.out_proj")}
     assert suggested_policy.model_types == ("xglm",)
-    phi3 = policy_cli("suggest", dirs[3]).stdout
+    phi3 = policy_cli("suggest", dirs[1]).stdout
     assert 'fused_qkv = "self_attn.qkv_proj"' in phi3 and '"config.num_attention_heads" = "q_heads"' in phi3
 
 
@@ -278,3 +285,22 @@ def test_grouped_fused_qkv_keeps_each_ranks_query_heads_with_their_groups_k_and_
     assert shard.weight[:, 0].tolist() == [6, 7, 8, 9, 10, 11]
     shard, _ = split_fused_qkv(linear, "grouped", HeadLayout(8, 2, 4, 3))
     assert shard.weight[:, 0].tolist() == [8, 9, 10, 11]  # rank 3: query heads 6, 7 of group 1
+
+
+@pytest.mark.slow  # every architecture of the zoo at tp 2 and 4: about 4 minutes, `make test-all` runs it
+def test_policy_matrix_passes_every_architecture_and_writes_the_table(tmp_path):
+    """`ds-inference policy matrix`: 60 tiny models (shipped, derived, mixture-of-experts, encoder-decoders), one
+    launch per tp size; every check of every model passes, and the table it writes says so."""
+    from ds_inference_integration.tools.architecture_zoo import TABLE_END, TABLE_START, ZOO
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{TABLE_START}\nold\n{TABLE_END}\nafter\n")
+    proc = policy_cli("matrix", "--json-dir", str(tmp_path / "json"), "--readme", str(readme), timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model ")]
+    assert len(rows) == len(ZOO) and all(r.count("pass (") == 2 for r in rows), rows
+    for tp in (2, 4):
+        report = json.loads((tmp_path / "json" / f"matrix_tp{tp}.json").read_text())
+        assert report["ok"] and report["passed"] == report["total"] == len(KINDS) * len(ZOO)

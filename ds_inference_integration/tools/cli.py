@@ -80,6 +80,16 @@ def _policy_check(ns: argparse.Namespace) -> int:
     return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout, json_path=ns.json)
 
 
+def _policy_matrix(ns: argparse.Namespace) -> int:
+    from .architecture_zoo import run_matrix
+
+    tp_sizes = _int_list(ns.tp_sizes, "--tp-sizes")
+    if not tp_sizes or any(tp < 2 for tp in tp_sizes):
+        raise InferenceSetupError(f"--tp-sizes {ns.tp_sizes!r} is invalid: tp sizes of 2 or more, e.g. 2,4")
+    only = [n for n in (ns.only or "").split(",") if n]
+    return run_matrix(tp_sizes, ns.json_dir, ns.readme, only or None, ns.timeout)
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -172,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--timeout", type=float, default=300, help="seconds before the ranks are killed")
     check.add_argument("--json", metavar="FILE", help="also write every check's result and figures to FILE")
     check.set_defaults(func=_policy_check)
+    matrix = psub.add_parser("matrix", help="policy check on tiny models of every architecture the project checks; "
+                                           "the README's architecture table")
+    matrix.add_argument("--tp-sizes", default="2,4")
+    matrix.add_argument("--only", default=None, help="comma-separated zoo names (default: all)")
+    matrix.add_argument("--json-dir", default=None, help="keep the per-tp `policy check --json` reports here")
+    matrix.add_argument("--readme", default=None, help="rewrite the table between this file's markers")
+    matrix.add_argument("--timeout", type=float, default=1200, help="seconds per tp size before the ranks are killed")
+    matrix.set_defaults(func=_policy_matrix)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     guard = bsub.add_parser("guard", help="lock-step guard on vs off, predict on the embedded default")

@@ -174,10 +174,23 @@ def _layer_weight_bytes(model, patterns) -> int:
     for m in model.modules():
         if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
             for p in m.parameters():
-                if p.ndim == 2 and id(p) not in seen:
+                if p.ndim >= 2 and id(p) not in seen:  # 3-D: packed experts
                     seen.add(id(p))
                     total += p.numel() * p.element_size()
     return total
+
+
+def _policy_name(policy) -> str:
+    """How the report names the policy: a shipped file's name, "derived", "autotp", or the file's path."""
+    from ..policy import POLICY_DIR
+
+    if policy is None:
+        return "autotp"
+    if str(policy.source).startswith("<derived"):
+        return "derived"
+    if policy.source.resolve().parent == POLICY_DIR.resolve():
+        return f"shipped {policy.source.name}"
+    return str(policy.source)
 
 
 def _replicated_bytes(model, policy) -> int:
@@ -279,7 +292,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
           f"layer weights per rank: {', '.join(f'{s:.1%}' for s in shares)} of {full_bytes} bytes "
           f"(target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}",
           shares=shares, target=target, full_bytes=full_bytes, kv_replicated=bool(report.replicated_kv),
-          replicated_bytes=whole)
+          replicated_bytes=whole, model_type=config.model_type, policy=_policy_name(policy))
     if work_dir is not None:
         for ok, kind, text, data in _check_loading(model_dir, cls, config, model, got["greedy"], inputs, args, topology,
                                                    groups, resolve_policy(policy_spec, config), work_dir):
