@@ -457,6 +457,17 @@ def build_skeleton(model_cls, config, dtype: torch.dtype, model_dir: Path) -> nn
     return model
 
 
+def model_class_for(config):
+    """The Auto class that builds a model of this config for generation: speech-to-text (Whisper), other
+    encoder-decoders, or decoder-only."""
+    import transformers as tr
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+    if getattr(config, "model_type", None) in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return tr.AutoModelForSpeechSeq2Seq
+    return tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
+
+
 def policy_id(policy) -> str:
     """A stable name for the policy a run resolves: autotp, or the policy's name and content hash."""
     from .policy import Policy, policy_identity

@@ -81,6 +81,13 @@ def _first_tensor(value):
 
 def _probe_inputs(model: nn.Module, device) -> dict:
     config = model.config
+    if getattr(model, "main_input_name", "input_ids") == "input_features":  # speech: Whisper-style log-mel frames
+        g = torch.Generator().manual_seed(0)
+        frames = 2 * getattr(config, "max_source_positions", PROBE_TOKENS)
+        features = torch.randn((1, config.num_mel_bins, frames), generator=g).to(device)
+        start = config.decoder_start_token_id if config.decoder_start_token_id is not None else 0
+        return {"input_features": features, "decoder_input_ids": torch.full((1, 4), start, device=device),
+                "use_cache": False}
     vocab = getattr(config.get_text_config(), "vocab_size", None) or 32
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(min(3, vocab - 1), vocab, (1, PROBE_TOKENS), generator=g).to(device)

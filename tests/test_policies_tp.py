@@ -90,14 +90,19 @@ def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, subset, 
     assert {n for n, c in checks.items() if c["weights_per_rank"]["data"]["replicated_bytes"]} == set(KEPT_WHOLE) & set(checks)
 
 
-def test_wrong_policy_fails_naming_the_layer(model_dirs, tmp_path):
+def test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on(model_dirs, tmp_path):
+    """A sharded forward that fails is one FAIL line naming the layer, on every rank, and the check goes on with
+    the next model (here the same wrong file, refused for a model it does not fit): no rank crashes."""
     wrong = tmp_path / "opt_missing_fc2.toml"
     wrong.write_text('model_types = ["opt"]\n[layers.OPTDecoderLayer]\nrow_parallel = ["self_attn.out_proj"]\n')
-    proc, report = policy_check([model_dirs["opt"]], 2, tmp_path, "--policy", str(wrong), timeout=200)
+    proc, report = policy_check([model_dirs["opt"], model_dirs["bloom"]], 2, tmp_path, "--policy", str(wrong),
+                                timeout=200)
     assert proc.returncode == 1 and not report["ok"], proc.stdout[-3000:]
     failed = [c for c in report["checks"] if not c["passed"]]
-    assert [c["check"] for c in failed] == ["error"] and failed[0]["data"]["exception"] == "RuntimeError"
-    assert "sharded forward failed in first failing layer model.decoder.layers.0" in failed[0]["line"]
+    assert [(c["model"], c["check"]) for c in failed] == [("opt", "sharded_forward"), ("bloom", "setup")], failed
+    assert failed[0]["failed_ranks"] == [0, 1] and report["rank_failure"] is None
+    assert "sharded forward failed in first failing layer model.decoder.layers.0: RuntimeError" in failed[0]["line"]
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_unlisted_architectures_get_a_derived_policy(tmp_path):
@@ -289,7 +294,7 @@ def test_grouped_fused_qkv_keeps_each_ranks_query_heads_with_their_groups_k_and_
 
 @pytest.mark.slow  # every architecture of the zoo at tp 2 and 4: about 4 minutes, `make test-all` runs it
 def test_policy_matrix_passes_every_architecture_and_writes_the_table(tmp_path):
-    """`ds-inference policy matrix`: 60 tiny models (shipped, derived, mixture-of-experts, encoder-decoders), one
+    """`ds-inference policy matrix`: 61 tiny models (shipped, derived, mixture-of-experts, encoder-decoders), one
     launch per tp size; every check of every model passes, and the table it writes says so."""
     from ds_inference_integration.tools.architecture_zoo import TABLE_END, TABLE_START, ZOO
 
@@ -304,3 +309,18 @@ def test_policy_matrix_passes_every_architecture_and_writes_the_table(tmp_path):
     for tp in (2, 4):
         report = json.loads((tmp_path / "json" / f"matrix_tp{tp}.json").read_text())
         assert report["ok"] and report["passed"] == report["total"] == len(KINDS) * len(ZOO)
+
+
+def test_the_checker_pads_a_config_without_pad_token_id_as_generate_does():
+    """CodeGen's configs have no pad_token_id attribute at all in transformers 5: the checker's inputs crashed
+    on it (AttributeError); generate pads with the eos token then, and so do the checker's inputs."""
+    import transformers as tr
+
+    from ds_inference_integration.tools.policy_check import _inputs
+
+    config = tr.CodeGenConfig(n_embd=64, n_layer=1, n_head=8, vocab_size=96, eos_token_id=7)
+    assert getattr(config, "pad_token_id", None) is None
+    inputs = _inputs(config, torch)
+    assert inputs["input_ids"][1, 0].item() == 7 and inputs["attention_mask"][1, 0].item() == 0  # left-padded
+    whisper = _inputs(tr.WhisperConfig(num_mel_bins=16, max_source_positions=32), torch, "input_features")
+    assert tuple(whisper["input_features"].shape) == (3, 16, 64)  # speech: log-mel frames, not token ids

@@ -29,8 +29,8 @@ def _decoder(cls_name: str, **kw):
 
     base = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=64, initializer_range=0.2)
-    return getattr(tr, cls_name)(**{**base, **kw, "vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1,
-                                    "eos_token_id": 1})
+    settings = {**base, "vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, **kw}
+    return getattr(tr, cls_name)(**{k: v for k, v in settings.items() if v is not None})  # None: leave it out
 
 
 def _seq2seq(cls_name: str, **kw):
@@ -104,7 +104,9 @@ ZOO = {
     "gptj": lambda: _decoder("GPTJConfig", n_embd=128, n_layer=2, n_head=4, n_positions=64, rotary_dim=16),
     "gpt_neo": lambda: _decoder("GPTNeoConfig", num_layers=2, num_heads=4, window_size=16,
                                 attention_types=[[["global", "local"], 1]]),
-    "codegen": lambda: _decoder("CodeGenConfig", num_attention_heads=16, n_positions=64, rotary_dim=4),
+    # no pad_token_id, as CodeGen's own configs: the checker pads as generate does
+    "codegen": lambda: _decoder("CodeGenConfig", num_attention_heads=16, n_positions=64, rotary_dim=4,
+                                pad_token_id=None),
     "xglm": lambda: _decoder("XGLMConfig", d_model=128, ffn_dim=256, num_layers=2, attention_heads=4, init_std=0.2),
     "mpt": lambda: _decoder("MptConfig", d_model=128, n_layers=2, n_heads=4, max_seq_len=64),
     # derived policies: mixture of experts (packed experts split per rank)
@@ -126,19 +128,23 @@ ZOO = {
     "longt5": lambda: _t5("LongT5Config", local_radius=4),
     # d_ff 256: DeepSpeed splits an MLP in blocks of 64, so 128 gave two of four ranks nothing (35% / 15%)
     "switch_transformers": lambda: _t5("SwitchTransformersConfig", num_experts=4, d_ff=256),
+    # speech: log-mel features in, tokens out; the convolutional front end is outside the layers, so whole
+    "whisper": lambda: _seq2seq("WhisperConfig", num_mel_bins=16, max_source_positions=32, max_target_positions=64,
+                                suppress_tokens=None, begin_suppress_tokens=None),
 }
 
 
 def save_zoo(root: Path, names: list[str] | None = None) -> dict[str, Path]:
     """Build and save the tiny models (all, or `names`); returns name -> directory."""
     import torch
-    import transformers as tr
+
+    from ..loading import model_class_for
 
     dirs = {}
     for name in names or list(ZOO):
         config = ZOO[name]()
         torch.manual_seed(0)
-        cls = tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
+        cls = model_class_for(config)
         model = cls.from_config(config)
         if config.is_encoder_decoder:
             model.generation_config.max_length = 12

@@ -85,11 +85,25 @@ def check_record(model: str, tp: int, kind: str, ok: bool, text: str, **data) ->
             "data": data}
 
 
-def _inputs(config, torch):
-    """Three prompts of different lengths; decoder-only prompts are left-padded."""
+def _pad_id(config) -> int:
+    """The pad token id, as `generate` settles it for a config without one (CodeGen's have no pad_token_id
+    attribute at all in transformers 5): the first eos token id, else 0."""
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(config, "eos_token_id", None)
+        pad = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) if eos is not None else 0
+    return int(pad)
+
+
+def _inputs(config, torch, main_input: str = "input_ids"):
+    """Three prompts of different lengths; decoder-only prompts are left-padded. A speech model (main input
+    `input_features`, Whisper's [batch, mel bins, 2 x max_source_positions]) gets three random log-mel inputs."""
     g = torch.Generator().manual_seed(0)
+    if main_input == "input_features":
+        frames = 2 * config.max_source_positions
+        return {"input_features": torch.randn((3, config.num_mel_bins, frames), generator=g)}
     vocab = config.vocab_size
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    pad = _pad_id(config)
     lengths = [7, 4, 10]
     width = max(lengths)
     ids = torch.full((3, width), pad, dtype=torch.long)
@@ -104,12 +118,13 @@ def _inputs(config, torch):
 
 
 def _run_model(model, inputs, torch) -> dict:
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    pad = _pad_id(model.config)
     gen = dict(max_new_tokens=NEW_TOKENS, pad_token_id=pad)
     with torch.no_grad():
         kwargs = dict(inputs, output_hidden_states=True)
         if model.config.is_encoder_decoder:
-            kwargs["decoder_input_ids"] = torch.zeros((inputs["input_ids"].shape[0], 1), dtype=torch.long) + (
+            batch = next(iter(inputs.values())).shape[0]
+            kwargs["decoder_input_ids"] = torch.zeros((batch, 1), dtype=torch.long) + (
                 model.config.decoder_start_token_id or 0)
         out = model(**kwargs)
         hidden = (list(out.encoder_hidden_states or []) + list(out.decoder_hidden_states or [])
@@ -144,6 +159,12 @@ def _reference(cls, model_dir, inputs, topology, groups, torch) -> dict:
     return box[0]
 
 
+class ShardedForwardFailed(Exception):
+    """The sharded model fails on the check's inputs. Every rank runs the same code on the same inputs, so the
+    ranks fail alike (a shape that does not fit, a head count the attention checks): each records the failure,
+    they meet at a barrier of the TP group (bounded by its timeout), and the check goes on with the next model."""
+
+
 class ReferenceFailed(Exception):
     """The unsharded model itself fails on the check's inputs: on every rank alike, so the check goes on with the
     next model."""
@@ -159,9 +180,10 @@ def _run_model_naming_failures(model, inputs, patterns, torch) -> dict:
              if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns)]
     try:
         return _run_model(model, inputs, torch)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, AssertionError, AttributeError, TypeError, IndexError) as e:
         where = f"first failing layer {entered[-1]}" if entered else "before the first layer"
-        raise RuntimeError(f"sharded forward failed in {where}: {str(e).splitlines()[0]}") from None
+        raise ShardedForwardFailed(f"sharded forward failed in {where}: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}") from None
     finally:
         for h in hooks:
             h.remove()
@@ -216,23 +238,29 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
                work_dir: Path | None = None) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig
 
     from ..arguments import DeepSpeedInferenceArguments
     from ..derivation import derive_policy
+    from ..errors import InferenceSetupError
     from ..inject import shard_model
+    from ..loading import model_class_for
     from ..policy import DERIVE, check_head_counts, resolve_policy
 
     name = Path(model_dir).name
     config = AutoConfig.from_pretrained(model_dir)
-    cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    cls = model_class_for(config)
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model.main_input_name not in ("input_ids", "input_features") or (
+            model.main_input_name == "input_features" and not hasattr(config, "max_source_positions")):
+        raise InferenceSetupError(f"{config.model_type}: the checker builds inputs for token ids and Whisper-style "
+                                  f"log-mel features only, not for {model.main_input_name!r}")
     policy = resolve_policy(policy_spec, config)
     check_head_counts(policy, config, topology.tp_size)
     layers = derive_policy(model).layers if policy == DERIVE else getattr(policy, "layers", ["*Layer", "*Block"])
     patterns = list(layers)
     full_bytes = _layer_weight_bytes(model, patterns)  # before sharding: the unsharded model's bytes
-    inputs = _inputs(config, torch)
+    inputs = _inputs(config, torch, model.main_input_name)
     want = _reference(cls, model_dir, inputs, topology, groups, torch)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
     # verify=False: this command's own comparisons below are the numerical check, in more detail
@@ -327,7 +355,7 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         ties = [(a, b) for a in want for b in want if a < b and want[a] is want[b]]
         bad += [f"{a} (no longer tied to {b})" for a, b in ties if a in mine and b in mine and mine[a] is not mine[b]]
         with torch.no_grad():
-            pad = config.pad_token_id if config.pad_token_id is not None else 0
+            pad = _pad_id(config)
             greedy = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS, pad_token_id=pad)
         same = greedy.shape == naive_greedy.shape and torch.equal(greedy, naive_greedy)
         yield (not bad and same and metas > 0, f"loading_{mode}",
@@ -368,6 +396,9 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
                 checks.append(check_record(Path(d).name, topology.tp_size, "setup", False, f"setup: {e}"))
             except ReferenceFailed as e:
                 checks.append(check_record(Path(d).name, topology.tp_size, "reference", False, f"reference: {e}"))
+            except ShardedForwardFailed as e:
+                checks.append(check_record(Path(d).name, topology.tp_size, "sharded_forward", False, str(e)))
+                dist.barrier(group=groups.tp)
             except Exception as e:  # a rank that raised mid-collective: report it and stop here
                 checks.append(check_record(Path(d).name, topology.tp_size, "error", False,
                                            f"{type(e).__name__}: {str(e)[:300]}", exception=type(e).__name__))

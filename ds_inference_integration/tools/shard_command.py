@@ -76,12 +76,12 @@ def _presharded_before(out: Path) -> bool:
 
 
 def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
     from ..deepspeed_compat import init_deepspeed_comm
     from ..inject import shard_model
-    from ..loading import load_model, policy_id
+    from ..loading import load_model, model_class_for, policy_id
     from ..policy import policy_for_run
     from ..presharded import write_presharded
     from ..topology import init_process_groups
@@ -93,7 +93,7 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
         init_deepspeed_comm(topology)
         dtype = DTYPES[dtype_name]
         config = AutoConfig.from_pretrained(src)
-        cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+        cls = model_class_for(config)
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size,
                                            injection_policy=policy_spec)
         policy = None if policy_spec == "autotp" else policy_for_run(policy_spec, config, topology.tp_size)
