@@ -1,0 +1,327 @@
+#!/usr/bin/env python
+"""Summarization evaluation/prediction in the shape of Hugging Face's
+`examples/pytorch/summarization/run_summarization.py`, plus `--deepspeed_inference`.
+
+Data: json-lines files with a text and a summary column (`--text_column`, `--summary_column`; by default
+`document` and `summary`, as XSum). With no data arguments it uses the embedded synthetic set
+(`examples/data/numsum`, made by `make_summarization_data.py`). Metrics: ROUGE-1/2/L/Lsum and the mean
+generated length, as upstream reports them (`ds_inference_integration.metrics.Rouge`). Single process:
+
+    python examples/run_summarization.py --model_name_or_path MODEL_DIR --output_dir out --do_predict \
+        --predict_with_generate --source_prefix 'summarize: '
+
+Tensor parallel over 2 ranks (CPU ranks when there is no GPU): the same command under
+`deepspeed --num_gpus 2` (or `torchrun --nproc_per_node 2`) with `--deepspeed_inference` added.
+"""
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import transformers
+from datasets import load_dataset
+from transformers import (
+    AutoConfig,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    Seq2SeqTrainingArguments,
+    default_data_collator,
+    set_seed,
+)
+
+from ds_inference_integration import (
+    DeepSpeedInferenceArguments,
+    DeepSpeedInferenceSeq2SeqTrainer,
+    InferenceArgumentParser,
+    InferenceSetupError,
+    parse_args_into_dataclasses,
+    policy_for_run,
+)
+from ds_inference_integration.lifecycle import run_main
+from ds_inference_integration.loading import load_model
+from ds_inference_integration.metrics import Rouge
+from ds_inference_integration.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODEL = str(HERE / "models" / "t5-num2words-en-ro")  # a tokenizer for the embedded data's words
+DEFAULT_DATA = HERE / "data" / "numsum"
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "Path to a model directory or a hub id (a summarization model: the embedded num2words T5, "
+                          "the default, translates, so its ROUGE on the embedded set is low)."},
+    )
+    config_name: str | None = field(default=None, metadata={"help": "Config name or path, if not the model's"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer name or path, if not the model's"})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to store downloaded models"})
+    use_fast_tokenizer: bool = field(default=True, metadata={"help": "Use a fast (tokenizers-backed) tokenizer"})
+    model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)"})
+    token: str | None = field(default=None, metadata={"help": "Hub token for private models"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom code from the hub"})
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name (needs the network)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config name."})
+    text_column: str | None = field(default=None, metadata={"help": "Column of the full texts (default: document)."})
+    summary_column: str | None = field(default=None, metadata={"help": "Column of the summaries (default: summary)."})
+    train_file: str | None = field(default=None, metadata={"help": "json-lines training file."})
+    validation_file: str | None = field(default=None, metadata={"help": "json-lines validation file."})
+    test_file: str | None = field(default=None, metadata={"help": "json-lines test file."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Overwrite the cached data sets"})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Preprocessing processes."})
+    max_source_length: int | None = field(default=1024, metadata={"help": "Max source tokens; longer is truncated."})
+    max_target_length: int | None = field(default=128, metadata={"help": "Max target tokens; longer is truncated."})
+    val_max_target_length: int | None = field(
+        default=None, metadata={"help": "Max target tokens for evaluation; also generate's max_length."}
+    )
+    pad_to_max_length: bool = field(default=False, metadata={"help": "Pad every sample to the max length."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
+    max_predict_samples: int | None = field(default=None, metadata={"help": "Truncate the prediction set."})
+    num_beams: int | None = field(default=1, metadata={"help": "Beams for evaluate/predict generation."})
+    ignore_pad_token_for_loss: bool = field(default=True, metadata={"help": "Ignore padded label tokens in the loss."})
+    source_prefix: str | None = field(default=None, metadata={"help": "Prefix for every source text (T5: 'summarize: ')."})
+    use_stemmer: bool = field(default=True, metadata={"help": "ROUGE with Porter stemming, as upstream computes it."})
+    do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy/beam decoding (seeded by --seed)."})
+    top_k: int | None = field(default=None, metadata={"help": "Sampling: keep the k most likely tokens."})
+    top_p: float | None = field(default=None, metadata={"help": "Sampling: nucleus probability mass."})
+
+    def __post_init__(self):
+        if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
+            self.train_file, self.validation_file, self.test_file = (
+                str(DEFAULT_DATA / f"{s}.json") for s in ("train", "validation", "test")
+            )
+        for name in ("train_file", "validation_file", "test_file"):
+            path = getattr(self, name)
+            if path is not None and path.rsplit(".", 1)[-1] not in ("json", "jsonl", "csv"):
+                raise InferenceSetupError(f"--{name} {path!r} must be a json, jsonl or csv file")
+        if self.val_max_target_length is None:
+            self.val_max_target_length = self.max_target_length
+
+
+def parse_args(argv: list[str]):
+    parser = InferenceArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments,
+                                      DeepSpeedInferenceArguments))
+    return (*parse_args_into_dataclasses(parser, argv), parser.legacy)
+
+
+def main(argv: list[str]) -> None:
+    model_args, data_args, training_args, inference_args, legacy = parse_args(argv)
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    log_level = training_args.get_process_log_level()
+    for lg in (logger, logging.getLogger("ds_inference_integration"), transformers.utils.logging.get_logger()):
+        lg.setLevel(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    logger.warning(
+        f"Process rank: {training_args.process_index}, device: {training_args.device}, "
+        f"world size: {training_args.world_size}, deepspeed_inference: {inference_args.deepspeed_inference}"
+    )
+    if legacy.get("overwrite_output_dir"):
+        logger.info("--overwrite_output_dir: results in %s are overwritten", training_args.output_dir)
+    set_seed(training_args.seed)
+
+    config = AutoConfig.from_pretrained(
+        model_args.config_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+    )
+    policy = None
+    if inference_args.deepspeed_inference:
+        # Policy file, schema and head counts are checked before the model loads.
+        policy = policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
+
+    # Data -----------------------------------------------------------------------------------------
+    with training_args.main_process_first(desc="load data"):
+        if data_args.dataset_name is not None:
+            raw_datasets = load_dataset(
+                data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir,
+                token=model_args.token,
+            )
+        else:
+            data_files = {}
+            for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file),
+                                ("test", data_args.test_file)):
+                if path is not None:
+                    if not Path(path).is_file():
+                        raise InferenceSetupError(f"--{split}_file {path!r} does not exist")
+                    with open(path, encoding="utf-8") as f:
+                        if not any(line.strip() for line in f):
+                            raise InferenceSetupError(f"--{split}_file {path!r} holds no examples; give at least one line")
+                    data_files[split] = path
+            kind = "csv" if next(iter(data_files.values())).endswith(".csv") else "json"
+            raw_datasets = load_dataset(kind, data_files=data_files, cache_dir=model_args.cache_dir)
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
+        use_fast=model_args.use_fast_tokenizer, revision=model_args.model_revision, token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    if config.decoder_start_token_id is None:
+        raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
+    # upstream resizes or refuses here too: a source longer than the model's positions would index past them
+    positions = getattr(config, "max_encoder_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+    if positions is not None and data_args.max_source_length > positions:
+        raise InferenceSetupError(f"--max_source_length {data_args.max_source_length} is longer than the model's "
+                                  f"{positions} positions; valid: at most {positions}")
+
+    prefix = data_args.source_prefix if data_args.source_prefix is not None else ""
+    if training_args.do_train:
+        column_names = raw_datasets["train"].column_names
+    elif training_args.do_eval:
+        column_names = raw_datasets["validation"].column_names
+    elif training_args.do_predict:
+        column_names = raw_datasets["test"].column_names
+    else:
+        logger.info("There is nothing to do. Please pass `do_train`, `do_eval` and/or `do_predict`.")
+        return
+
+    padding = "max_length" if data_args.pad_to_max_length else False
+    text_column = data_args.text_column or "document"
+    summary_column = data_args.summary_column or "summary"
+
+    def preprocess_function(examples, max_target_length):
+        inputs = [prefix + (text or "") for text in examples[text_column]]
+        lengths = [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
+        model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding=padding, truncation=True)
+        model_inputs["source_truncated"] = [n > data_args.max_source_length for n in lengths]
+        if summary_column in examples:
+            labels = tokenizer(text_target=examples[summary_column], max_length=max_target_length, padding=padding,
+                               truncation=True)
+            if padding == "max_length" and data_args.ignore_pad_token_for_loss:
+                labels["input_ids"] = [
+                    [(t if t != tokenizer.pad_token_id else -100) for t in label] for label in labels["input_ids"]
+                ]
+            model_inputs["labels"] = labels["input_ids"]
+        return model_inputs
+
+    def prepare(split: str, max_samples: int | None, max_target_length: int):
+        if split not in raw_datasets:
+            raise InferenceSetupError(f"{split!r} split missing: pass --{split}_file or a dataset that has it")
+        ds = raw_datasets[split]
+        check_columns(ds, split)
+        if max_samples is not None:
+            ds = ds.select(range(min(len(ds), max_samples)))
+        with training_args.main_process_first(desc=f"{split} dataset map pre-processing"):
+            ds = ds.map(
+                preprocess_function, batched=True, num_proc=data_args.preprocessing_num_workers,
+                remove_columns=column_names, load_from_cache_file=not data_args.overwrite_cache,
+                fn_kwargs={"max_target_length": max_target_length}, desc=f"Running tokenizer on {split} dataset",
+            )
+        truncated = sum(ds["source_truncated"])
+        if truncated:
+            logger.warning(f"{truncated} of {len(ds)} {split} sources are longer than --max_source_length "
+                           f"{data_args.max_source_length} tokens and were truncated")
+        return ds.remove_columns("source_truncated")
+
+    def check_columns(ds, split: str) -> None:
+        """Empty data, a missing column, or empty texts end here, in one line, before any model work."""
+        if len(ds) == 0:
+            raise InferenceSetupError(f"the {split} data holds no examples; give a file with at least one line")
+        for flag, column in (("--text_column", text_column), ("--summary_column", summary_column)):
+            if column not in ds.column_names and not (flag == "--summary_column" and split == "test"):
+                raise InferenceSetupError(f"{flag} {column!r} is not a column of the {split} data; "
+                                          f"columns: {', '.join(ds.column_names)}")
+        empty = sum(not (t or "").strip() for t in ds[text_column])
+        if empty:
+            raise InferenceSetupError(f"{empty} of {len(ds)} {split} examples have an empty {text_column!r}; "
+                                      "valid: a text in every example")
+        if summary_column not in ds.column_names:
+            logger.info(f"the test data has no {summary_column!r} column: predictions only, no ROUGE")
+        elif any(s is None for s in ds[summary_column]):
+            raise InferenceSetupError(f"{sum(s is None for s in ds[summary_column])} of {len(ds)} {split} examples "
+                                      f"have no {summary_column!r}; valid: every example has one"
+                                      f"{' or the column is absent (predictions only)' if split == 'test' else ''}")
+
+    train_dataset = prepare("train", data_args.max_train_samples, data_args.max_target_length) if training_args.do_train else None
+    eval_dataset = (prepare("validation", data_args.max_eval_samples, data_args.val_max_target_length)
+                    if training_args.do_eval else None)
+    predict_dataset = (prepare("test", data_args.max_predict_samples, data_args.val_max_target_length)
+                       if training_args.do_predict else None)
+
+    # The model loads only once arguments, policy and data have been checked.
+    # Under --deepspeed_inference each rank reads only its shard where the checkpoint allows (--loading).
+    model = load_model(
+        AutoModelForSeq2SeqLM, model_args.model_name_or_path, config=config, inference_args=inference_args,
+        training_args=training_args, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+        token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+    )
+    label_pad_token_id = -100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id
+    if data_args.pad_to_max_length:
+        data_collator = default_data_collator
+    else:
+        data_collator = DataCollatorForSeq2Seq(
+            tokenizer, model=model, label_pad_token_id=label_pad_token_id,
+            pad_to_multiple_of=8 if training_args.fp16 else None,
+        )
+
+    rouge = Rouge(use_stemmer=data_args.use_stemmer)
+
+    def compute_metrics(eval_preds):
+        preds, labels = eval_preds
+        if isinstance(preds, tuple):
+            preds = preds[0]
+        preds = np.where(preds != -100, preds, tokenizer.pad_token_id)
+        decoded_preds = [p.strip() for p in tokenizer.batch_decode(preds, skip_special_tokens=True)]
+        labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
+        decoded_labels = [label.strip() for label in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        prediction_lens = [int(np.count_nonzero(pred != tokenizer.pad_token_id)) for pred in preds]
+        return rouge.corpus(decoded_preds, decoded_labels, prediction_lens)
+
+    trainer = DeepSpeedInferenceSeq2SeqTrainer(
+        model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, data_collator=data_collator,
+        compute_metrics=compute_metrics if training_args.predict_with_generate else None,
+        inference_args=inference_args, policy=policy,
+    )
+    parallel = {"tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size}
+
+    if training_args.do_train:
+        train_result = trainer.train()
+        trainer.save_model()
+        metrics = train_result.metrics
+        metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+
+    max_length = training_args.generation_max_length or data_args.val_max_target_length
+    num_beams = data_args.num_beams if data_args.num_beams is not None else training_args.generation_num_beams
+    sampling = {k: v for k, v in (("do_sample", data_args.do_sample), ("top_k", data_args.top_k),
+                                  ("top_p", data_args.top_p)) if v}
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate(max_length=max_length, num_beams=num_beams, metric_key_prefix="eval", **sampling)
+        metrics["eval_samples"] = len(eval_dataset)
+        metrics.update(parallel)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+
+    if training_args.do_predict:
+        logger.info("*** Predict ***")
+        # Streamed: each batch's predictions reach disk as it finishes, and re-running this command after a
+        # crash continues where it stopped (--overwrite_output_dir starts afresh). Predictions first, metrics
+        # last, each file atomically: metrics on disk always describe written predictions.
+        metrics = trainer.predict_to_file(
+            predict_dataset, metric=rouge, metric_key_prefix="predict", fresh=bool(legacy.get("overwrite_output_dir")),
+            max_length=max_length, num_beams=num_beams, **sampling,
+        )
+        metrics.update(parallel)
+        trainer.log_metrics("predict", metrics)
+        trainer.save_metrics("predict", metrics)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, sys.argv[1:]))
