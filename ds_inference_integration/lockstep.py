@@ -12,11 +12,14 @@ from .topology import Topology
 
 
 def fingerprint(inputs: dict) -> torch.Tensor:
-    """A cheap summary of a batch (shapes and position-weighted sums of the integer tensors)."""
+    """A cheap summary of a batch (shapes and position-weighted sums of the integer tensors; for a float tensor,
+    speech features, the same sums of its values' bit patterns, so that equal inputs give equal sums exactly)."""
     parts = []
     for key in sorted(inputs):
         value = inputs[key]
-        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                value = value.detach().to(torch.float32).contiguous().view(torch.int32)
             flat = value.reshape(-1).to(torch.int64)
             weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
             parts += [*value.shape, int((flat * weights).sum()), int(flat.sum())]

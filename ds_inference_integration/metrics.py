@@ -220,3 +220,62 @@ def _summary_lcs_f(ref_sents: list[list[str]], can_sents: list[list[str]]) -> fl
                 can_counts[token] -= 1
                 ref_counts[token] -= 1
     return _f(hits, n, m)
+
+
+class WordErrorRate:
+    """Word error rate x 100 as upstream's run_speech_recognition_seq2seq.py reports it (`100 * wer`) and the mean
+    generated length.
+
+    Upstream loads `evaluate.load("wer")`, which wraps `jiwer`; neither is installable here. jiwer's corpus WER is
+    (substitutions + deletions + insertions) / (substitutions + deletions + hits), summed over the sentence pairs,
+    with words split on whitespace (its default transform strips and collapses spaces, nothing else). The errors
+    of a pair are the word-level Levenshtein distance (jiwer's minimal alignment), and substitutions + deletions +
+    hits is the reference's word count: so each example's statistics are (distance, reference words), summed."""
+
+    def stats(self, predictions: list[str], references: list[str] | None, token_counts: list[int]) -> list:
+        if any(isinstance(p, list) for p in predictions):
+            raise ValueError("WER needs one prediction per example; valid: num_return_sequences 1")
+        if references is None:
+            return [{"wer": None, "gen_len": int(n)} for n in token_counts]
+        return [{"wer": [word_edits(p, r), len(r.split())], "gen_len": int(n)}
+                for p, r, n in zip(predictions, references, token_counts)]
+
+    def add(self, totals: dict | None, stats: dict) -> dict:
+        totals = totals or {"wer": None, "gen_len": 0, "with_reference": 0}
+        totals["gen_len"] += stats["gen_len"]
+        if stats["wer"] is not None:
+            totals["with_reference"] += 1
+            old = totals["wer"] or [0, 0]
+            totals["wer"] = [old[0] + stats["wer"][0], old[1] + stats["wer"][1]]
+        return totals
+
+    def compute(self, totals: dict | None, n: int) -> dict:
+        if not totals or not n:
+            return {}
+        out = {}
+        if totals["wer"] is not None:
+            if totals["with_reference"] != n:
+                raise ValueError(f"{totals['with_reference']} of {n} examples have a reference: WER needs all or none")
+            errors, words = totals["wer"]
+            if not words:
+                raise ValueError("WER needs at least one reference word; the references are all empty")
+            out["wer"] = round(100 * errors / words, 4)
+        out["gen_len"] = round(totals["gen_len"] / n, 4)
+        return out
+
+    def corpus(self, predictions: list[str], references: list[str], token_counts: list[int]) -> dict:
+        totals = None
+        for s in self.stats(predictions, references, token_counts):
+            totals = self.add(totals, s)
+        return self.compute(totals, len(predictions))
+
+
+def word_edits(prediction: str, reference: str) -> int:
+    """Word-level Levenshtein distance: the fewest substitutions, deletions and insertions."""
+    hyp, ref = prediction.split(), reference.split()
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1]

@@ -118,7 +118,7 @@ class RunIdentity:
         return {"model": self.model, "data": self.data, "layout": self.layout, "generation": self.generation}
 
 
-def fingerprint_rows(dataset, columns=("input_ids", "labels")) -> str:
+def fingerprint_rows(dataset, columns=("input_ids", "input_features", "labels")) -> str:
     """sha256 of the model inputs and references, read 1000 rows at a time (flat memory). Content, not
     `datasets`' own fingerprint: that one is random when a map function cannot be hashed."""
     h = hashlib.sha256()

@@ -210,7 +210,8 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
            "test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it": 44,
            "test_every_architecture_matches_the_unsharded_model[2]": 55,
            "test_presharded_predictions_equal_the_source": 37, "test_unlisted_architectures_get_a_derived_policy": 38,
-           "test_summarization_at_tp2_and_dp2_x_tp2_equals_one_process[t5]": 60}
+           "test_summarization_at_tp2_and_dp2_x_tp2_equals_one_process": 45,
+           "test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process": 60}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -235,3 +236,25 @@ def _processes_only_where_marked(request, monkeypatch):
                     "add the helper that starts it to _STARTS_PROCESSES in tests/conftest.py")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+def save_tiny_whisper(path: Path) -> Path:
+    """A tiny random Whisper-style model (1 s windows: 100 log-mel frames of 16 bins) with the embedded word-level
+    tokenizer and its own feature extractor, saved under `path`."""
+    import torch
+    from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    config = WhisperConfig(vocab_size=len(tok), d_model=64, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                           decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=50, max_target_positions=64,
+                           pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0, init_std=0.5,
+                           suppress_tokens=None, begin_suppress_tokens=None)
+    model = WhisperForConditionalGeneration(config)
+    model.generation_config.max_length = 16
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=1,
+                            n_fft=400).save_pretrained(path)
+    return path
