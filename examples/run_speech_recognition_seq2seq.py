@@ -206,7 +206,10 @@ def main(argv: list[str]) -> None:
     model.generation_config.forced_decoder_ids = None  # a transcription task, no language tokens forced
 
     def collate(rows):
-        batch = {"input_features": torch.tensor(np.stack([r["input_features"] for r in rows]), dtype=torch.float32)}
+        # padded by the feature extractor, as upstream's DataCollatorSpeechSeq2SeqWithPadding does (Whisper's are
+        # all one window long; other extractors give clips of different lengths and an attention mask)
+        batch = dict(feature_extractor.pad([{"input_features": r["input_features"]} for r in rows], return_tensors="pt"))
+        batch["input_features"] = batch["input_features"].to(torch.float32)
         if "labels" in rows[0]:
             width = max(len(r["labels"]) for r in rows)
             batch["labels"] = torch.tensor([r["labels"] + [-100] * (width - len(r["labels"])) for r in rows])
