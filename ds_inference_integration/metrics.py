@@ -64,7 +64,44 @@ class GeneratedTokens:
         return {"new_tokens": int(totals or 0)}
 
 
-class Rouge:
+class _SummedStatistics:
+    """A metric whose per-example statistics are summed (`key`: the statistics' name in each example's record;
+    `_sum` adds two of them, `_score` turns the sum over n examples into the reported figures), with the mean
+    generated length beside it; `corpus` gives the same numbers over a whole set in memory."""
+
+    key = ""
+    name = ""
+
+    def add(self, totals: dict | None, stats: dict) -> dict:
+        totals = totals or {self.key: None, "gen_len": 0, "with_reference": 0}
+        totals["gen_len"] += stats["gen_len"]
+        if stats[self.key] is not None:
+            totals["with_reference"] += 1
+            old = totals[self.key]
+            totals[self.key] = stats[self.key] if old is None else self._sum(old, stats[self.key])
+        return totals
+
+    def compute(self, totals: dict | None, n: int) -> dict:
+        if not totals or not n:
+            return {}
+        out = {}
+        if totals[self.key] is not None:
+            if totals["with_reference"] != n:
+                raise ValueError(f"{totals['with_reference']} of {n} examples have a reference: {self.name} needs "
+                                 "all or none")
+            out = self._score(totals[self.key], n)
+        out["gen_len"] = round(totals["gen_len"] / n, 4)
+        return out
+
+    def corpus(self, predictions: list[str], references: list[str], token_counts: list[int]) -> dict:
+        """The same numbers over a whole set in memory (what `compute_metrics` of an evaluate call returns)."""
+        totals = None
+        for s in self.stats(predictions, references, token_counts):
+            totals = self.add(totals, s)
+        return self.compute(totals, len(predictions))
+
+
+class Rouge(_SummedStatistics):
     """ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum F-measures (x 100, rounded to 4 digits, as upstream's
     run_summarization.py reports them) and the mean generated length.
 
@@ -79,6 +116,7 @@ class Rouge:
     resamples, and so differs from it in the last digits)."""
 
     KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+    key, name = "rouge", "ROUGE"
 
     def __init__(self, use_stemmer: bool = True):
         import logging
@@ -127,32 +165,11 @@ class Rouge:
             return [{"rouge": None, "gen_len": int(n)} for n in token_counts]
         return [{"rouge": self.scores(p, r), "gen_len": int(n)} for p, r, n in zip(predictions, references, token_counts)]
 
-    def add(self, totals: dict | None, stats: dict) -> dict:
-        totals = totals or {"rouge": None, "gen_len": 0, "with_reference": 0}
-        totals["gen_len"] += stats["gen_len"]
-        if stats["rouge"] is not None:
-            totals["with_reference"] += 1
-            old = totals["rouge"] or {k: 0.0 for k in self.KEYS}
-            totals["rouge"] = {k: old[k] + stats["rouge"][k] for k in self.KEYS}
-        return totals
+    def _sum(self, a: dict, b: dict) -> dict:
+        return {k: a[k] + b[k] for k in self.KEYS}
 
-    def compute(self, totals: dict | None, n: int) -> dict:
-        if not totals or not n:
-            return {}
-        out = {}
-        if totals["rouge"] is not None:
-            if totals["with_reference"] != n:
-                raise ValueError(f"{totals['with_reference']} of {n} examples have a reference: ROUGE needs all or none")
-            out = {k: round(totals["rouge"][k] / n * 100, 4) for k in self.KEYS}
-        out["gen_len"] = round(totals["gen_len"] / n, 4)
-        return out
-
-    def corpus(self, predictions: list[str], references: list[str], token_counts: list[int]) -> dict:
-        """The same numbers over a whole set in memory (what `compute_metrics` of an evaluate call returns)."""
-        totals = None
-        for s in self.stats(predictions, references, token_counts):
-            totals = self.add(totals, s)
-        return self.compute(totals, len(predictions))
+    def _score(self, total: dict, n: int) -> dict:
+        return {k: round(total[k] / n * 100, 4) for k in self.KEYS}
 
 
 def _f(hits: int, n_pred: int, n_ref: int) -> float:
@@ -222,7 +239,7 @@ def _summary_lcs_f(ref_sents: list[list[str]], can_sents: list[list[str]]) -> fl
     return _f(hits, n, m)
 
 
-class WordErrorRate:
+class WordErrorRate(_SummedStatistics):
     """Word error rate x 100 as upstream's run_speech_recognition_seq2seq.py reports it (`100 * wer`) and the mean
     generated length.
 
@@ -232,6 +249,8 @@ class WordErrorRate:
     of a pair are the word-level Levenshtein distance (jiwer's minimal alignment), and substitutions + deletions +
     hits is the reference's word count: so each example's statistics are (distance, reference words), summed."""
 
+    key, name = "wer", "WER"
+
     def stats(self, predictions: list[str], references: list[str] | None, token_counts: list[int]) -> list:
         if any(isinstance(p, list) for p in predictions):
             raise ValueError("WER needs one prediction per example; valid: num_return_sequences 1")
@@ -240,34 +259,14 @@ class WordErrorRate:
         return [{"wer": [word_edits(p, r), len(r.split())], "gen_len": int(n)}
                 for p, r, n in zip(predictions, references, token_counts)]
 
-    def add(self, totals: dict | None, stats: dict) -> dict:
-        totals = totals or {"wer": None, "gen_len": 0, "with_reference": 0}
-        totals["gen_len"] += stats["gen_len"]
-        if stats["wer"] is not None:
-            totals["with_reference"] += 1
-            old = totals["wer"] or [0, 0]
-            totals["wer"] = [old[0] + stats["wer"][0], old[1] + stats["wer"][1]]
-        return totals
+    def _sum(self, a: list, b: list) -> list:
+        return [a[0] + b[0], a[1] + b[1]]
 
-    def compute(self, totals: dict | None, n: int) -> dict:
-        if not totals or not n:
-            return {}
-        out = {}
-        if totals["wer"] is not None:
-            if totals["with_reference"] != n:
-                raise ValueError(f"{totals['with_reference']} of {n} examples have a reference: WER needs all or none")
-            errors, words = totals["wer"]
-            if not words:
-                raise ValueError("WER needs at least one reference word; the references are all empty")
-            out["wer"] = round(100 * errors / words, 4)
-        out["gen_len"] = round(totals["gen_len"] / n, 4)
-        return out
-
-    def corpus(self, predictions: list[str], references: list[str], token_counts: list[int]) -> dict:
-        totals = None
-        for s in self.stats(predictions, references, token_counts):
-            totals = self.add(totals, s)
-        return self.compute(totals, len(predictions))
+    def _score(self, total: list, n: int) -> dict:
+        errors, words = total
+        if not words:
+            raise ValueError("WER needs at least one reference word; the references are all empty")
+        return {"wer": round(100 * errors / words, 4)}
 
 
 def word_edits(prediction: str, reference: str) -> int:
