@@ -18,6 +18,7 @@ the layer is still split.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -28,7 +29,7 @@ from torch import nn
 from .deepspeed_compat import autotp_row_parallel, head_grain
 from .errors import InferenceSetupError
 from .experts import is_packed_experts
-from .policy import AttentionSpec, Policy, is_linear, layer_classes
+from .policy import AttentionSpec, Policy, is_linear, layer_classes, names_module
 
 # Config attributes holding the query and key/value head counts, in the order they are looked for.
 QUERY_HEAD_ATTRIBUTES = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads")
@@ -101,7 +102,7 @@ def derive_row_parallel(model: nn.Module) -> dict[str, tuple[str, ...]]:
             continue
         named = {e.split(":", 1)[1] for e in plan.get(name, ())}
         rows = {e.split(":", 1)[1] for e in plan.get(name, ()) if e.startswith("row:")}
-        rows |= {k for k in autotp.get(name, ()) if not any(p == k or p.endswith("." + k) for p in named)}
+        rows |= {k for k in autotp.get(name, ()) if not any(names_module(k, p) for p in named)}
         if rows:
             layers[name] = tuple(sorted(rows))
     if not layers and not derive_experts(model):
@@ -145,19 +146,21 @@ def _fused_layout(attention: nn.Module, config: object, q: int, kv: int) -> str:
         return "grouped"
     if kv < q:
         return "qkv"
+    return "per_head" if _PER_HEAD_VIEW.search(_class_source(type(attention))) else "qkv"
+
+
+@functools.lru_cache(maxsize=None)
+def _class_source(cls: type) -> str:
+    """The class's own code ("" where Python has none to give), read once per class."""
     try:
-        source = inspect.getsource(type(attention))
+        return inspect.getsource(cls)
     except (OSError, TypeError):
-        source = ""
-    return "per_head" if _PER_HEAD_VIEW.search(source) else "qkv"
+        return ""
 
 
 def _source_names(cls: type) -> tuple[set[str], set[str]]:
     """Attributes (of the module, of its config) the class's own code reads."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return set(), set()
+    source = _class_source(cls)
     return set(re.findall(r"self\.(\w+)", source)), set(re.findall(r"self\.config\.(\w+)", source))
 
 

@@ -85,9 +85,11 @@ def _all_reduce_output(group):
 
 
 def experts_modules(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
+    from .policy import names_module
+
     found = []
     for name, module in layer.named_modules():
-        if name and any(name == p or name.endswith("." + p) for p in paths):
+        if name and any(names_module(p, name) for p in paths):
             if not is_packed_experts(module):
                 raise InferenceSetupError(f"experts {name!r} in {type(layer).__name__} holds no packed gate_up_proj "
                                           "and down_proj parameters")

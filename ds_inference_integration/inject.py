@@ -27,7 +27,7 @@ from .deepspeed_compat import (
 )
 from .derivation import derive_policy
 from .experts import experts_modules, split_experts
-from .policy import DERIVE, Policy, build_injection_policy
+from .policy import DERIVE, Policy, build_injection_policy, names_module
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def replicate_modules(layers: list[nn.Module], policy: Policy) -> int:
                 continue
             for path in paths:
                 for hit, module in list(layer.named_modules()):
-                    if hit and (hit == path or hit.endswith("." + path)):
+                    if hit and names_module(path, hit):
                         found.add((pattern, path))
                         for name, child in list(module.named_modules()):
                             if name and isinstance(child, nn.Linear):

@@ -246,6 +246,11 @@ def policy_for_run(spec: str, config: object, tp_size: int) -> Policy | str | No
     return policy
 
 
+def names_module(name: str, path: str) -> bool:
+    """Whether a policy entry `name` names the module at `path` inside a layer: a whole-component suffix."""
+    return path == name or path.endswith("." + name)
+
+
 def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
@@ -287,7 +292,7 @@ def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple
             linears = sorted(p for p, m in modules.items() if is_linear(m))
             keys = []
             for name in names:
-                hits = [p for p in modules if p == name or p.endswith("." + name)]
+                hits = [p for p in modules if names_module(name, p)]
                 if not hits:
                     raise InferenceSetupError(
                         f"policy {policy.source}: {name!r} names no module inside {cls.__name__} of {model_name}; "
@@ -302,7 +307,7 @@ def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple
                 keys.extend(_deepspeed_key(p) for p in hits)
             keys = tuple(sorted(set(keys)))
             # DeepSpeed matches by key alone: a key must not also catch a linear the policy did not name.
-            named = {p for name in names for p in linears if p == name or p.endswith("." + name)}
+            named = {p for name in names for p in linears if names_module(name, p)}
             extra = [p for p in linears if _deepspeed_key(p) in keys and p not in named]
             if extra:
                 raise InferenceSetupError(

@@ -189,17 +189,21 @@ def _run_model_naming_failures(model, inputs, patterns, torch) -> dict:
             h.remove()
 
 
+def _weight_bytes(modules) -> int:
+    """Bytes of the weights (2-D and up: linears, packed experts) of `modules`, each tensor counted once."""
+    seen, total = set(), 0
+    for m in modules:
+        for p in m.parameters():
+            if p.ndim >= 2 and id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
+
+
 def _layer_weight_bytes(model, patterns) -> int:
     import fnmatch
 
-    seen, total = set(), 0
-    for m in model.modules():
-        if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
-            for p in m.parameters():
-                if p.ndim >= 2 and id(p) not in seen:  # 3-D: packed experts
-                    seen.add(id(p))
-                    total += p.numel() * p.element_size()
-    return total
+    return _weight_bytes(m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns))
 
 
 def _policy_name(policy) -> str:
@@ -216,22 +220,16 @@ def _policy_name(policy) -> str:
 
 
 def _replicated_bytes(model, policy) -> int:
-    """Bytes of the 2-D weights under the modules a policy keeps whole (`replicated`), in this rank's model."""
+    """Bytes of the weights under the modules a policy keeps whole (`replicated`), in this rank's model."""
     import fnmatch
+
+    from ..policy import names_module
 
     if policy is None or not getattr(policy, "replicated", None):
         return 0
-    seen, total = set(), 0
-    for layer in model.modules():
-        for pattern, paths in policy.replicated.items():
-            if fnmatch.fnmatchcase(type(layer).__name__, pattern):
-                for name, module in layer.named_modules():
-                    if name and any(name == p or name.endswith("." + p) for p in paths):
-                        for param in module.parameters():
-                            if param.ndim == 2 and id(param) not in seen:
-                                seen.add(id(param))
-                                total += param.numel() * param.element_size()
-    return total
+    return _weight_bytes(module for layer in model.modules() for pattern, paths in policy.replicated.items()
+                         if fnmatch.fnmatchcase(type(layer).__name__, pattern)
+                         for name, module in layer.named_modules() if name and any(names_module(p, name) for p in paths))
 
 
 def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list[dict],
