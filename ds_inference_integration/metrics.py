@@ -103,60 +103,54 @@ class _SummedStatistics:
 
 class Rouge(_SummedStatistics):
     """ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum F-measures (x 100, rounded to 4 digits, as upstream's
-    run_summarization.py reports them) and the mean generated length.
+    run_summarization.py reports them) and the mean generated length, computed by `rouge_score`, the package
+    behind upstream's `evaluate.load("rouge")`, the way evaluate's rouge script calls it: a `RougeScorer` over
+    the four types scores each (reference, prediction) pair, and a `BootstrapAggregator` given every example's
+    scores in input order reports the `mid` F-measure of each type.
 
-    Upstream loads `evaluate.load("rouge")`, which wraps Google's `rouge_score` package. Neither is installable
-    here (no network, and the project's package index has neither), so the same scores are computed here, by
-    rouge_score's own rules: its tokenizer (lower case, every run of characters other than a-z and 0-9 a
-    separator, Porter stemming of tokens longer than 3 with `use_stemmer`, which upstream passes), F-measure
-    2PR / (P + R), the LCS for ROUGE-L, and for ROUGE-Lsum its summary-level union LCS over the newline-split
-    sentences. Where `evaluate` and its rouge script load, they are used instead, per example
-    (`use_aggregator=False`), with one log line saying which. Each example's four F-measures are its
-    statistics; the corpus score is their mean (evaluate's bootstrap aggregator estimates the same mean from
-    resamples, and so differs from it in the last digits)."""
+    Why not through `evaluate` itself: `evaluate.load("rouge")` fetches its script from the Hub, which a run
+    here cannot reach, and a streamed or resumed predict keeps per-example statistics, which the script does
+    not hand out (with `use_aggregator=False` it returns F-measures only; the aggregator resamples precision,
+    recall and F-measure). So each example's statistics are its scores from `RougeScorer.score`, stored beside
+    its prediction, and the aggregation runs once at the end. tests/test_summarization.py checks the result
+    equals evaluate's rouge wherever that loads, and the package called in one go always.
+
+    The bootstrap draws from numpy's global generator, which upstream leaves wherever the run left it (so its
+    last digits differ between runs); here it is seeded with `seed` for the aggregation and restored after, so
+    one process, tp N and a resumed run report the same numbers."""
 
     KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
     key, name = "rouge", "ROUGE"
 
-    def __init__(self, use_stemmer: bool = True):
+    def __init__(self, use_stemmer: bool = True, seed: int = 42, split_sentences: bool = True):
         import logging
 
-        self.use_stemmer = use_stemmer
-        self.stem = None
-        if use_stemmer:
-            from nltk.stem import porter  # what rouge_score stems with
+        from rouge_score import rouge_scorer
 
-            self.stem = porter.PorterStemmer().stem
-        self.evaluate = None
-        try:
-            import evaluate
+        self.scorer = rouge_scorer.RougeScorer(list(self.KEYS), use_stemmer=use_stemmer)
+        self.seed = seed
+        log = logging.getLogger(__name__)
+        log.info("ROUGE is computed with rouge_score (what evaluate's rouge script wraps), per example, then its "
+                 "bootstrap aggregator seeded with %d", seed)
+        # ROUGE-Lsum scores sentence by sentence, one per line: upstream's run_summarization.py puts each sentence
+        # nltk's punkt splitter finds on its own line first. punkt's data is a download nltk does not ship
+        # (upstream fetches it at start); without it a text's own lines are its sentences, said in one line.
+        self.sentences = None
+        if split_sentences:
+            import nltk
 
-            self.evaluate = evaluate.load("rouge")
-            how = "with evaluate's rouge metric"
-        except Exception as e:  # not installed, or its script cannot be fetched offline
-            how = f"locally by rouge_score's rules (evaluate's rouge could not be loaded: {type(e).__name__})"
-        logging.getLogger(__name__).warning("ROUGE is computed %s", how)
+            try:
+                nltk.data.find("tokenizers/punkt_tab")
+                self.sentences = nltk.sent_tokenize
+            except LookupError:
+                log.warning("rougeLsum: nltk's punkt sentence splitter is not installed (python -m nltk.downloader "
+                            "punkt_tab), so each text's lines are its sentences")
 
-    def tokens(self, text: str) -> list[str]:
-        import re
-
-        words = re.split(r"\s+", re.sub(r"[^a-z0-9]+", " ", text.lower()))
-        if self.stem is not None:
-            words = [self.stem(w) if len(w) > 3 else w for w in words]
-        return [w for w in words if re.match(r"^[a-z0-9]+$", w)]
-
-    def scores(self, prediction: str, reference: str) -> dict[str, float]:
-        if self.evaluate is not None:
-            out = self.evaluate.compute(predictions=[prediction], references=[reference], use_aggregator=False,
-                                        use_stemmer=self.use_stemmer)
-            return {k: float(out[k][0]) for k in self.KEYS}
-        p, r = self.tokens(prediction), self.tokens(reference)
-        out = {"rouge1": _ngram_f(p, r, 1), "rouge2": _ngram_f(p, r, 2)}
-        out["rougeL"] = _f(*_lcs_hits(r, p, len(p), len(r)))
-        ps = [self.tokens(s) for s in prediction.split("\n")]
-        rs = [self.tokens(s) for s in reference.split("\n")]
-        out["rougeLsum"] = _summary_lcs_f([s for s in rs if s], [s for s in ps if s])
-        return out
+    def scores(self, prediction: str, reference: str) -> dict[str, list[float]]:
+        """One pair's [precision, recall, F-measure] per type, as `RougeScorer.score(target, prediction)` gives."""
+        if self.sentences is not None:
+            prediction, reference = ("\n".join(self.sentences(t.strip())) for t in (prediction, reference))
+        return {k: [float(x) for x in v] for k, v in self.scorer.score(reference, prediction).items()}
 
     def stats(self, predictions: list[str], references: list[str] | None, token_counts: list[int]) -> list:
         if any(isinstance(p, list) for p in predictions):
@@ -165,89 +159,43 @@ class Rouge(_SummedStatistics):
             return [{"rouge": None, "gen_len": int(n)} for n in token_counts]
         return [{"rouge": self.scores(p, r), "gen_len": int(n)} for p, r, n in zip(predictions, references, token_counts)]
 
-    def _sum(self, a: dict, b: dict) -> dict:
-        return {k: a[k] + b[k] for k in self.KEYS}
+    def add(self, totals: dict | None, stats: dict) -> dict:
+        """Keeps every example's scores, in the order they are added (the caller's: input order), because the
+        bootstrap's resamples depend on it; 12 floats an example."""
+        totals = totals or {self.key: None, "gen_len": 0, "with_reference": 0}
+        totals["gen_len"] += stats["gen_len"]
+        if stats[self.key] is not None:
+            totals["with_reference"] += 1
+            if totals[self.key] is None:
+                totals[self.key] = []
+            totals[self.key].append(stats[self.key])
+        return totals
 
-    def _score(self, total: dict, n: int) -> dict:
-        return {k: round(total[k] / n * 100, 4) for k in self.KEYS}
+    def _score(self, every: list[dict], n: int) -> dict:
+        import numpy as np
+        from rouge_score import scoring
 
-
-def _f(hits: int, n_pred: int, n_ref: int) -> float:
-    """rouge_score's F-measure of `hits` matched of `n_pred` predicted and `n_ref` reference units."""
-    precision = hits / n_pred if n_pred else 0.0
-    recall = hits / n_ref if n_ref else 0.0
-    return 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
-
-
-def _ngram_f(pred: list[str], ref: list[str], n: int) -> float:
-    from collections import Counter
-
-    p = Counter(tuple(pred[i:i + n]) for i in range(len(pred) - n + 1))
-    r = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
-    hits = sum(min(c, r[g]) for g, c in p.items())
-    return _f(hits, sum(p.values()), sum(r.values()))
-
-
-def _lcs_table(ref: list[str], can: list[str]) -> list[list[int]]:
-    table = [[0] * (len(can) + 1) for _ in range(len(ref) + 1)]
-    for i in range(1, len(ref) + 1):
-        for j in range(1, len(can) + 1):
-            table[i][j] = table[i - 1][j - 1] + 1 if ref[i - 1] == can[j - 1] else max(table[i - 1][j], table[i][j - 1])
-    return table
-
-
-def _lcs_hits(ref: list[str], can: list[str], n_pred: int, n_ref: int) -> tuple[int, int, int]:
-    return _lcs_table(ref, can)[-1][-1] if ref and can else 0, n_pred, n_ref
-
-
-def _lcs_indices(ref: list[str], can: list[str]) -> list[int]:
-    """Positions in `ref` of one longest common subsequence, backtracked as rouge_score's _backtrack_norec."""
-    table = _lcs_table(ref, can)
-    i, j, found = len(ref), len(can), []
-    while i > 0 and j > 0:
-        if ref[i - 1] == can[j - 1]:
-            found.insert(0, i - 1)
-            i, j = i - 1, j - 1
-        elif table[i][j - 1] > table[i - 1][j]:
-            j -= 1
-        else:
-            i -= 1
-    return found
-
-
-def _summary_lcs_f(ref_sents: list[list[str]], can_sents: list[list[str]]) -> float:
-    """rouge_score's summary-level LCS (ROUGE-Lsum): for each reference sentence the union of its LCS with every
-    candidate sentence, each token counted at most as often as it occurs on either side."""
-    from collections import Counter
-
-    m, n = sum(map(len, ref_sents)), sum(map(len, can_sents))
-    if not m or not n:
-        return 0.0
-    ref_counts, can_counts = Counter(), Counter()
-    for s in ref_sents:
-        ref_counts.update(s)
-    for s in can_sents:
-        can_counts.update(s)
-    hits = 0
-    for ref in ref_sents:
-        union = sorted(set().union(*[set(_lcs_indices(ref, c)) for c in can_sents]))
-        for token in (ref[i] for i in union):
-            if can_counts[token] > 0 and ref_counts[token] > 0:
-                hits += 1
-                can_counts[token] -= 1
-                ref_counts[token] -= 1
-    return _f(hits, n, m)
+        aggregator = scoring.BootstrapAggregator()
+        for example in every:
+            aggregator.add_scores({k: scoring.Score(*v) for k, v in example.items()})
+        state = np.random.get_state()
+        np.random.seed(self.seed)
+        try:
+            result = aggregator.aggregate()
+        finally:
+            np.random.set_state(state)
+        return {k: round(float(result[k].mid.fmeasure) * 100, 4) for k in self.KEYS}
 
 
 class WordErrorRate(_SummedStatistics):
     """Word error rate x 100 as upstream's run_speech_recognition_seq2seq.py reports it (`100 * wer`) and the mean
-    generated length.
-
-    Upstream loads `evaluate.load("wer")`, which wraps `jiwer`; neither is installable here. jiwer's corpus WER is
-    (substitutions + deletions + insertions) / (substitutions + deletions + hits), summed over the sentence pairs,
-    with words split on whitespace (its default transform strips and collapses spaces, nothing else). The errors
-    of a pair are the word-level Levenshtein distance (jiwer's minimal alignment), and substitutions + deletions +
-    hits is the reference's word count: so each example's statistics are (distance, reference words), summed."""
+    generated length, computed by `jiwer`, the package behind upstream's `evaluate.load("wer")`, the way
+    evaluate's wer script calls it: per (reference, prediction) pair its substitutions + deletions + insertions
+    and substitutions + deletions + hits (the reference's words), summed over the pairs, then divided. Those two
+    counts are each example's statistics (`jiwer.process_words`, jiwer's default transform, as the script's
+    `compute_measures`, which jiwer 4 renamed). evaluate's script itself is not loaded, for the reasons given
+    under `Rouge`; tests/test_speech.py checks the result equals it wherever it loads, and `jiwer.wer` over the
+    whole lists always."""
 
     key, name = "wer", "WER"
 
@@ -256,8 +204,7 @@ class WordErrorRate(_SummedStatistics):
             raise ValueError("WER needs one prediction per example; valid: num_return_sequences 1")
         if references is None:
             return [{"wer": None, "gen_len": int(n)} for n in token_counts]
-        return [{"wer": [word_edits(p, r), len(r.split())], "gen_len": int(n)}
-                for p, r, n in zip(predictions, references, token_counts)]
+        return [{"wer": list(word_errors(p, r)), "gen_len": int(n)} for p, r, n in zip(predictions, references, token_counts)]
 
     def _sum(self, a: list, b: list) -> list:
         return [a[0] + b[0], a[1] + b[1]]
@@ -269,12 +216,9 @@ class WordErrorRate(_SummedStatistics):
         return {"wer": round(100 * errors / words, 4)}
 
 
-def word_edits(prediction: str, reference: str) -> int:
-    """Word-level Levenshtein distance: the fewest substitutions, deletions and insertions."""
-    hyp, ref = prediction.split(), reference.split()
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1]
+def word_errors(prediction: str, reference: str) -> tuple[int, int]:
+    """(substitutions + deletions + insertions, reference words) of one pair, by jiwer's minimal alignment."""
+    import jiwer
+
+    out = jiwer.process_words(reference, prediction)
+    return out.substitutions + out.deletions + out.insertions, out.substitutions + out.deletions + out.hits

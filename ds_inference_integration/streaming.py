@@ -118,7 +118,7 @@ class RunIdentity:
         return {"model": self.model, "data": self.data, "layout": self.layout, "generation": self.generation}
 
 
-def fingerprint_rows(dataset, columns=("input_ids", "input_features", "labels")) -> str:
+def fingerprint_rows(dataset, columns=("input_ids", "input_features", "input_values", "labels")) -> str:
     """sha256 of the model inputs and references, read 1000 rows at a time (flat memory). Content, not
     `datasets`' own fingerprint: that one is random when a map function cannot be hashed."""
     h = hashlib.sha256()
@@ -222,8 +222,6 @@ def merge_parts(parts_dir: Path, dp_size: int, n: int, output: Path, metric=None
                 problem = "out of range" if not 0 <= i < n else "duplicated"
                 raise RuntimeError(f"{part_path(parts_dir, r)}: example {i} is {problem}")
             where_part[i], where_offset[i] = r, offset
-            if metric is not None:
-                totals = metric.add(totals, rec.get("s"))
     missing = [i for i in range(n) if where_part[i] == -1]
     if missing:
         raise RuntimeError(f"{len(missing)} of {n} examples have no prediction in {parts_dir} (first: {missing[0]})")
@@ -233,7 +231,10 @@ def merge_parts(parts_dir: Path, dp_size: int, n: int, output: Path, metric=None
             for i in range(n):
                 f = files[where_part[i]]
                 f.seek(where_offset[i])
-                prediction = json.loads(f.readline())["p"]
+                rec = json.loads(f.readline())
+                if metric is not None:  # in input order: ROUGE's bootstrap resamples depend on it
+                    totals = metric.add(totals, rec.get("s"))
+                prediction = rec["p"]
                 for text in (prediction if isinstance(prediction, list) else [prediction]):
                     out.write(text + "\n")
     finally:

@@ -79,21 +79,48 @@ def _first_tensor(value):
     return value
 
 
+SPEECH_INPUTS = ("input_features", "input_values")
+
+
+def main_input_name(model: nn.Module) -> str:
+    """What the model's forward reads first: its `main_input_name`, or, for a SpeechEncoderDecoderModel (whose
+    own is the generic "inputs"), its encoder's (`input_values` for wav2vec2, `input_features` for Whisper)."""
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "inputs" and hasattr(model, "get_encoder"):
+        name = getattr(model.get_encoder(), "main_input_name", name)
+    return name
+
+
+def random_speech_inputs(config, name: str, batch: int, generator: torch.Generator) -> dict:
+    """Random audio inputs of the shape a model with `config` and main input `name` reads, for a probe forward:
+    Whisper-style log-mel frames ([batch, mel bins, 2 x max_source_positions]), Speech2Text-style frames
+    ([batch, frames, features per frame]) or raw samples (`input_values`, a wav2vec2-style encoder). One
+    `InferenceSetupError` for any other."""
+    encoder = getattr(config, "encoder", config)  # a SpeechEncoderDecoderModel's encoder config
+    if name == "input_values":
+        return {name: torch.randn((batch, 4000), generator=generator)}  # 0.25 s at 16 kHz
+    if name == "input_features" and hasattr(encoder, "num_mel_bins") and hasattr(encoder, "max_source_positions"):
+        return {name: torch.randn((batch, encoder.num_mel_bins, 2 * encoder.max_source_positions), generator=generator)}
+    if name == "input_features" and hasattr(encoder, "input_feat_per_channel"):
+        width = encoder.input_feat_per_channel * getattr(encoder, "input_channels", 1)
+        frames = min(64, 4 * getattr(encoder, "max_source_positions", 16))  # its convolutions subsample by 4
+        return {name: torch.randn((batch, frames, width), generator=generator)}
+    raise InferenceSetupError(f"{config.model_type}: no probe input is known for its {name!r}; "
+                              "known: token ids, Whisper- and Speech2Text-style log-mel features, raw samples")
+
+
 def _probe_inputs(model: nn.Module, device) -> dict:
     config = model.config
-    if getattr(model, "main_input_name", "input_ids") == "input_features":  # speech: Whisper-style log-mel frames
-        g = torch.Generator().manual_seed(0)
-        frames = 2 * getattr(config, "max_source_positions", PROBE_TOKENS)
-        features = torch.randn((1, config.num_mel_bins, frames), generator=g).to(device)
-        start = config.decoder_start_token_id if config.decoder_start_token_id is not None else 0
-        return {"input_features": features, "decoder_input_ids": torch.full((1, 4), start, device=device),
-                "use_cache": False}
-    vocab = getattr(config.get_text_config(), "vocab_size", None) or 32
     g = torch.Generator().manual_seed(0)
+    start = config.decoder_start_token_id if getattr(config, "decoder_start_token_id", None) is not None else 0
+    name = main_input_name(model)
+    if name in SPEECH_INPUTS:
+        inputs = {k: v.to(device) for k, v in random_speech_inputs(config, name, 1, g).items()}
+        return {**inputs, "decoder_input_ids": torch.full((1, 4), start, device=device), "use_cache": False}
+    vocab = getattr(config.get_text_config(), "vocab_size", None) or 32
     ids = torch.randint(min(3, vocab - 1), vocab, (1, PROBE_TOKENS), generator=g).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
     if getattr(config, "is_encoder_decoder", False):
-        start = config.decoder_start_token_id if config.decoder_start_token_id is not None else 0
         inputs["decoder_input_ids"] = torch.cat([torch.full((1, 1), start, device=device), ids[:, :3]], dim=1)
     return inputs
 

@@ -154,6 +154,9 @@ def main(argv: list[str]) -> None:
         model_args.feature_extractor_name or model_args.model_name_or_path, **hub)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub)
     rate = feature_extractor.sampling_rate
+    # what the model reads: log-mel frames (`input_features`: Whisper, Speech2Text) or the samples themselves
+    # (`input_values`: a wav2vec2 encoder in a SpeechEncoderDecoderModel), as upstream's `model_input_name`
+    input_name = feature_extractor.model_input_names[0]
 
     # Data: every clip checked before the model loads -----------------------------------------------------
     splits = {"validation": (data_args.validation_file, data_args.max_eval_samples, training_args.do_eval),
@@ -187,8 +190,7 @@ def main(argv: list[str]) -> None:
 
     def features(ds, paths):
         texts = ds[data_args.text_column_name] if data_args.text_column_name in ds.column_names else None
-        rows = {"input_features": [feature_extractor(read_clip(p, rate), sampling_rate=rate).input_features[0]
-                                   for p in paths]}
+        rows = {input_name: [feature_extractor(read_clip(p, rate), sampling_rate=rate)[input_name][0] for p in paths]}
         if texts is not None:
             texts = [t.lower() if data_args.do_lower_case else t for t in texts]
             rows["labels"] = tokenizer(texts, max_length=data_args.max_target_length, truncation=True)["input_ids"]
@@ -208,8 +210,8 @@ def main(argv: list[str]) -> None:
     def collate(rows):
         # padded by the feature extractor, as upstream's DataCollatorSpeechSeq2SeqWithPadding does (Whisper's are
         # all one window long; other extractors give clips of different lengths and an attention mask)
-        batch = dict(feature_extractor.pad([{"input_features": r["input_features"]} for r in rows], return_tensors="pt"))
-        batch["input_features"] = batch["input_features"].to(torch.float32)
+        batch = dict(feature_extractor.pad([{input_name: r[input_name]} for r in rows], return_tensors="pt"))
+        batch[input_name] = batch[input_name].to(torch.float32)
         if "labels" in rows[0]:
             width = max(len(r["labels"]) for r in rows)
             batch["labels"] = torch.tensor([r["labels"] + [-100] * (width - len(r["labels"])) for r in rows])

@@ -267,7 +267,7 @@ def main(argv: list[str]) -> None:
             pad_to_multiple_of=8 if training_args.fp16 else None,
         )
 
-    rouge = Rouge(use_stemmer=data_args.use_stemmer)
+    rouge = Rouge(use_stemmer=data_args.use_stemmer, seed=training_args.seed)
 
     def compute_metrics(eval_preds):
         preds, labels = eval_preds

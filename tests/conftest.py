@@ -238,7 +238,7 @@ def _processes_only_where_marked(request, monkeypatch):
 
 
 def save_tiny_whisper(path: Path) -> Path:
-    """A tiny random Whisper-style model (1 s windows: 100 log-mel frames of 16 bins) with the embedded word-level
+    """A tiny random Whisper-style model (2 s windows: 200 log-mel frames of 16 bins) with the embedded word-level
     tokenizer and its own feature extractor, saved under `path`."""
     import torch
     from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -247,13 +247,68 @@ def save_tiny_whisper(path: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     config = WhisperConfig(vocab_size=len(tok), d_model=64, encoder_layers=2, decoder_layers=2,
                            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-                           decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=50, max_target_positions=64,
+                           decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=100, max_target_positions=64,
                            pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0, init_std=0.5,
                            suppress_tokens=None, begin_suppress_tokens=None)
     model = WhisperForConditionalGeneration(config)
     model.generation_config.max_length = 16
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=1,
+    WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=2,
                             n_fft=400).save_pretrained(path)
+    return path
+
+
+def save_tiny_speech2text(path: Path) -> Path:
+    """A tiny random Speech2Text model (log-mel frames of 16 bins, frames first, of any length, with an attention
+    mask) with the embedded word-level tokenizer and its own feature extractor."""
+    import torch
+    from transformers import AutoTokenizer, Speech2TextConfig, Speech2TextFeatureExtractor, Speech2TextForConditionalGeneration
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    config = Speech2TextConfig(vocab_size=len(tok), d_model=64, encoder_layers=2, decoder_layers=2,
+                               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                               decoder_ffn_dim=128, input_feat_per_channel=16, input_channels=1, conv_channels=32,
+                               max_source_positions=256, max_target_positions=64, pad_token_id=0, bos_token_id=0,
+                               eos_token_id=1, decoder_start_token_id=0)
+    model = Speech2TextForConditionalGeneration(config)
+    model.generation_config.max_length = 16
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    Speech2TextFeatureExtractor(feature_size=16, num_mel_bins=16, sampling_rate=16000).save_pretrained(path)
+    return path
+
+
+def save_tiny_wav2vec2_bart(path: Path) -> Path:
+    """A tiny random SpeechEncoderDecoderModel: a wav2vec2 encoder reading the samples themselves (`input_values`)
+    and a BART decoder, with the embedded word-level tokenizer and wav2vec2's feature extractor."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        BartConfig,
+        BartForCausalLM,
+        SpeechEncoderDecoderModel,
+        Wav2Vec2Config,
+        Wav2Vec2FeatureExtractor,
+        Wav2Vec2Model,
+    )
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    encoder = Wav2Vec2Model(Wav2Vec2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 4),
+                                           conv_kernel=(10, 4), num_conv_pos_embeddings=16,
+                                           num_conv_pos_embedding_groups=4))
+    decoder = BartForCausalLM(BartConfig(vocab_size=len(tok), d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                                         decoder_ffn_dim=128, max_position_embeddings=64, is_decoder=True,
+                                         add_cross_attention=True, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+                                         decoder_start_token_id=0))
+    model = SpeechEncoderDecoderModel(encoder=encoder, decoder=decoder)
+    for c in (model.config, model.generation_config):
+        c.decoder_start_token_id, c.pad_token_id, c.eos_token_id = 0, 0, 1
+    model.generation_config.max_length = 16
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, return_attention_mask=True).save_pretrained(path)
     return path

@@ -96,12 +96,13 @@ def _pad_id(config) -> int:
 
 
 def _inputs(config, torch, main_input: str = "input_ids"):
-    """Three prompts of different lengths; decoder-only prompts are left-padded. A speech model (main input
-    `input_features`, Whisper's [batch, mel bins, 2 x max_source_positions]) gets three random log-mel inputs."""
+    """Three prompts of different lengths; decoder-only prompts are left-padded. A speech model gets three
+    random audio inputs of the shape it reads (`verify_policy.random_speech_inputs`)."""
+    from ..verify_policy import SPEECH_INPUTS, random_speech_inputs
+
     g = torch.Generator().manual_seed(0)
-    if main_input == "input_features":
-        frames = 2 * config.max_source_positions
-        return {"input_features": torch.randn((3, config.num_mel_bins, frames), generator=g)}
+    if main_input in SPEECH_INPUTS:
+        return random_speech_inputs(config, main_input, 3, g)
     vocab = config.vocab_size
     pad = _pad_id(config)
     lengths = [7, 4, 10]
@@ -240,25 +241,21 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
 
     from ..arguments import DeepSpeedInferenceArguments
     from ..derivation import derive_policy
-    from ..errors import InferenceSetupError
     from ..inject import shard_model
     from ..loading import model_class_for
     from ..policy import DERIVE, check_head_counts, resolve_policy
+    from ..verify_policy import main_input_name
 
     name = Path(model_dir).name
     config = AutoConfig.from_pretrained(model_dir)
     cls = model_class_for(config)
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if model.main_input_name not in ("input_ids", "input_features") or (
-            model.main_input_name == "input_features" and not hasattr(config, "max_source_positions")):
-        raise InferenceSetupError(f"{config.model_type}: the checker builds inputs for token ids and Whisper-style "
-                                  f"log-mel features only, not for {model.main_input_name!r}")
+    inputs = _inputs(config, torch, main_input_name(model))  # first: no known probe input is refused before any work
     policy = resolve_policy(policy_spec, config)
     check_head_counts(policy, config, topology.tp_size)
     layers = derive_policy(model).layers if policy == DERIVE else getattr(policy, "layers", ["*Layer", "*Block"])
     patterns = list(layers)
     full_bytes = _layer_weight_bytes(model, patterns)  # before sharding: the unsharded model's bytes
-    inputs = _inputs(config, torch, model.main_input_name)
     want = _reference(cls, model_dir, inputs, topology, groups, torch)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
     # verify=False: this command's own comparisons below are the numerical check, in more detail
