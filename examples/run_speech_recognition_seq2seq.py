@@ -48,6 +48,7 @@ from ds_inference_integration import (
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.metrics import WordErrorRate
+from ds_inference_integration.positions import check_lengths_fit
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,9 @@ def main(argv: list[str]) -> None:
         model_args.feature_extractor_name or model_args.model_name_or_path, **hub)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub)
     rate = feature_extractor.sampling_rate
+    # labels and the generated length past the decoder's positions are an IndexError in the forward
+    check_lengths_fit(config, target={"--max_target_length": data_args.max_target_length,
+                                      "--generation_max_length": training_args.generation_max_length})
     # what the model reads: log-mel frames (`input_features`: Whisper, Speech2Text) or the samples themselves
     # (`input_values`: a wav2vec2 encoder in a SpeechEncoderDecoderModel), as upstream's `model_input_name`
     input_name = feature_extractor.model_input_names[0]
@@ -190,6 +194,11 @@ def main(argv: list[str]) -> None:
                            f"({data_args.min_duration_in_seconds}, {data_args.max_duration_in_seconds}) and were left out")
         if not keep:
             raise InferenceSetupError(f"no {split} clip is within the duration limits")
+        window = getattr(feature_extractor, "n_samples", None)  # Whisper's: one fixed window, longer audio is cut
+        longer = sum(durations[i] * rate > window for i in keep) if window else 0
+        if longer:
+            logger.warning(f"{longer} of {len(keep)} {split} clips are longer than the feature extractor's "
+                           f"{window / rate:g} s window and are cut to it (as upstream's feature extractor cuts them)")
         datasets[split] = (ds.select(keep), [paths[i] for i in keep])
 
     def features(ds, paths):

@@ -43,6 +43,7 @@ from ds_inference_integration import (
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.metrics import Rouge
+from ds_inference_integration.positions import check_lengths_fit
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -171,11 +172,11 @@ def main(argv: list[str]) -> None:
     )
     if config.decoder_start_token_id is None:
         raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
-    # upstream resizes or refuses here too: a source longer than the model's positions would index past them
-    positions = getattr(config, "max_encoder_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
-    if positions is not None and data_args.max_source_length > positions:
-        raise InferenceSetupError(f"--max_source_length {data_args.max_source_length} is longer than the model's "
-                                  f"{positions} positions; valid: at most {positions}")
+    # upstream resizes or refuses a source longer than the model's positions; the targets (labels, generated
+    # length) are checked too: past the decoder's positions either is an IndexError in the forward
+    check_lengths_fit(config, source={"--max_source_length": data_args.max_source_length},
+                      target={"--val_max_target_length": data_args.val_max_target_length,
+                              "--generation_max_length": training_args.generation_max_length})
 
     prefix = data_args.source_prefix if data_args.source_prefix is not None else ""
     if training_args.do_train:

@@ -43,6 +43,7 @@ from ds_inference_integration import (
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
 from ds_inference_integration.metrics import CorpusBleu
+from ds_inference_integration.positions import check_lengths_fit, check_sources_fit
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,9 @@ def main(argv: list[str]) -> None:
     )
     if config.decoder_start_token_id is None:
         raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
+    # labels and the generated length past the decoder's positions are an IndexError in the forward
+    check_lengths_fit(config, target={"--val_max_target_length": data_args.val_max_target_length,
+                                      "--generation_max_length": training_args.generation_max_length})
 
     prefix = data_args.source_prefix if data_args.source_prefix is not None else ""
     if training_args.do_train:
@@ -224,6 +228,7 @@ def main(argv: list[str]) -> None:
                 remove_columns=column_names, load_from_cache_file=not data_args.overwrite_cache,
                 fn_kwargs={"max_target_length": max_target_length}, desc=f"Running tokenizer on {split} dataset",
             )
+        check_sources_fit(config, ds["input_ids"], split, data_args.max_source_length)
         truncated = sum(ds["source_truncated"])
         if truncated:
             logger.warning(f"{truncated} of {len(ds)} {split} sources are longer than --max_source_length "

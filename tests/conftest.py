@@ -162,8 +162,11 @@ def save_tiny_model(kind: str, path: Path, **overrides) -> Path:
                           "num_decoder_layers": 2, "num_heads": 4, "initializer_factor": 5.0, **overrides})
         model = (T5ForConditionalGeneration if kind == "t5" else MT5ForConditionalGeneration)(cfg)
     else:
+        from transformers import LEDConfig, LEDForConditionalGeneration, PegasusConfig, PegasusForConditionalGeneration
+
         cls = {"bart": (BartConfig, BartForConditionalGeneration), "mbart": (MBartConfig, MBartForConditionalGeneration),
-               "marian": (MarianConfig, MarianMTModel)}[kind]
+               "marian": (MarianConfig, MarianMTModel), "pegasus": (PegasusConfig, PegasusForConditionalGeneration),
+               "led": (LEDConfig, LEDForConditionalGeneration)}[kind]
         cfg = cls[0](**{**common, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
                         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
                         "decoder_ffn_dim": 128, "max_position_embeddings": 64, "bos_token_id": 2,

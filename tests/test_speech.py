@@ -97,6 +97,35 @@ ARGS = ["--do_eval", "--do_predict", "--predict_with_generate", "--per_device_ev
 
 
 # 21 test and 6 validation clips (of 37 and 29): not multiples of the batch size; the whole sets: `make test-all`
+def test_clips_longer_than_whisper_s_window_are_counted_in_one_warning_and_targets_checked(whisper, tmp_path,
+                                                                                             monkeypatch, caplog):
+    """Whisper's feature extractor cuts every clip to its window (2 s for the tiny model): said once with the count,
+    before the model loads. A --max_target_length past the decoder's 64 positions is one line (an IndexError)."""
+    import soundfile
+
+    example = load_example("run_speech_recognition_seq2seq")
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(example, "load_model", load_model)
+    for name, seconds in (("short.wav", 1.5), ("long.wav", 3.0)):
+        soundfile.write(tmp_path / name, np.sin(np.arange(int(seconds * 16000)) / 7).astype(np.float32), 16000)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"audio": n, "text": "one"}) + "\n" for n in ("short.wav", "long.wav")))
+    args = ["--model_name_or_path", str(whisper), "--output_dir", str(tmp_path / "out"), "--do_predict",
+            "--predict_with_generate", "--test_file", str(manifest)]
+    with pytest.raises(Loaded):
+        example.main(args)
+    assert "1 of 2 test clips are longer than the feature extractor's 2 s window and are cut to it" in caplog.text
+    with pytest.raises(InferenceSetupError, match=r"^--max_target_length 100 is longer than the model's 64 decoder "
+                                                  r"positions; valid: at most 64$"):
+        example.main([*args, "--max_target_length", "100"])
+
+
 @pytest.mark.parametrize("model, limits", [
     pytest.param("tiny", ["--max_predict_samples", "21", "--max_eval_samples", "6"], id="21"),
     pytest.param("tiny", [], marks=pytest.mark.slow, id="whole"),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import EXAMPLES, assert_ok, load_example, run_example, run_in_process
+from conftest import EXAMPLES, assert_ok, load_example, run_example, run_in_process, save_tiny_model
 from ds_inference_integration import InferenceSetupError
 from ds_inference_integration.metrics import Rouge
 
@@ -106,6 +106,11 @@ def test_bad_columns_and_data_end_in_one_line_before_the_model_loads(tiny_models
     with pytest.raises(InferenceSetupError, match=r"^--max_source_length 128 is longer than the model's 64 positions; "
                                                   r"valid: at most 64$"):
         main(bart)
+    bart[bart.index("--max_source_length") + 1] = "64"
+    bart[bart.index("--val_max_target_length") + 1] = "128"  # past the decoder's positions: was an IndexError
+    with pytest.raises(InferenceSetupError, match=r"^--val_max_target_length 128 is longer than the model's 64 "
+                                                  r"decoder positions; valid: at most 64$"):
+        main(bart)
 
 
 # `make test-all`'s, to keep `make test` under 10 minutes: the summarization path is the translation path's (the
@@ -115,18 +120,23 @@ def test_bad_columns_and_data_end_in_one_line_before_the_model_loads(tiny_models
 @pytest.mark.parametrize("kind, limits", [
     pytest.param("t5", ["--max_predict_samples", "21", "--max_eval_samples", "6"], marks=pytest.mark.slow, id="t5"),
     pytest.param("t5", [], marks=pytest.mark.slow, id="t5-whole"),
-    pytest.param("bart", [], marks=pytest.mark.slow, id="bart-whole")])
+    pytest.param("bart", [], marks=pytest.mark.slow, id="bart-whole"),
+    pytest.param("pegasus", [], marks=pytest.mark.slow, id="pegasus-whole"),
+    pytest.param("led", [], marks=pytest.mark.slow, id="led-whole")])
 def test_summarization_at_tp2_and_dp2_x_tp2_equals_one_process(tiny_models, tmp_path, kind, limits):
-    args = ["--model_name_or_path", str(tiny_models[kind]), *ARGS, *limits]
+    other = {"pegasus": {}, "led": {"max_encoder_position_embeddings": 256, "max_decoder_position_embeddings": 64,
+                                    "attention_window": 16}}
+    model = tiny_models[kind] if kind in tiny_models else save_tiny_model(kind, tmp_path / kind, **other[kind])
+    args = ["--model_name_or_path", str(model), *ARGS, *limits]
     n = 21 if limits else 37
-    if kind == "bart":  # 64 positions
+    if kind in ("bart", "pegasus"):  # 64 positions
         args[args.index("--max_source_length") + 1] = "64"
     ref = run_in_process(args, tmp_path / "single", script=RUN_SUMMARIZATION)
     assert len(ref.predictions()) == n and len(set(ref.predictions())) > 5  # the inputs matter to the outputs
     want_eval, want = ref.results("eval"), ref.results("predict")
     assert want["predict_rouge1"] > 0 and want["predict_samples"] == n
     layouts = (("tp2", [], 2), ("dp2_tp2", ["--tp_size", "2"], 4))
-    for name, extra, nprocs in layouts[:1] if kind == "bart" else layouts:  # BART: a second family, at tp 2
+    for name, extra, nprocs in layouts if kind == "t5" else layouts[:1]:  # other families at tp 2
         run = run_example([*args, "--deepspeed_inference", *extra], tmp_path / name, nprocs=nprocs,
                           script=RUN_SUMMARIZATION, timeout=300)
         assert_ok(run)
