@@ -1,6 +1,8 @@
 """Metrics computed from per-example statistics, so that a streamed (and resumed) predict gets the same
 numbers as one computed over the whole set in memory: each example's statistics are stored beside its
-prediction, summed at the end, and turned into the score once.
+prediction, summed at the end (ROUGE's are kept, in input order, for its bootstrap), and turned into the score
+once. Each is computed by the package that upstream's `evaluate` script for it wraps (sacrebleu, rouge_score,
+jiwer), as that script calls it.
 
     stats(predictions, references, token_counts) -> one JSON-able value per example (a prediction is a list of
         strings when an example has several generated sequences; token_counts are per example)
@@ -8,47 +10,6 @@ prediction, summed at the end, and turned into the score once.
 """
 
 from __future__ import annotations
-
-
-class CorpusBleu:
-    """sacrebleu's corpus BLEU (as `sacrebleu.corpus_bleu(predictions, [references]).score`) and the mean
-    generated length, rounded to 4 digits as upstream's run_translation.py rounds them.
-
-    Corpus BLEU is a function of the n-gram match counts summed over the sentences: sacrebleu itself computes
-    it as `_compute_score_from_stats(sum of _extract_corpus_statistics(...))`, and those two methods are what
-    is used here (tests/test_streaming.py checks the result equals `corpus_bleu` on fixed strings). Without
-    references (data nobody has translated yet) only `gen_len` is reported."""
-
-    def __init__(self):
-        from sacrebleu.metrics import BLEU
-
-        self.bleu = BLEU()
-
-    def stats(self, predictions: list[str], references: list[str] | None, token_counts: list[int]) -> list:
-        if any(isinstance(p, list) for p in predictions):
-            raise ValueError("corpus BLEU needs one prediction per example; valid: num_return_sequences 1")
-        bleu = (self.bleu._extract_corpus_statistics(predictions, [references]) if references is not None
-                else [None] * len(predictions))
-        return [{"bleu": [int(x) for x in b] if b is not None else None, "gen_len": int(n)}
-                for b, n in zip(bleu, token_counts)]
-
-    def add(self, totals: dict | None, stats: dict) -> dict:
-        totals = totals or {"bleu": None, "gen_len": 0, "with_reference": 0}
-        totals["gen_len"] += stats["gen_len"]
-        if stats["bleu"] is not None:
-            totals["with_reference"] += 1
-            totals["bleu"] = stats["bleu"] if totals["bleu"] is None else [a + b for a, b in zip(totals["bleu"], stats["bleu"])]
-        return totals
-
-    def compute(self, totals: dict | None, n: int) -> dict:
-        if not totals or not n:
-            return {}
-        out = {"gen_len": round(totals["gen_len"] / n, 4)}
-        if totals["bleu"] is not None:
-            if totals["with_reference"] != n:
-                raise ValueError(f"{totals['with_reference']} of {n} examples have a reference: BLEU needs all or none")
-            out["bleu"] = round(float(self.bleu._compute_score_from_stats(totals["bleu"]).score), 4)
-        return out
 
 
 class GeneratedTokens:
@@ -99,6 +60,41 @@ class _SummedStatistics:
         for s in self.stats(predictions, references, token_counts):
             totals = self.add(totals, s)
         return self.compute(totals, len(predictions))
+
+
+class CorpusBleu(_SummedStatistics):
+    """sacrebleu's corpus BLEU (as `sacrebleu.corpus_bleu(predictions, [references]).score`) and the mean
+    generated length, rounded to 4 digits as upstream's run_translation.py rounds them.
+
+    Corpus BLEU is a function of the n-gram match counts summed over the sentences: sacrebleu itself computes
+    it as `_compute_score_from_stats(sum of _extract_corpus_statistics(...))`, and those two methods are what
+    is used here (tests/test_streaming.py checks the result equals `corpus_bleu` on fixed strings). Without
+    references (data nobody has translated yet) only `gen_len` is reported."""
+
+    key, name = "bleu", "BLEU"
+
+    def __init__(self):
+        import logging
+
+        from sacrebleu.metrics import BLEU
+
+        self.bleu = BLEU()
+        logging.getLogger(__name__).info("BLEU is computed with sacrebleu (what evaluate's sacrebleu script wraps) "
+                                         "from per-example n-gram statistics")
+
+    def stats(self, predictions: list[str], references: list[str] | None, token_counts: list[int]) -> list:
+        if any(isinstance(p, list) for p in predictions):
+            raise ValueError("corpus BLEU needs one prediction per example; valid: num_return_sequences 1")
+        bleu = (self.bleu._extract_corpus_statistics(predictions, [references]) if references is not None
+                else [None] * len(predictions))
+        return [{"bleu": [int(x) for x in b] if b is not None else None, "gen_len": int(n)}
+                for b, n in zip(bleu, token_counts)]
+
+    def _sum(self, a: list, b: list) -> list:
+        return [x + y for x, y in zip(a, b)]
+
+    def _score(self, total: list, n: int) -> dict:
+        return {"bleu": round(float(self.bleu._compute_score_from_stats(total).score), 4)}
 
 
 class Rouge(_SummedStatistics):
@@ -198,6 +194,12 @@ class WordErrorRate(_SummedStatistics):
     whole lists always."""
 
     key, name = "wer", "WER"
+
+    def __init__(self):
+        import logging
+
+        logging.getLogger(__name__).info("WER is computed with jiwer (what evaluate's wer script wraps) from "
+                                         "per-example error and reference-word counts")
 
     def stats(self, predictions: list[str], references: list[str] | None, token_counts: list[int]) -> list:
         if any(isinstance(p, list) for p in predictions):

@@ -82,6 +82,21 @@ def test_streamed_bleu_is_corpus_bleu_on_fixed_strings():
     assert metric.compute(metric.add(None, metric.stats(["a"], None, [1])[0]), 1) == {"gen_len": 1.0}
 
 
+def test_streamed_bleu_equals_evaluates_sacrebleu_where_it_loads():
+    """The other path: evaluate's own sacrebleu script, as upstream's run_translation.py calls it, where it can be
+    loaded (from the Hub or its cache; no run here reaches the Hub, so here this is skipped and the test above,
+    against sacrebleu itself, stands for it)."""
+    evaluate = pytest.importorskip("evaluate")
+    try:
+        metric = evaluate.load("sacrebleu")
+    except Exception as e:
+        pytest.skip(f"evaluate's sacrebleu script cannot be loaded here ({type(e).__name__})")
+    hyps = ["the cat sat on the mat", "a b c d", "hello there general kenobi"]
+    refs = ["the cat is on the mat", "a b c d", "hello there"]
+    theirs = metric.compute(predictions=hyps, references=[[r] for r in refs])["score"]
+    assert CorpusBleu().corpus(hyps, refs, [6, 4, 4])["bleu"] == round(theirs, 4)
+
+
 @pytest.mark.parametrize("n, batch, dp", [(1, 4, 1), (14, 4, 1), (14, 4, 2), (14, 4, 3), (5, 8, 2), (203, 16, 2)])
 def test_the_replicas_cover_every_example_once(n, batch, dp):
     seen = [p for r in range(dp) for b in replica_batches(n, batch, dp, r) for p in b]
