@@ -240,9 +240,10 @@ def _processes_only_where_marked(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
-def save_tiny_whisper(path: Path) -> Path:
+def save_tiny_whisper(path: Path, multilingual: bool = False) -> Path:
     """A tiny random Whisper-style model (2 s windows: 200 log-mel frames of 16 bins) with the embedded word-level
-    tokenizer and its own feature extractor, saved under `path`."""
+    tokenizer and its own feature extractor, saved under `path`. `multilingual`: its generation config names three
+    languages and two tasks, as a multilingual Whisper's does (their prefix tokens are ordinary words here)."""
     import torch
     from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
@@ -255,6 +256,11 @@ def save_tiny_whisper(path: Path) -> Path:
                            suppress_tokens=None, begin_suppress_tokens=None)
     model = WhisperForConditionalGeneration(config)
     model.generation_config.max_length = 16
+    if multilingual:
+        gen = model.generation_config
+        gen.is_multilingual, gen.lang_to_id = True, {"<|en|>": 3, "<|fr|>": 4, "<|de|>": 5}
+        gen.task_to_id = {"transcribe": 6, "translate": 7}
+        gen._from_model_config = False  # else loading it drops every attribute without a default, as these
     model.save_pretrained(path)
     tok.save_pretrained(path)
     WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=2,

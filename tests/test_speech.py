@@ -188,3 +188,36 @@ def test_other_speech_encoder_decoders_at_tp2_equal_one_process(kind, tmp_path):
     assert run.predictions() == ref.predictions()
     assert run.results("predict")["predict_wer"] == ref.results("predict")["predict_wer"]
     assert run.results("eval")["eval_wer"] == ref.results("eval")["eval_wer"]
+
+
+# A multilingual Whisper: --language and --task, as upstream ------------------------------------------------
+
+def test_language_and_task_are_checked_before_the_model_loads(whisper, tmp_path, monkeypatch):
+    example = load_example("run_speech_recognition_seq2seq")
+    monkeypatch.setattr(example, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    multilingual = save_tiny_whisper(tmp_path / "multilingual", multilingual=True)
+    base = ["--output_dir", str(tmp_path / "out"), "--do_predict", "--predict_with_generate"]
+    cases = [(whisper, ["--language", "fr"], r"^--language fr --task transcribe: the model is not a multilingual "
+                                              r"Whisper \(its generation config has no languages\); valid: neither flag$"),
+             (multilingual, ["--language", "klingon"], r"^--language 'klingon' is not a language of this model; "
+                                                        r"valid: a name or code of de, en, fr$"),
+             (multilingual, ["--task", "summarize"], r"^--task 'summarize' is not a task of this model; valid: "
+                                                      r"transcribe, translate$")]
+    for model, extra, message in cases:
+        with pytest.raises(InferenceSetupError, match=message):
+            example.main(["--model_name_or_path", str(model), *base, *extra])
+
+
+def test_a_multilingual_whisper_with_a_language_at_tp2_equals_one_process(tmp_path):
+    """--language french: the language and task prefix tokens are forced in generate on every rank (and change the
+    output: the same run without them differs)."""
+    model = save_tiny_whisper(tmp_path / "multilingual", multilingual=True)
+    args = ["--model_name_or_path", str(model), *ARGS, "--max_predict_samples", "11", "--max_eval_samples", "3"]
+    ref = run_in_process([*args, "--language", "french"], tmp_path / "single", script=RUN_SPEECH)
+    detected = run_in_process(args, tmp_path / "detected", script=RUN_SPEECH)
+    assert len(ref.predictions()) == 11 and ref.predictions() != detected.predictions()
+    run = run_example([*args, "--language", "french", "--deepspeed_inference"], tmp_path / "tp2", nprocs=2,
+                      script=RUN_SPEECH, timeout=300)
+    assert_ok(run)
+    assert run.predictions() == ref.predictions()
+    assert run.results("predict")["predict_wer"] == ref.results("predict")["predict_wer"]
