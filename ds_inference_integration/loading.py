@@ -468,6 +468,20 @@ def model_class_for(config):
     return tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
 
 
+def check_model_kind(config, model_cls, model_dir) -> None:
+    """One `InferenceSetupError` before anything loads when the Auto class `model_cls` builds no model of this
+    config's type (a decoder-only model given to a seq2seq script: an AttributeError on decoder_start_token_id, or
+    transformers' ValueError listing every class, otherwise)."""
+    mapping = model_cls._model_mapping
+    if type(config) in mapping:
+        return
+    names = sorted(mapping._model_mapping)
+    familiar = [n for n in ("t5", "bart", "mbart", "marian", "pegasus", "led", "whisper", "speech_to_text",
+                            "speech-encoder-decoder", "llama", "gpt2") if n in names] or names[:8]
+    raise InferenceSetupError(f"{model_dir} holds a {config.model_type!r} model, which {model_cls.__name__} does not "
+                              f"build; valid: one of its {len(names)} types, such as {', '.join(familiar)}")
+
+
 def policy_id(policy) -> str:
     """A stable name for the policy a run resolves: autotp, or the policy's name and content hash."""
     from .policy import Policy, policy_identity

@@ -47,7 +47,7 @@ from ds_inference_integration import (
     policy_for_run,
 )
 from ds_inference_integration.lifecycle import run_main
-from ds_inference_integration.loading import load_model
+from ds_inference_integration.loading import check_model_kind, load_model
 from ds_inference_integration.metrics import WordErrorRate
 from ds_inference_integration.positions import check_lengths_fit
 from ds_inference_integration.topology import Topology
@@ -183,12 +183,18 @@ def main(argv: list[str]) -> None:
     hub = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
                trust_remote_code=model_args.trust_remote_code)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub)
+    check_model_kind(config, AutoModelForSpeechSeq2Seq, model_args.model_name_or_path)
     language_and_task = check_language_and_task(model_args.model_name_or_path, data_args.language, data_args.task, hub)
     policy = None
     if inference_args.deepspeed_inference:
         policy = policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
-    feature_extractor = AutoFeatureExtractor.from_pretrained(
-        model_args.feature_extractor_name or model_args.model_name_or_path, **hub)
+    try:
+        feature_extractor = AutoFeatureExtractor.from_pretrained(
+            model_args.feature_extractor_name or model_args.model_name_or_path, **hub)
+    except OSError:  # transformers' message is three sentences about the Hub
+        raise InferenceSetupError(f"{model_args.feature_extractor_name or model_args.model_name_or_path} has no "
+                                  "feature extractor (preprocessor_config.json); valid: a speech model's directory, "
+                                  "or --feature_extractor_name") from None
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub)
     rate = feature_extractor.sampling_rate
     # labels and the generated length past the decoder's positions are an IndexError in the forward

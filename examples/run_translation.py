@@ -41,7 +41,7 @@ from ds_inference_integration import (
     policy_for_run,
 )
 from ds_inference_integration.lifecycle import run_main
-from ds_inference_integration.loading import load_model
+from ds_inference_integration.loading import check_model_kind, load_model
 from ds_inference_integration.metrics import CorpusBleu
 from ds_inference_integration.positions import check_lengths_fit, check_sources_fit
 from ds_inference_integration.topology import Topology
@@ -140,6 +140,7 @@ def main(argv: list[str]) -> None:
         model_args.config_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
         revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
     )
+    check_model_kind(config, AutoModelForSeq2SeqLM, model_args.model_name_or_path)
     policy = None
     if inference_args.deepspeed_inference:
         # Policy file, schema and head counts are checked before the model loads.

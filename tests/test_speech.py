@@ -221,3 +221,24 @@ def test_a_multilingual_whisper_with_a_language_at_tp2_equals_one_process(tmp_pa
     assert_ok(run)
     assert run.predictions() == ref.predictions()
     assert run.results("predict")["predict_wer"] == ref.results("predict")["predict_wer"]
+
+
+def test_a_model_of_another_kind_or_without_a_feature_extractor_is_one_line(tmp_path):
+    """A text model given to the speech example, a decoder-only one to the summarization example, a speech model's
+    directory without its preprocessor_config.json: each one line before anything loads (they were an
+    AttributeError on decoder_start_token_id and three sentences of OSError about the Hub)."""
+    speech, summarization = load_example("run_speech_recognition_seq2seq"), load_example("run_summarization")
+    base = ["--output_dir", str(tmp_path / "out"), "--do_predict", "--predict_with_generate"]
+    t5, gpt2 = EXAMPLES / "models" / "t5-num2words-en-ro", EXAMPLES / "models" / "gpt2-num2words-en-ro"
+    with pytest.raises(InferenceSetupError, match=rf"^{t5} holds a 't5' model, which AutoModelForSpeechSeq2Seq does "
+                                                  r"not build; valid: one of its \d+ types, such as whisper, "
+                                                  r"speech_to_text, speech-encoder-decoder$"):
+        speech.main(["--model_name_or_path", str(t5), *base])
+    with pytest.raises(InferenceSetupError, match=rf"^{gpt2} holds a 'gpt2' model, which AutoModelForSeq2SeqLM does "
+                                                  r"not build; valid: one of its \d+ types, such as t5, bart"):
+        summarization.main(["--model_name_or_path", str(gpt2), *base])
+    bare = save_tiny_speech2text(tmp_path / "s2t")
+    (bare / "preprocessor_config.json").unlink()
+    with pytest.raises(InferenceSetupError, match=rf"^{bare} has no feature extractor \(preprocessor_config.json\); "
+                                                  r"valid: a speech model's directory, or --feature_extractor_name$"):
+        speech.main(["--model_name_or_path", str(bare), *base])
