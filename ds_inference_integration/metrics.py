@@ -39,8 +39,12 @@ class _SummedStatistics:
         if stats[self.key] is not None:
             totals["with_reference"] += 1
             old = totals[self.key]
-            totals[self.key] = stats[self.key] if old is None else self._sum(old, stats[self.key])
+            totals[self.key] = self._start(stats[self.key]) if old is None else self._sum(old, stats[self.key])
         return totals
+
+    def _start(self, first):
+        """The totals after the first example with a reference: its statistics themselves, unless overridden."""
+        return first
 
     def compute(self, totals: dict | None, n: int) -> dict:
         if not totals or not n:
@@ -155,17 +159,14 @@ class Rouge(_SummedStatistics):
             return [{"rouge": None, "gen_len": int(n)} for n in token_counts]
         return [{"rouge": self.scores(p, r), "gen_len": int(n)} for p, r, n in zip(predictions, references, token_counts)]
 
-    def add(self, totals: dict | None, stats: dict) -> dict:
+    def _start(self, first: dict) -> list[dict]:
+        return [first]
+
+    def _sum(self, every: list[dict], one: dict) -> list[dict]:
         """Keeps every example's scores, in the order they are added (the caller's: input order), because the
         bootstrap's resamples depend on it; 12 floats an example."""
-        totals = totals or {self.key: None, "gen_len": 0, "with_reference": 0}
-        totals["gen_len"] += stats["gen_len"]
-        if stats[self.key] is not None:
-            totals["with_reference"] += 1
-            if totals[self.key] is None:
-                totals[self.key] = []
-            totals[self.key].append(stats[self.key])
-        return totals
+        every.append(one)
+        return every
 
     def _score(self, every: list[dict], n: int) -> dict:
         import numpy as np

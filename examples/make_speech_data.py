@@ -28,7 +28,7 @@ MAX_SECONDS = 2.0  # tests/conftest.py's Whisper-style models read 2 s windows
 SPLITS = (("validation", 29), ("test", 37))  # not multiples of a batch size
 
 
-def spoken(text: str, voice: list[str] = ("-s", "200")):
+def spoken(text: str, voice: tuple[str, ...] = ("-s", "200")):
     """(samples, rate) of `text` read by espeak-ng (`voice`: its options, speed 200 words a minute by default)."""
     wav = subprocess.run(["espeak-ng", "-v", "en", *voice, "--stdout", text], check=True,
                          capture_output=True, timeout=60).stdout

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import soundfile
 import torch
 from datasets import Dataset
 from make_speech_data import MAX_SECONDS, spoken
@@ -66,12 +67,10 @@ def main() -> None:
         if text in held_out:
             continue
         for speed, pitch in rng.sample(VOICES, args.voices):
-            audio, source_rate = spoken(text, ["-s", str(speed), "-p", str(pitch)])
+            audio, source_rate = spoken(text, ("-s", str(speed), "-p", str(pitch)))
             if len(audio) > MAX_SECONDS * source_rate:
                 continue
             with tempfile.NamedTemporaryFile(suffix=".wav") as f:  # through the example's own reader and resampler
-                import soundfile
-
                 soundfile.write(f.name, audio, source_rate, subtype="PCM_16")
                 samples = read_clip(Path(f.name), rate)
             features.append(extractor(samples, sampling_rate=rate).input_features[0])
