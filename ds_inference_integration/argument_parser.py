@@ -8,12 +8,15 @@ the other commands that read only the flags should not pay.
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 import sys
 from typing import Any
 
 from transformers import HfArgumentParser
 
+from . import output_dir
 from .arguments import DeepSpeedInferenceArguments, prepare_argv, run_defaults, world_size_from_env
 from .errors import InferenceSetupError
 
@@ -29,10 +32,14 @@ class InferenceArgumentParser(HfArgumentParser):
     def parse_args_into_dataclasses(self, args=None, *rest, **kwargs):
         argv = list(sys.argv[1:] if args is None else args)
         argv, self.legacy = prepare_argv(argv)
+        values, _ = argparse.ArgumentParser.parse_known_args(self, argv)  # no dataclass built yet
+        check_settings(vars(values))
         return super().parse_args_into_dataclasses(argv, *rest, **kwargs)
 
     def parse_dict(self, args: dict[str, Any], allow_extra_keys: bool = False):
-        return super().parse_dict(self._prepare_dict(dict(args)), allow_extra_keys=allow_extra_keys)
+        args = self._prepare_dict(dict(args))
+        check_settings(args)
+        return super().parse_dict(args, allow_extra_keys=allow_extra_keys)
 
     def _prepare_dict(self, args: dict[str, Any]) -> dict[str, Any]:
         """The same preparation as `prepare_argv`, for arguments given as a dict (a .json / .yaml file)."""
@@ -49,3 +56,62 @@ class InferenceArgumentParser(HfArgumentParser):
                                         int(os.environ.get("RANK", "0"))).items():
             args.setdefault(name, value)
         return args
+
+
+# Settings a user can get wrong, checked on every rank before torch.distributed starts and before any model or data
+# loads: each is one line naming the value and the valid ones. `None` means "not given" (the library's default).
+# Without these, --num_beams 0 and --per_device_eval_batch_size 0 failed deep in generate or the data loader with
+# a traceback per rank, --generation_max_length 1 wrote empty predictions with exit 0 (the decoder start token
+# fills the one position), and --max_predict_samples 0 failed in the predict loop after the model loaded.
+_AT_LEAST = {
+    "per_device_eval_batch_size": (1, "a positive batch size"),
+    "per_device_train_batch_size": (1, "a positive batch size"),
+    "num_beams": (1, "1 (greedy or sampling) or more beams"),
+    "generation_num_beams": (1, "1 (greedy or sampling) or more beams"),
+    "num_return_sequences": (1, "1 or more sequences per example"),
+    "generation_max_length": (2, "2 or more: the length counts the decoder's start token (or the prompt)"),
+    "val_max_target_length": (2, "2 or more: the length counts the decoder's start token"),
+    "max_new_tokens": (1, "1 or more new tokens"),
+    "max_source_length": (1, "1 or more tokens"),
+    "max_train_samples": (1, "1 or more examples, or leave it out for all of them"),
+    "max_eval_samples": (1, "1 or more examples, or leave it out for all of them"),
+    "max_predict_samples": (1, "1 or more examples, or leave it out for all of them"),
+}
+
+
+def check_settings(values: dict[str, Any]) -> None:
+    """The run's settings that no dataclass of ours owns but that decide whether it can work: the numbers above,
+    the output directory (a file, below a file, not writable: `output_dir.check`; rank 0 also takes its lock,
+    so a second run into it is refused here, `output_dir.claim`), and rank 0's rendezvous port."""
+    for name, (least, valid) in _AT_LEAST.items():
+        value = values.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < least:
+            raise InferenceSetupError(f"--{name} {value} is out of range; valid: {valid}")
+    if values.get("output_dir"):
+        output_dir.check(values["output_dir"])
+        if os.environ.get("RANK", "0") == "0":
+            output_dir.claim(values["output_dir"])
+    check_rendezvous_port()
+
+
+def check_rendezvous_port() -> None:
+    """Under the deepspeed launcher rank 0 itself opens the rendezvous store on MASTER_PORT (torchrun's agent opens
+    it before any rank starts, and fails on its own there): a port another process listens on made rank 0 fail in
+    torch with a traceback while the other ranks waited. Checked here, on rank 0, before anything starts."""
+    port = os.environ.get("MASTER_PORT")
+    if (os.environ.get("RANK") != "0" or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            or int(os.environ.get("WORLD_SIZE", "1")) < 2):
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return  # the store is up already: this is a second parse in a running process
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.bind(("", int(port)))
+    except OSError as e:
+        raise InferenceSetupError(
+            f"--master_port {port} (MASTER_PORT) is in use on {socket.gethostname()} ({e.strerror}): another process "
+            "listens there; valid: a free port for the launcher's --master_port", ranks=[0]) from None
+    finally:
+        probe.close()

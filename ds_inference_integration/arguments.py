@@ -12,6 +12,11 @@ from .errors import InferenceSetupError  # noqa: F401  (also importable from her
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POLICY_MODES = ("auto", "autotp", "derive")
+# torch.distributed keeps a deadline as now + timeout in 64-bit nanoseconds since 1970 (1.8e18 ns now, of 9.2e18):
+# two gloo ranks, init_process_group then a broadcast, 2026-12-03: a timeout of 1e9 s works; 9e9 s hangs both ranks
+# for good (the sum overflows); 2e10 s works again (it wraps past the overflow). 99999999999 s, typed to mean "no
+# timeout", hung both ranks in DeepSpeed's first broadcast. So the flag stops at 1e9 s (31 years).
+MAX_TIMEOUT_SECONDS = 10**9
 LOADING_MODES = ("auto", "full", "shard-aware", "pre-sharded")
 
 
@@ -79,8 +84,11 @@ class DeepSpeedInferenceArguments:
             problem = kernel_injection_problem()
             if problem:
                 raise InferenceSetupError(f"--replace_with_kernel_inject is refused: {problem}")
-        if self.inference_timeout <= 0:
-            raise InferenceSetupError(f"--inference_timeout {self.inference_timeout} must be a positive number of seconds")
+        if not 0 < self.inference_timeout <= MAX_TIMEOUT_SECONDS:
+            raise InferenceSetupError(
+                f"--inference_timeout {self.inference_timeout} is out of range; valid: 1 to {MAX_TIMEOUT_SECONDS} "
+                f"seconds ({MAX_TIMEOUT_SECONDS // (365 * 86400)} years: the longest wait torch.distributed keeps; give "
+                "that for no practical timeout)")
         from .deepspeed_compat import CPU_ALL_REDUCE_ENV, CPU_ALL_REDUCES
 
         if os.environ.get(CPU_ALL_REDUCE_ENV, "gloo") not in CPU_ALL_REDUCES:  # refused before the model loads
@@ -191,6 +199,9 @@ def prepare_argv(argv: list[str]) -> tuple[list[str], dict[str, bool]]:
     """
     from transformers import HfArgumentParser
 
+    from .deepspeed_compat import end_ranks_with_the_runner
+
+    end_ranks_with_the_runner()  # a `deepspeed` command that is killed takes its ranks with it
     argv, legacy = translate_legacy_args(argv)
     inference_args, _ = HfArgumentParser((DeepSpeedInferenceArguments,)).parse_known_args(argv)
     defaults = run_defaults(inference_args, world_size_from_env(), int(os.environ.get("RANK", "0")))

@@ -8,7 +8,8 @@ DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review 
 * it casts every floating buffer to the inference dtype (`buffers_kept_apart`, `restore_buffers`);
 * its head-aware split reads the KV-head count for the query side too (`kv_heads_seen_by_deepspeed`);
 * it splits CodeGen's fused qkv_proj in 4 blocks per rank (`head_grain`: refused up front, not by its assert);
-* its AutoTP parser refuses some models by class name before parsing them (`autotp_row_parallel`).
+* its AutoTP parser refuses some models by class name before parsing them (`autotp_row_parallel`);
+* its `deepspeed` command dies alone on SIGTERM, leaving every rank running (`end_ranks_with_the_runner`).
 
 Elsewhere, because it is the substance of a module rather than a patch: `attention.py` splits the
 projections DeepSpeed 0.19.8 splits wrongly (fused QKV, fewer KV heads than ranks). Not worked around:
@@ -206,3 +207,65 @@ def autotp_row_parallel(model: nn.Module) -> list[tuple[type, list[str]]]:
             return [(cls, list(names)) for cls, names in AutoTP.tp_parser(model) if names]
         except (AssertionError, ValueError, AttributeError):
             return []
+
+
+# The launcher ------------------------------------------------------------------------------------------------
+
+# DeepSpeed 0.19's `deepspeed` command (launcher/runner.py) starts `python -m deepspeed.launcher.launch`, which
+# starts the ranks, and installs a SIGTERM/SIGINT handler only for multi-node pdsh runs: `kill PID` of the command
+# (what a user or a scheduler's first signal sends) ended the command at once with exit 143 while launch.py and
+# every rank ran on, with nobody left to wait for them (2026-12-02, tp 2 predict). launch.py itself forwards
+# SIGTERM to the ranks' process trees. So each rank started by launch.py watches launch.py's parent: once it is
+# no longer the command that started it (the command died, launch.py was re-parented), the rank with local rank
+# 0 sends launch.py the SIGTERM the command did not pass on, and launch.py ends the ranks as on any SIGTERM.
+RUNNER_POLL_SECONDS = 1.0
+_runner_watch: dict = {}
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def end_ranks_with_the_runner() -> bool:
+    """Start the watch (once per process) when this rank's parent is DeepSpeed's launch.py; returns whether it
+    watches. Cost: two reads of /proc a second."""
+    if _runner_watch or os.environ.get("LOCAL_RANK") != "0" or not os.path.isdir("/proc"):
+        return bool(_runner_watch)
+    launch = os.getppid()
+    runner = _parent_of(launch)
+    if "deepspeed.launcher.launch" not in _cmdline(launch) or runner in (None, 1):
+        return False
+    import signal
+    import sys
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            time.sleep(RUNNER_POLL_SECONDS)
+            now = _parent_of(launch)
+            if now is None:
+                return  # launch.py is gone: it ended the ranks itself, or this rank is on its way out too
+            if now != runner:
+                sys.stderr.write(f"\nerror: the deepspeed command (pid {runner}) has ended (SIGTERM or killed) but "
+                                 "DeepSpeed 0.19 does not pass that on to the ranks: ending them [rank "
+                                 f"{os.environ.get('RANK', '0')}]\n")
+                sys.stderr.flush()
+                os.kill(launch, signal.SIGTERM)
+                return
+
+    _runner_watch.update(launch=launch, runner=runner)
+    threading.Thread(target=watch, daemon=True, name="ds-inference-runner-watch").start()
+    return True

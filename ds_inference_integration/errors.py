@@ -1,11 +1,17 @@
-"""The errors the library raises on purpose. Each message is one line that names the bad value and the valid
-ones; `lifecycle.run_main` prints it as `error: ...` and exits 2."""
+"""The errors the library raises on purpose. Each message is one line; `lifecycle.run_main` prints it as
+`error: ...` (no traceback) and exits 2 for a setup error or a lock-step failure, 1 for a run that failed."""
 
 from __future__ import annotations
 
 
 class InferenceSetupError(ValueError):
-    """A user-caused setup error: the message is one line naming the bad value and the valid ones."""
+    """A user-caused setup error: the message is one line naming the bad value and the valid ones. `ranks`: the
+    global ranks that raise it (None: every rank), which wait for each other to report before exiting; a check
+    only rank 0 can make (its output directory's lock, its port) names [0], so that rank exits at once."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.ranks = list(ranks) if ranks else None
 
 
 class LockstepError(RuntimeError):
@@ -15,3 +21,11 @@ class LockstepError(RuntimeError):
     def __init__(self, message: str, ranks: list[int] | None = None):
         super().__init__(message)
         self.ranks = list(ranks) if ranks else None
+
+
+class RunFailure(RuntimeError):
+    """A run that cannot go on for a reason outside the code (the output disk is full, a directory cannot be
+    written): every rank learns of it and raises it with the same one-line message; nothing is claimed done,
+    and the message says how to continue."""
+
+    ranks = None

@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import watchdog
-from .errors import InferenceSetupError, LockstepError
+from . import output_dir, watchdog
+from .errors import InferenceSetupError, LockstepError, RunFailure
 
 # A setup error is the same on every rank, but a launcher ends all ranks as soon as one exits non-zero (the
 # deepspeed launcher polls every second and SIGKILLs the rest; torchrun stops them too). So a rank that has
@@ -43,26 +43,40 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
         if code == 0:
             return 0
         _exit_now(code)
-    except (InferenceSetupError, LockstepError) as e:
+    except (InferenceSetupError, LockstepError, RunFailure) as e:
         # One write, starting on a fresh line: ranks share the launcher's stream (and tqdm's \r lines).
         sys.stderr.write(f"\nerror: {e} [rank {rank}]\n")
         sys.stderr.flush()
         ranks = getattr(e, "ranks", None) or range(int(os.environ.get("WORLD_SIZE", "1")))
         if len(ranks) > 1:  # a setup error is every rank's; a lock-step failure is its TP group's
             wait_for_peers_to_report(int(rank), list(ranks), REPORT_GRACE_SECONDS)
-        _exit_now(2)
+        _exit_now(1 if isinstance(e, RunFailure) else 2)
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank now, never hang
+        if _is_file_system_error(e):
+            # The file system said no (full, read-only, a directory gone): not a bug of the code, so one line
+            # naming the file, without a traceback. The other ranks see this one leave and stop.
+            where = f": {e.filename}" if e.filename else ""
+            sys.stderr.write(f"\nerror: {e.strerror or e} (errno {e.errno}){where}; nothing was claimed done: fix "
+                             f"it and re-run the same command [rank {rank}]\n")
+            sys.stderr.flush()
+            _exit_now(1)
         traceback.print_exc()
         sys.stderr.write(f"\nerror: rank {rank} failed: {type(e).__name__}: {e}\n")
         watchdog.explain_failure()  # a peer that stopped answering is the likely cause: name it
         _exit_now(1)
     watchdog.finished()
+    output_dir.release_all()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         # gloo with a device mesh can abort (SIGABRT) in interpreter teardown after a clean run:
         # all output is written, so leave without it.
         _exit_now(0)
     return 0
+
+
+def _is_file_system_error(e: BaseException) -> bool:
+    """An OSError from a file (with an errno), not from a connection: peers that leave are reported otherwise."""
+    return isinstance(e, OSError) and bool(e.errno) and not isinstance(e, (ConnectionError, TimeoutError))
 
 
 def wait_for_peers_to_report(rank: int, ranks: list[int], grace: float) -> int:

@@ -1,20 +1,27 @@
 """Streamed, resumable predict: every finished batch's decoded predictions go to disk as they complete, one
-part file per data-parallel replica (written by the replica's first rank; its TP peers write nothing), and
-a re-run of the same command continues where a crash stopped it. At the end rank 0 merges the parts into
-the predictions file, in input order and atomically, computes the metrics from the per-example statistics
-stored beside each prediction, and removes the parts.
+part file per data-parallel replica, and a re-run of the same command continues where a crash stopped it. At
+the end rank 0 merges the parts into the predictions file, in input order and atomically, computes the metrics
+from the per-example statistics stored beside each prediction, and removes the parts.
 
-Layout of `<output_dir>/<prefix>_parts/`:
+Rank 0 writes every part, on its own disk: after each batch the first rank of every other replica sends it its
+records over the process group (one `gather_object` per step, with more than one replica). So a run needs no
+shared file system, and nodes with disks of their own merge as one node does (`output_dir.py` says where things
+live in each layout). After each step rank 0 tells every rank whether the write went through, so a full disk
+ends every rank with the same one line, and nothing is claimed.
+
+Layout of `<output_dir>/<prefix>_parts/` (rank 0's):
     manifest.json     what the run is (model, data, layout, generation settings): a resume must match it
-    part-dp<R>.jsonl  replica R's records, one JSON line per example, in the replica's batch order:
-                      {"i": input index, "p": prediction (or a list for several sequences), "s": statistics}
+    part-dp<R>.jsonl  replica R's records, one line per example, in the replica's batch order:
+                      `<crc32 of the JSON, 8 hex digits> {"i": input index, "p": prediction (or a list for
+                      several sequences), "s": statistics}`
 
-Why the parts stay correct after any crash: a replica's batches are fixed by the data size, the batch size
-and the replica count (global batch g = examples g*B .. g*B+B-1, replica g mod dp), each batch's records are
-appended in one write and flushed, and a line cut short by a kill is dropped when the part is reopened. So a
-part always holds a prefix of its replica's examples, and resuming skips exactly that prefix. Generation of a
-batch does not depend on other batches (sampling is seeded per global batch), so a resumed run writes the
-same bytes as an uninterrupted one.
+Why the parts stay correct after any crash, or a hand edit: a replica's batches are fixed by the data size, the
+batch size and the replica count (global batch g = examples g*B .. g*B+B-1, replica g mod dp), so the input
+index of every line of a part is known in advance. A resume keeps the longest prefix of each part whose lines
+are whole, pass their checksum and carry the expected index, and cuts the rest off (a line cut short by a kill,
+lines swapped or edited by hand, a disk that filled mid-write); only the rest is generated again. Generation of
+a batch does not depend on other batches (sampling is seeded per global batch), so a resumed run writes the same
+bytes as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
-from .errors import InferenceSetupError
+from . import output_dir
+from .errors import InferenceSetupError, RunFailure
 from .files import atomic_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -47,60 +56,111 @@ def replica_batches(n: int, batch_size: int, dp_size: int, dp_rank: int) -> list
             for g in range(dp_rank, -(-n // batch_size), dp_size)]
 
 
+def replica_indices(batches: list[range], order: list[int] | None) -> Iterator[int]:
+    """The input index of every example of a replica, in the order its part holds them."""
+    for positions in batches:
+        for pos in positions:
+            yield order[pos] if order is not None else pos
+
+
 # One replica's part file ---------------------------------------------------------------------------
 
 def part_path(parts_dir: Path, dp_rank: int) -> Path:
     return Path(parts_dir) / f"part-dp{dp_rank}.jsonl"
 
 
-def read_records(path: Path) -> Iterator[tuple[int, dict]]:
-    """(byte offset, record) for every complete line; a last line without its newline (cut short by a
-    kill) is not a record."""
-    if not path.is_file():
+def encode_record(record: dict) -> bytes:
+    body = json.dumps(record, ensure_ascii=False).encode("utf-8")
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def parse_record(line: bytes) -> dict | None:
+    """The record of one line, or None when the line is not whole: no newline (cut short), a checksum that does
+    not match (damaged or edited), not a record."""
+    if not line.endswith(b"\n") or len(line) < 11 or line[8:9] != b" ":
+        return None
+    body = line[9:-1]
+    try:
+        if int(line[:8], 16) != zlib.crc32(body):
+            return None
+        record = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or type(record.get("i")) is not int or "p" not in record:
+        return None
+    return record
+
+
+def _whole_lines(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """(byte offset, length, record) for every line of `path` up to the first that is not whole."""
+    if not Path(path).is_file():
         return
     with open(path, "rb") as f:
         offset = 0
         for line in f:
-            if not line.endswith(b"\n"):
+            record = parse_record(line)
+            if record is None:
                 return
-            yield offset, json.loads(line)
+            yield offset, len(line), record
             offset += len(line)
 
 
-def complete_length(path: Path) -> tuple[int, int]:
-    """(records, bytes) of the complete lines at the start of `path`."""
+def read_records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(byte offset, record) for every line of `path` up to the first that is not whole."""
+    for offset, _, record in _whole_lines(path):
+        yield offset, record
+
+
+def valid_prefix(path: Path, expected: Iterable[int] | None = None) -> tuple[int, int]:
+    """(records, bytes) of the longest prefix of `path` whose lines are whole and, when `expected` gives the input
+    index each line must carry, carry it."""
+    expected = iter(expected) if expected is not None else None
     records = size = 0
-    if path.is_file():
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                records += 1
-                size += len(line)
+    for offset, length, record in _whole_lines(path):
+        if expected is not None and record["i"] != next(expected, None):
+            break
+        records, size = records + 1, offset + length
     return records, size
 
 
-class PartWriter:
-    """Appends one replica's records; opening it drops a line left incomplete by a crash."""
+complete_length = valid_prefix
 
-    def __init__(self, path: Path):
+
+class PartWriter:
+    """Appends one replica's records; opening it cuts the part back to its valid prefix (see the module's
+    docstring), saying so when it cuts more than a line left unfinished by a kill."""
+
+    def __init__(self, path: Path, expected: Iterable[int] | None = None):
         self.path = Path(path)
-        self.records, size = complete_length(self.path)
+        self.records, size = valid_prefix(self.path, expected)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")
-        self._file.truncate(size)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        on_disk = os.fstat(self._fd).st_size
+        if on_disk > size:
+            os.ftruncate(self._fd, size)
+            logger.warning("%s: kept its first %d records; the %d bytes after them were cut short, damaged or out of "
+                           "order, and are generated again", self.path, self.records, on_disk - size)
 
     def write(self, records: list[dict]) -> None:
-        """One batch: a single write, flushed to the operating system (a killed process loses nothing
-        written; a lost node loses at most what its page cache held, which the resume then redoes)."""
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-        self._file.write(data)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """One batch: written whole (os.write may write part of it: the rest follows) and fsynced, so a killed
+        process loses nothing written; a disk that fills mid-batch raises OSError, and the resume cuts the part
+        back to its last whole line."""
+        data = memoryview(b"".join(encode_record(r) for r in records))
+        while data:
+            data = data[os.write(self._fd, data):]
+        os.fsync(self._fd)
         self.records += len(records)
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def disk_failure(action: str, path: Path, error: OSError) -> str:
+    """The one line for a file system that refused a write (full, read-only, gone)."""
+    return (f"{action} {path} failed: {error.strerror or error} (errno {error.errno}); nothing was claimed "
+            "done: fix the disk (make space) and re-run the same command, which resumes from what is on disk")
 
 
 # What a run is, so that a resume continues the same run ------------------------------------------------
@@ -138,15 +198,41 @@ def _plain(value):
 
 
 def model_identity(model, dtype) -> dict:
-    """The model's name or path, its config, the inference dtype, and the sizes of its weight files."""
+    """The model's name or path, its config, the inference dtype, and a fingerprint of the contents of its weight
+    files (sizes alone let a newer checkpoint of the same shapes, copied over the old one, resume the old one's
+    parts and merge two models' predictions into one file)."""
     config = model.config.to_json_string(use_diff=False)
     source = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", ""))
     files = {}
     if source and Path(source).is_dir():
-        files = {p.name: p.stat().st_size for p in sorted(Path(source).iterdir())
-                 if p.suffix in (".safetensors", ".bin", ".pt")}
+        from .presharded import WEIGHT_SUFFIXES
+
+        files = {p.name: weights_fingerprint(p) for p in sorted(Path(source).iterdir())
+                 if p.suffix in WEIGHT_SUFFIXES and p.is_file()}
     return {"name_or_path": source, "config_sha256": hashlib.sha256(config.encode()).hexdigest()[:16],
             "dtype": str(dtype).replace("torch.", ""), "weight_files": files}
+
+
+SAMPLED_ABOVE = 64 * 2**20  # bytes; smaller files are hashed whole
+SAMPLES, SAMPLE_BYTES = 32, 2**20
+
+
+def weights_fingerprint(path: Path) -> str:
+    """`<size>:<sha256>` of a weight file: of all of it up to 64 MiB, else of its first MiB (a safetensors header
+    names every tensor's place) and 32 blocks of 1 MiB spread evenly through it: 33 MiB read per file however
+    large, and a checkpoint trained further differs in every block."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= SAMPLED_ABOVE:
+            while chunk := f.read(8 * 2**20):
+                h.update(chunk)
+        else:
+            step = (size - SAMPLE_BYTES) // SAMPLES
+            for offset in [0, *(step * (k + 1) for k in range(SAMPLES))]:
+                f.seek(offset)
+                h.update(f.read(SAMPLE_BYTES))
+    return f"{size}:{h.hexdigest()[:16]}"
 
 
 def generation_identity(generation_config) -> dict | None:
@@ -231,7 +317,9 @@ def merge_parts(parts_dir: Path, dp_size: int, n: int, output: Path, metric=None
             for i in range(n):
                 f = files[where_part[i]]
                 f.seek(where_offset[i])
-                rec = json.loads(f.readline())
+                rec = parse_record(f.readline())
+                if rec is None or rec["i"] != i:  # the part changed under the merge
+                    raise RuntimeError(f"{f.name}: the record of example {i} changed while the parts were merged")
                 if metric is not None:  # in input order: ROUGE's bootstrap resamples depend on it
                     totals = metric.add(totals, rec.get("s"))
                 prediction = rec["p"]
@@ -279,62 +367,58 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
 
     `dataset` is already in processing order; `order[pos]` is the input index of position `pos` (None: the
     identity). Every rank walks the same number of steps: each step generates one batch of its replica (or
-    nothing, once its replica is done) and, with more than one replica, joins one all-reduce of the examples
-    done, which feeds the progress line and lets replicas with less left wait for the others without any long
-    collective. With one replica rank 0 writes every record itself, and its TP peers keep step inside
-    `generate`: no all-reduce per step."""
+    nothing, once its replica is done); with more than one replica the replicas' first ranks then send their
+    records to rank 0 (one gather), and rank 0, having written them, tells every rank whether that went through
+    (one broadcast), which also keeps replicas with less left in step with the others without any long
+    collective."""
     import time
 
-    import torch
     import torch.distributed as dist
 
     topo = trainer.topology
     n = len(dataset)
     out_dir = Path(trainer.args.output_dir)
     parts_dir = out_dir / f"{metric_key_prefix}_parts"
-    distributed = dist.is_available() and dist.is_initialized()
-    device = trainer.args.device if distributed and dist.get_backend() == "nccl" else torch.device("cpu")
-    writer_rank = topo.tp_rank == 0
-    batches = replica_batches(n, trainer.args.eval_batch_size, topo.dp_size, topo.dp_rank)
+    distributed = dist.is_available() and dist.is_initialized() and topo.world_size > 1
+    grids = [replica_batches(n, trainer.args.eval_batch_size, topo.dp_size, r) for r in range(topo.dp_size)]
+    batches = grids[topo.dp_rank]
+    output_dir.survey(out_dir, topo, parts_dir.name, fresh)  # which disk holds what; stale parts elsewhere refused
 
-    # Rank 0 opens (or checks) the run first; then each replica's writer finds its resume point.
-    error = None
+    # Rank 0 opens (or checks) the run and cuts every part back to its valid prefix; every rank learns where its
+    # replica resumes.
+    writers, status = None, {"error": None, "failure": False, "resumed": False, "done": [0] * topo.dp_size}
     if topo.rank == 0:
         try:
-            resumed = open_run(parts_dir, trainer._stream_identity(dataset, order), fresh)
+            output_dir.claim(out_dir)
+            status["resumed"] = open_run(parts_dir, trainer._stream_identity(dataset, order), fresh)
+            writers = [PartWriter(part_path(parts_dir, r), replica_indices(grids[r], order))
+                       for r in range(topo.dp_size)]
+            status["done"] = [w.records for w in writers]
         except InferenceSetupError as e:
-            error, resumed = str(e), False
-    status = [error, resumed if topo.rank == 0 else None]
-    if distributed:
-        dist.broadcast_object_list(status, src=0)
-    if status[0]:
-        raise InferenceSetupError(status[0])
-    writer = PartWriter(part_path(parts_dir, topo.dp_rank)) if writer_rank else None
-    done_mine = torch.tensor([writer.records if writer else 0], dtype=torch.long, device=device)
-    if distributed and topo.tp_size > 1:  # the writer's resume point, for its TP peers
-        dist.broadcast(done_mine, src=topo.rank - topo.tp_rank, group=trainer.process_groups.tp)
-    skip, before = 0, 0  # batches wholly on disk; examples in them
-    while skip < len(batches) and before + len(batches[skip]) <= int(done_mine):
-        before += len(batches[skip])
-        skip += 1
-    steps = torch.tensor([len(batches) - skip], dtype=torch.long, device=device)
-    if distributed:
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    already = _sum_over_replicas(int(done_mine), topo, device, distributed)
+            status["error"] = str(e)
+        except OSError as e:
+            status.update(error=disk_failure("opening the parts in", parts_dir, e), failure=True)
+    status = _from_rank0(status, distributed)
+    if status["error"]:
+        _close(writers)
+        raise (RunFailure if status["failure"] else InferenceSetupError)(status["error"])
+    done_mine = status["done"][topo.dp_rank]
+    skip, before = _resume_point(batches, done_mine)  # batches wholly on disk; examples in them
+    steps = max(len(grid) - _resume_point(grid, done)[0] for grid, done in zip(grids, status["done"]))
+    already = resumed = sum(status["done"])
     if topo.rank == 0:
-        if status[1]:
+        if status["resumed"]:
             logger.warning("resumed: %d of %d examples already done", already, n)
-        logger.warning("predictions stream to %s (one part per replica), merged into %s at the end",
-                    parts_dir, out_dir / predictions_file)
+        logger.warning("predictions stream to %s (one part per replica, all written by rank 0), merged into %s "
+                       "at the end", parts_dir, out_dir / predictions_file)
     progress = _Progress(n, already)
     tokenizer = trainer.processing_class
     pad = getattr(tokenizer, "pad_token_id", None)
-    generated = 0
     start = time.monotonic()
     trainer.model.eval()
-    for step in range(int(steps)):
+    for step in range(steps):
         k = skip + step
-        written = 0
+        records = None
         if k < len(batches):
             positions = batches[k]
             features = [dataset[p] for p in positions]
@@ -345,39 +429,50 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
                 inputs.pop("decoder_attention_mask", None)
             trainer._batch_index = k - 1  # prediction_step counts it up: the seed and the guard use it
             _, tokens, _ = trainer.prediction_step(trainer.model, inputs, prediction_loss_only=False)
-            generated += len(positions)
-            if writer is not None:
-                first = int(done_mine) - before if k == skip else 0  # a batch a crash cut short: its tail only
-                records = _records(tokenizer, pad, tokens, labels, positions, order, metric)
-                writer.write(records[first:])
-                written = len(records) - first
-        if distributed and topo.dp_size > 1:  # the other replicas' progress (one replica: rank 0 writes it all)
-            count = torch.tensor([written], dtype=torch.long, device=device)
-            dist.all_reduce(count)
-            written = int(count)
-        already += written
+            if topo.tp_rank == 0:
+                first = done_mine - before if k == skip else 0  # a batch a crash cut short: its tail only
+                records = _records(tokenizer, pad, tokens, labels, positions, order, metric)[first:]
+        if distributed and topo.dp_size > 1:
+            sent = [None] * topo.world_size if topo.rank == 0 else None
+            dist.gather_object(records, sent, dst=0)
+            per_replica = [sent[r * topo.tp_size] for r in range(topo.dp_size)] if topo.rank == 0 else None
+        else:
+            per_replica = [records]
+        error = None
         if topo.rank == 0:
+            try:
+                for r, recs in enumerate(per_replica):
+                    if recs:
+                        writers[r].write(recs)
+                        already += len(recs)
+            except OSError as e:
+                error = disk_failure("writing the predictions to", writers[r].path, e)
             progress.update(already)
-    if writer is not None:
-        writer.close()
+        if distributed:
+            error = _from_rank0(error, distributed)
+        if error:
+            _close(writers)
+            raise RunFailure(error)
+    _close(writers)
     runtime = time.monotonic() - start
     if topo.rank == 0:
         progress.update(already, force=True)
 
-    result: list = [None]
+    result: dict = {}
     if topo.rank == 0:
         try:
             metrics = merge_parts(parts_dir, topo.dp_size, n, out_dir / predictions_file, metric)
             shutil.rmtree(parts_dir)
-            result[0] = {"metrics": metrics}
+            result = {"metrics": metrics, "generated": already - resumed}
+        except OSError as e:
+            result = {"error": disk_failure("writing", out_dir / predictions_file, e)}
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait
-            result[0] = {"error": f"{type(e).__name__}: {e}"}
-    if distributed:
-        dist.broadcast_object_list(result, src=0)
-    if "error" in result[0]:
-        raise RuntimeError(f"merging the predictions failed: {result[0]['error']}")
-    generated = _sum_over_replicas(generated, topo, device, distributed)
-    metrics = {f"{metric_key_prefix}_{k}": v for k, v in result[0]["metrics"].items()}
+            result = {"error": f"merging the predictions failed: {type(e).__name__}: {e}"}
+    result = _from_rank0(result, distributed)
+    if "error" in result:
+        raise RunFailure(result["error"])
+    generated = result["generated"]
+    metrics = {f"{metric_key_prefix}_{k}": v for k, v in result["metrics"].items()}
     metrics.update({
         f"{metric_key_prefix}_samples": n,  # the whole set, resumed or not
         f"{metric_key_prefix}_generated_samples": generated,  # generated by this run
@@ -388,14 +483,29 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
     return metrics
 
 
-def _sum_over_replicas(value: int, topo, device, distributed: bool) -> int:
-    import torch
+def _resume_point(batches: list[range], done: int) -> tuple[int, int]:
+    """(batches wholly among the first `done` examples, the examples in them)."""
+    skip = before = 0
+    while skip < len(batches) and before + len(batches[skip]) <= done:
+        before += len(batches[skip])
+        skip += 1
+    return skip, before
+
+
+def _from_rank0(value, distributed: bool):
+    """Rank 0's `value` on every rank (a bounded wait: the process group's timeout)."""
+    if not distributed:
+        return value
     import torch.distributed as dist
 
-    t = torch.tensor([value if topo.tp_rank == 0 else 0], dtype=torch.long, device=device)
-    if distributed:
-        dist.all_reduce(t)
-    return int(t)
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _close(writers) -> None:
+    for w in writers or ():
+        w.close()
 
 
 def _records(tokenizer, pad, tokens, labels, positions: range, order, metric) -> list[dict]:

@@ -107,6 +107,8 @@ class DeepSpeedInferenceMixin:
             dist.all_gather(parts, t, group=group)
             return torch.cat(parts)
 
+        if isinstance(data, _BatchLoss):
+            return self._gather_batch_loss(data.as_subclass(torch.Tensor), gather)
         gathered = recursively_apply(gather, data)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
@@ -119,6 +121,19 @@ class DeepSpeedInferenceMixin:
                 return t[:state.remainder * per]
 
             gathered = _apply_pairs(trim, gathered, data)
+        return gathered
+
+    def _gather_batch_loss(self, losses: torch.Tensor, gather) -> torch.Tensor:
+        """The loop's `loss.repeat(batch_size)` of every replica. One process repeats each batch's loss by the loader's
+        batch size, its short last batch too, so eval_loss is the mean of the batch losses; the replicas' batches
+        are one process's batches (see _real_rows), so keeping every replica's repeats, except those of a last
+        batch made of padding alone, gives one process's mean. Trimming to the remainder's rows, as for the
+        predictions, weighed the short last batch by its row count instead (eval_loss 6.1062e-4 against one
+        process's 6.1190e-4: 37 examples, batch 8, dp 2 x tp 2, 2026-12-03)."""
+        gathered = gather(losses)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            gathered = gathered[:-(-state.remainder // self.args.eval_batch_size) * losses.shape[0]]
         return gathered
 
     # Data layout: replicas split the data, TP peers share it ----------------------------------------------
@@ -176,13 +191,38 @@ class DeepSpeedInferenceMixin:
             self._check_lockstep(inputs)
             self.lockstep_seconds += time.perf_counter() - start
         prompt_width = inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
+        rows, real = self._local_batch_examples, self._real_rows()
+        padded = real is not None and real < rows  # accelerate's padding of the last batches: see _real_rows
+        if padded:
+            inputs = _slice_rows(inputs, rows, max(real, 1))
         with self._batch_seed(gen_kwargs):
             loss, tokens, labels = super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        if padded:  # back to the batch's row count: the gather trims these rows off
+            tokens, labels = _pad_rows(tokens, max(real, 1), rows), _pad_rows(labels, max(real, 1), rows)
+        if real is not None and isinstance(loss, torch.Tensor):
+            loss = loss.as_subclass(_BatchLoss)  # so that _replica_gather trims it as one process weighs it
         if tokens is not None and getattr(self.args, "predict_with_generate", False) and not getattr(
                 self.model.config, "is_encoder_decoder", False):
             tokens = tokens[:, prompt_width:]  # decoder-only: return the new tokens, not the (left-padded) prompt
         return loss, tokens, labels
+
+    def _real_rows(self) -> int | None:
+        """How many rows of this replica's batch are examples, when the loop may have padded it (None: all are).
+
+        With more than one replica accelerate evens out the last batches (`even_batches`): a short last batch is
+        completed with examples from the start of the data, and a replica with nothing left gets a batch made of
+        them. The gather drops those rows afterwards, but they were computed: a padded batch's loss is the mean
+        over its repeats too, and sampling draws random numbers for every row, so eval_loss and sampled tokens
+        parted from one process's (37 examples, batch 8, dp 2 x tp 2: eval_loss 6.0795e-4 against 6.1190e-4,
+        2026-12-03). So a padded batch runs on its real rows only (a batch of padding alone on its first row,
+        for the collectives' sake), and is padded back to its row count for the gather. Global batch g =
+        (this replica's step) x dp + dp_rank holds examples g*B .. g*B+B-1 of the data, as one process's."""
+        n, dp = getattr(self, "_loop_examples", None), self.topology.dp_size
+        if n is None or dp == 1 or self.accelerator.dataloader_config.split_batches:
+            return None
+        start = (self._batch_index * dp + self.topology.dp_rank) * self.args.eval_batch_size
+        return max(0, min(self.args.eval_batch_size, n - start))
 
     def _samples(self, gen_kwargs: dict) -> bool:
         """Whether this prediction step draws random numbers: generation with sampling."""
@@ -211,7 +251,12 @@ class DeepSpeedInferenceMixin:
         # Seq2SeqTrainer.predict/evaluate reset gather_function before every call: set ours here.
         self._batch_index = -1
         self.gather_function = self._replica_gather
-        output = super().evaluation_loop(dataloader, *args, **kwargs)
+        dataset = getattr(dataloader, "dataset", None)
+        self._loop_examples = len(dataset) if hasattr(dataset, "__len__") else None
+        try:
+            output = super().evaluation_loop(dataloader, *args, **kwargs)
+        finally:
+            self._loop_examples = None
         n, k = output.num_samples, self._rows_per_example()
         for name, rows, per in (("predictions", output.predictions, k), ("label_ids", output.label_ids, 1)):
             for count in _row_counts(rows):
@@ -351,6 +396,28 @@ def _batch_examples(inputs: dict) -> int:
     from transformers.trainer_pt_utils import find_batch_size
 
     return find_batch_size(inputs) or 0
+
+
+class _BatchLoss(torch.Tensor):
+    """A batch's loss on its way from prediction_step to the loop's gather (`_gather_batch_loss`)."""
+
+
+def _slice_rows(inputs: dict, rows: int, keep: int) -> dict:
+    """The batch's first `keep` rows (every tensor with `rows` rows; anything else as it is)."""
+    return type(inputs)({k: v[:keep] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v
+                         for k, v in inputs.items()})
+
+
+def _pad_rows(t, kept: int, rows: int):
+    """`t`, computed for a batch's first `kept` rows (k rows of it per example), with rows of -100 added up to k x
+    `rows` rows."""
+    if not isinstance(t, torch.Tensor) or not t.ndim:
+        return t
+    per = max(1, t.shape[0] // kept)
+    missing = rows * per - t.shape[0]
+    if missing <= 0:
+        return t
+    return torch.cat([t, torch.full((missing, *t.shape[1:]), -100, dtype=t.dtype, device=t.device)])
 
 
 def _apply_pairs(fn, gathered, local):

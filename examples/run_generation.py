@@ -36,6 +36,7 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
+from ds_inference_integration.data_files import check_data_file
 from ds_inference_integration.files import atomic_path
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import load_model
@@ -67,9 +68,15 @@ class GenerationArguments:
 
 def read_prompts(path: str, column: str, limit: int | None) -> list[str]:
     p = Path(path)
-    if not p.is_file():
+    if p.suffix in (".json", ".jsonl"):
+        check_data_file(path, "--prompts_file", "prompts")  # missing, not UTF-8, a malformed line: one line
+    elif not p.is_file():
         raise InferenceSetupError(f"--prompts_file {path!r} does not exist")
-    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise InferenceSetupError(f"--prompts_file {path!r} holds a byte that is not UTF-8 at byte {e.start}; valid: "
+                                  "a UTF-8 text file") from None
     if p.suffix in (".json", ".jsonl"):
         rows = [json.loads(line) for line in lines]
         missing = [i for i, r in enumerate(rows) if column not in r]

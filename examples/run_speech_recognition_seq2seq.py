@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from datasets import load_dataset
 from transformers import (
     AutoConfig,
     AutoFeatureExtractor,
@@ -46,6 +45,7 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
+from ds_inference_integration.data_files import load_data_files
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import check_model_kind, load_model
 from ds_inference_integration.metrics import WordErrorRate
@@ -211,10 +211,9 @@ def main(argv: list[str]) -> None:
     for split, (manifest, limit, wanted) in splits.items():
         if not wanted:
             continue
-        if manifest is None or not Path(manifest).is_file():
-            raise InferenceSetupError(f"--{split}_file {manifest!r} does not exist")
-        kind = "csv" if manifest.endswith(".csv") else "json"
-        ds = load_dataset(kind, data_files={split: manifest}, cache_dir=model_args.cache_dir)[split]
+        if manifest is None:
+            raise InferenceSetupError(f"--{split}_file is needed for this split; valid: a json, jsonl or csv manifest")
+        ds = load_data_files({split: manifest}, cache_dir=model_args.cache_dir, what="clips")[split]
         if len(ds) == 0:
             raise InferenceSetupError(f"the {split} manifest {manifest} lists no clips")
         for column in (data_args.audio_column_name, data_args.text_column_name):

@@ -40,6 +40,7 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
+from ds_inference_integration.data_files import check_texts, load_data_files
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import check_model_kind, load_model
 from ds_inference_integration.metrics import Rouge
@@ -153,18 +154,10 @@ def main(argv: list[str]) -> None:
                 token=model_args.token,
             )
         else:
-            data_files = {}
-            for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file),
-                                ("test", data_args.test_file)):
-                if path is not None:
-                    if not Path(path).is_file():
-                        raise InferenceSetupError(f"--{split}_file {path!r} does not exist")
-                    with open(path, encoding="utf-8") as f:
-                        if not any(line.strip() for line in f):
-                            raise InferenceSetupError(f"--{split}_file {path!r} holds no examples; give at least one line")
-                    data_files[split] = path
-            kind = "csv" if next(iter(data_files.values())).endswith(".csv") else "json"
-            raw_datasets = load_dataset(kind, data_files=data_files, cache_dir=model_args.cache_dir)
+            # every file checked first (missing, empty, not UTF-8, a malformed line): one line naming it
+            data_files = {split: path for split, path in (("train", data_args.train_file), ("validation",
+                          data_args.validation_file), ("test", data_args.test_file)) if path is not None}
+            raw_datasets = load_data_files(data_files, cache_dir=model_args.cache_dir)
 
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
@@ -236,10 +229,7 @@ def main(argv: list[str]) -> None:
             if column not in ds.column_names and not (flag == "--summary_column" and split == "test"):
                 raise InferenceSetupError(f"{flag} {column!r} is not a column of the {split} data; "
                                           f"columns: {', '.join(ds.column_names)}")
-        empty = sum(not (t or "").strip() for t in ds[text_column])
-        if empty:
-            raise InferenceSetupError(f"{empty} of {len(ds)} {split} examples have an empty {text_column!r}; "
-                                      "valid: a text in every example")
+        check_texts(ds[text_column], f"--text_column {text_column}", text_column, split)
         if summary_column not in ds.column_names:
             logger.info(f"the test data has no {summary_column!r} column: predictions only, no ROUGE")
         elif any(s is None for s in ds[summary_column]):

@@ -40,6 +40,7 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
+from ds_inference_integration.data_files import check_texts, load_data_files
 from ds_inference_integration.lifecycle import run_main
 from ds_inference_integration.loading import check_model_kind, load_model
 from ds_inference_integration.metrics import CorpusBleu
@@ -154,17 +155,10 @@ def main(argv: list[str]) -> None:
                 token=model_args.token,
             )
         else:
-            data_files = {}
-            for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file),
-                                ("test", data_args.test_file)):
-                if path is not None:
-                    if not Path(path).is_file():
-                        raise InferenceSetupError(f"--{split}_file {path!r} does not exist")
-                    with open(path, encoding="utf-8") as f:
-                        if not any(line.strip() for line in f):
-                            raise InferenceSetupError(f"--{split}_file {path!r} holds no examples; give at least one line")
-                    data_files[split] = path
-            raw_datasets = load_dataset("json", data_files=data_files, cache_dir=model_args.cache_dir)
+            # every file checked first (missing, empty, not UTF-8, a malformed line): one line naming it
+            data_files = {split: path for split, path in (("train", data_args.train_file), ("validation",
+                          data_args.validation_file), ("test", data_args.test_file)) if path is not None}
+            raw_datasets = load_data_files(data_files, cache_dir=model_args.cache_dir)
 
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
@@ -246,6 +240,8 @@ def main(argv: list[str]) -> None:
         if source_lang not in keys:
             raise InferenceSetupError(f"the {split} data has no language {source_lang!r} in 'translation'; languages "
                                       f"there: {keys}")
+        check_texts([(ex or {}).get(source_lang) for ex in ds["translation"]], f"--source_lang {source_lang}",
+                    f"translation.{source_lang}", split)
         with_target = sum(target_lang in (ex or {}) for ex in ds["translation"])
         if split == "test" and with_target == 0:
             logger.info(f"the test data has no {target_lang!r} references: predictions only, no BLEU")

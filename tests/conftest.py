@@ -55,22 +55,32 @@ FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: the fau
 
 def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, launcher: str = "torchrun",
                 script: Path = RUN_TRANSLATION, timeout: float = 240, fault: str | None = None,
-                env: dict | None = None) -> Run:
+                env: dict | None = None, master_port: int | None = None) -> Run:
     """Run an example script single-process (nprocs None) or under a real launcher: torchrun unless the test is
     about the `deepspeed` launcher, which starts two Pythons that import DeepSpeed before the ranks (~5
     CPU-seconds a launch, against one that imports torch). Never hangs, and leaves no process behind (the whole
     process group is killed afterwards, stopped ranks included). `fault` sets DS_INFERENCE_FAULT with the
     tests' fault hooks on the path (tests/faults/sitecustomize.py)."""
+    proc, cmd = start_example(args, output_dir, nprocs, launcher, script, fault, env, master_port)
+    return finish_example(proc, cmd, output_dir, timeout)
+
+
+def start_example(args: list[str], output_dir: Path, nprocs: int | None = None, launcher: str = "torchrun",
+                  script: Path = RUN_TRANSLATION, fault: str | None = None, env: dict | None = None,
+                  master_port: int | None = None, launcher_args: list[str] | None = None):
+    """`run_example`'s process, started and not waited for: (Popen, command). Its own session and process group
+    (the group id is its pid), so that `finish_example` can end everything it started."""
     script_args = [str(script), "--output_dir", str(output_dir), *args]
+    port = str(master_port or free_port())
     if nprocs is None:
         cmd = [sys.executable, *script_args]
     elif launcher == "deepspeed":
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()), *script_args]
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port, *script_args]
     elif launcher == "torchrun":
         # torchrun's own log directory: beside the output, under pytest's tmp (by default it leaves a
         # /tmp/torchelastic_* directory behind on every launch)
-        logs = Path(output_dir).parent / f"{Path(output_dir).name}_torchrun_logs"
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()),
+        logs = Path(output_dir).parent / f"{Path(output_dir).name}_torchrun_logs{'_' + port if launcher_args else ''}"
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), *(launcher_args or ["--master_port", port]),
                "--log-dir", str(logs), *script_args]
     else:
         raise ValueError(launcher)
@@ -81,18 +91,23 @@ def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, la
         env.update(DS_INFERENCE_FAULT=fault, PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH")])))
     if nprocs:  # CPU ranks share the cores, as torchrun would set it (the deepspeed launcher does not)
         env["OMP_NUM_THREADS"] = str(threads_per_rank(nprocs))
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    proc.started = time.monotonic()
+    return proc, cmd
+
+
+def finish_example(proc, cmd, output_dir: Path, timeout: float) -> Run:
+    """Wait for a `start_example` process (at most `timeout` s from its start), then end its process group."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - proc.started)))
     except subprocess.TimeoutExpired:
         _kill_group(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{(out + err)[-3000:]}")
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}")
     finally:
         _kill_group(proc.pid)
-    return Run(proc.returncode, out + err, time.monotonic() - start, output_dir)
+    return Run(proc.returncode, out, time.monotonic() - proc.started, output_dir)
 
 
 def _kill_group(pgid: int) -> None:
@@ -114,8 +129,13 @@ def run_in_process(args: list[str], output_dir: Path, script: Path = RUN_TRANSLA
     name = script.stem
     if name not in _EXAMPLES:
         _EXAMPLES[name] = load_example(name)
+    from ds_inference_integration import output_dir as locks
+
     start = time.monotonic()
-    _EXAMPLES[name].main(["--output_dir", str(output_dir), *args])
+    try:
+        _EXAMPLES[name].main(["--output_dir", str(output_dir), *args])
+    finally:
+        locks.release_all()  # the run's process ends here, and its hold on the output directory with it
     return Run(0, "", time.monotonic() - start, output_dir)
 
 
@@ -190,7 +210,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 # `make test-fast` runs the tests that start no process (`-m "not launched"`). A test is marked `launched` when
 # it, or a fixture it uses, starts one: a launcher run, a `ds-inference` command, a worker script.
-_STARTS_PROCESSES = ("run_example(", "subprocess.", "cli(", "gpu_check(", "start_ranks(", "run_check(",
+_STARTS_PROCESSES = ("run_example(", "start_example(", "launch_nodes(",
+                     "subprocess.", "cli(", "gpu_check(", "start_ranks(", "run_check(",
                      "run_shard(", "bench_memory(", "bench_generation(", "policy_check(")
 
 
@@ -224,6 +245,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.launched)
     items.sort(key=lambda item: (item.get_closest_marker("launched") is None,
                                  -LONGEST.get(item.name, LONGEST.get(item.originalname, 0))))
+
+
+@pytest.fixture(autouse=True)
+def _output_locks_end_with_the_test():
+    """A run's rank 0 holds its --output_dir (output_dir.claim) until its process ends; a test that runs main() in
+    this process is that run's whole process, so the lock ends with the test (a later launched run into the same
+    directory is then another run that follows it, not one beside it)."""
+    yield
+    from ds_inference_integration import output_dir
+
+    output_dir.release_all()
 
 
 @pytest.fixture(autouse=True)

@@ -335,3 +335,109 @@ def test_a_run_identity_is_the_same_before_and_after_an_earlier_generate_in_the_
     after = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
     assert after.generation == before.generation and after == before
     assert before.generation["generation_config"]["num_beams"] == 1  # effective values, defaults filled in
+
+
+def _crashed_run(model_dir, out, monkeypatch, at_batch: int = 3, **gen):
+    """A predict_to_file killed when its `at_batch`-th batch starts, as a SIGKILL leaves it: the parts on disk."""
+    trainer, data, _ = make_trainer(model_dir, out)
+    original = type(trainer).prediction_step
+    calls = []
+
+    def crash(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_batch:
+            raise KeyboardInterrupt("killed")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(trainer), "prediction_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
+    monkeypatch.undo()
+    return out / "predict_parts" / "part-dp0.jsonl"
+
+
+def _swap_indices(lines):
+    a, b = json.loads(lines[3][9:]), json.loads(lines[4][9:])
+    a["i"], b["i"] = b["i"], a["i"]
+    return lines[:3] + [_line(a), _line(b)] + lines[5:]
+
+
+def _line(record) -> bytes:
+    from ds_inference_integration.streaming import encode_record
+
+    return encode_record(record)
+
+
+DAMAGE = {
+    # (a) two lines' indices swapped (their checksums made right again, as a careful hand edit would)
+    "indices_swapped": (_swap_indices, 3),
+    # (b) the last line cut mid-record, its newline kept
+    "last_line_cut_newline_kept": (lambda lines: lines[:-1] + [lines[-1][:len(lines[-1]) // 2] + b"\n"], 7),
+    # (c) one line's index changed to a later example's (checksum made right again)
+    "index_changed_to_a_later_example": (lambda lines: lines[:5] + [_line({**json.loads(lines[5][9:]), "i": 12})]
+                                         + lines[6:], 5),
+    # a prediction edited by hand, checksum left as it was
+    "prediction_edited": (lambda lines: lines[:2] + [lines[2].replace(b'"p": "', b'"p": "x')] + lines[3:], 2),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_parts_are_cut_back_to_their_valid_prefix_and_the_resume_is_byte_identical(tiny_t5, tmp_path,
+                                                                                           monkeypatch, damage):
+    """A killed run's part, damaged by hand, then the same command again: every line from the first one that is not
+    whole (cut, checksum wrong) or carries another index than the replica's next example is generated again, and
+    the predictions end byte for byte as an uninterrupted run's. (Before: a swapped or re-numbered line was merged
+    as it stood, exit 0 with predictions out of place; a cut line with its newline was a JSONDecodeError.)"""
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path / "whole")
+    want = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    whole = (tmp_path / "whole" / "generated_predictions.txt").read_bytes()
+    part = _crashed_run(tiny_t5, tmp_path / "crash", monkeypatch, at_batch=3, max_new_tokens=6)
+    lines = part.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 8
+    damage_fn, kept = DAMAGE[damage]
+    part.write_bytes(b"".join(damage_fn(lines)))
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path / "crash")  # the same command again
+    got = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    assert (tmp_path / "crash" / "generated_predictions.txt").read_bytes() == whole
+    assert got["predict_resumed_samples"] == kept and got["predict_generated_samples"] == len(WORDS) - kept
+    assert {k: got[k] for k in ("predict_bleu", "predict_gen_len")} == {k: want[k] for k in ("predict_bleu", "predict_gen_len")}
+
+
+def test_a_checkpoint_replaced_by_another_of_the_same_size_is_not_resumed(tiny_t5, tmp_path, monkeypatch):
+    """Killed half-way; the checkpoint at the same path is replaced by another of the same architecture and byte
+    size (a later training checkpoint); the same command: refused in one line naming the weights (before: the
+    identity held the files' sizes only, so the old model's parts were resumed and merged with the new one's)."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_t5, model_dir)
+    _crashed_run(model_dir, tmp_path / "out", monkeypatch, at_batch=2, max_new_tokens=6)
+    newer = save_tiny_model("t5", tmp_path / "newer", initializer_factor=4.0)
+    for f in newer.glob("*.safetensors"):
+        assert f.stat().st_size == (model_dir / f.name).stat().st_size
+        shutil.copy(f, model_dir / f.name)
+    trainer, data, _ = make_trainer(model_dir, tmp_path / "out")
+    with pytest.raises(InferenceSetupError, match=r"^\S+predict_parts holds the parts of a different predict run "
+                                                  r"\(model\.weight_files\.model\.safetensors: '\d+:\w+' -> "):
+        trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
+    fresh = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6, fresh=True)
+    assert fresh["predict_generated_samples"] == len(WORDS)
+
+
+def test_a_large_weight_file_is_fingerprinted_by_samples_of_its_contents(tmp_path, monkeypatch):
+    from ds_inference_integration import streaming
+
+    monkeypatch.setattr(streaming, "SAMPLED_ABOVE", 1000)
+    monkeypatch.setattr(streaming, "SAMPLE_BYTES", 16)
+    path = tmp_path / "model.safetensors"
+    data = bytearray(range(256)) * 40
+    path.write_bytes(data)
+    before = streaming.weights_fingerprint(path)
+    assert before.startswith(f"{len(data)}:")
+    trained = bytearray(data)
+    for k in range(0, len(trained), 64):  # training further changes every weight, the size unchanged
+        trained[k] ^= 1
+    path.write_bytes(trained)
+    assert streaming.weights_fingerprint(path) != before
+    path.write_bytes(data)  # the same contents again (copied back, a new mtime): the same fingerprint
+    assert streaming.weights_fingerprint(path) == before
