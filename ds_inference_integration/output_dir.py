@@ -94,6 +94,7 @@ def survey(out_dir: Path, topology, parts_name: str, fresh: bool) -> dict:
     token = [uuid.uuid4().hex if topology.rank == 0 else None]
     marker = None
     if topology.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)  # a script without our parser may not have made it yet
         marker = out_dir / f".ds-inference-layout-{token[0]}"
         marker.write_text(token[0])
     dist.broadcast_object_list(token, src=0)  # after rank 0 wrote the marker

@@ -234,7 +234,13 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
            "test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it": 44,
            "test_every_architecture_matches_the_unsharded_model[2]": 55,
            "test_presharded_predictions_equal_the_source": 37, "test_unlisted_architectures_get_a_derived_policy": 30,
-           "test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process": 30}
+           "test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process": 30,
+           "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[own_disks]": 88,
+           "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[shared_disk]": 59,
+           "test_a_second_run_into_the_same_directory_is_refused_while_the_first_streams": 65,
+           "test_a_full_disk_ends_every_rank_in_one_line_and_the_same_command_resumes": 52,
+           "test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes": 50,
+           "test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_process": 41}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -109,9 +109,13 @@ def _session_alive(sid: int) -> list[int]:
     return alive
 
 
+class _Lines(list):
+    reader: threading.Thread
+
+
 def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
     """Read `proc`'s output until a line holds `text`; the rest is read on by a thread (nothing blocks)."""
-    lines, found = [], threading.Event()
+    lines, found = _Lines(), threading.Event()
 
     def read():
         for line in proc.stdout:
@@ -119,8 +123,10 @@ def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
             if text in line:
                 found.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     assert found.wait(timeout), "".join(lines)[-3000:]
+    lines.reader = reader
     return lines
 
 
@@ -140,6 +146,7 @@ def test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_r
         assert not _session_alive(proc.pid), "".join(lines)[-3000:]
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if _session_alive(proc.pid) else None
+    lines.reader.join(10)  # the output up to the end of the last process
     assert any("the deepspeed command (pid" in line for line in lines), "".join(lines)[-2000:]
     resumed = run_example(args, tmp_path, nprocs=2, launcher="deepspeed")
     assert_ok(resumed)
@@ -155,7 +162,8 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_streams
     one process. The first runs with --inference_timeout 1000000000, the largest accepted (a larger one is refused
     in one line: test_settings_a_user_can_get_wrong_are_one_line_before_anything_loads)."""
     args = [*ALL, "--deepspeed_inference", "--inference_timeout", "1000000000"]
-    first, cmd = start_example(args, tmp_path, nprocs=2, launcher="deepspeed")
+    # the first paced (0.6 s more a batch, 51 batches): still streaming while the second starts on the busy cores
+    first, cmd = start_example(args, tmp_path, nprocs=2, launcher="deepspeed", fault="pace:0.6")
     try:
         lines = _wait_for_line(first, "predictions stream to", 200)
         second = run_example(args, tmp_path, nprocs=2, launcher="deepspeed", timeout=120)
@@ -260,7 +268,7 @@ def test_settings_a_user_can_get_wrong_are_one_line_before_anything_loads(tmp_pa
 
     (tmp_path / "file").write_text("x")
     module = load_example("run_translation")
-    monkeypatch.setattr(module, "load_data_files", lambda *a, **k: pytest.fail("data loaded"))
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     extra, message = SETTINGS[case]
     args = ["--output_dir", str(tmp_path / "out"), "--do_predict", *TRANSLATE_ARGS, "--deepspeed_inference",
             *(a.format(tmp=tmp_path) for a in extra)]

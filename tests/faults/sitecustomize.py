@@ -6,6 +6,7 @@ package when that module is first imported.
                                           | skew (generate from a different batch than its TP peers)
                                           | killjob (SIGKILL to the launcher and every rank at once: a
                                           scheduler's kill -9, a lost node)
+    DS_INFERENCE_FAULT=pace:S             every batch of every rank starts S seconds late (a long run, little CPU)
     DS_INFERENCE_FAULT=fail_write:NAME    writing the output file NAME fails halfway (nothing renamed into place)
     DS_INFERENCE_FAULT=check_logits:RANK  that rank's `policy check` sees its sharded logits off by 1.0
     DS_INFERENCE_FAULT=slow_start:RANK:S  that rank starts S seconds late (a loaded machine: its peers reach
@@ -43,8 +44,17 @@ def _kill_job():
 
 
 def _patch_trainer(module):
-    rank, batch = (int(x) for x in ARG.split(":"))
     original = module.DeepSpeedInferenceMixin.prediction_step
+    if KIND == "pace":  # every batch of every rank takes ARG seconds longer: a long run, at little CPU
+        import time
+
+        def paced(self, *args, **kwargs):
+            time.sleep(float(ARG))
+            return original(self, *args, **kwargs)
+
+        module.DeepSpeedInferenceMixin.prediction_step = paced
+        return
+    rank, batch = (int(x) for x in ARG.split(":"))
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         if self.topology.rank == rank and self._batch_index + 1 == batch:
