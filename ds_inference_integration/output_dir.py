@@ -77,29 +77,40 @@ def release_all() -> None:
         os.close(fd)
 
 
-def _local_parts(out_dir: Path, parts_name: str) -> bool:
-    return (out_dir / parts_name / "manifest.json").is_file()
+def _manifest_digest(out_dir: Path, parts_name: str) -> str | None:
+    """sha256 of the parts manifest this rank sees in its own directory (None: none there)."""
+    import hashlib
+
+    try:
+        return hashlib.sha256((out_dir / parts_name / "manifest.json").read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def survey(out_dir: Path, topology, parts_name: str, fresh: bool) -> dict:
     """Every rank, before a streamed predict generates: does each rank see rank 0's output directory? Rank 0 puts
     a file with a random name there and every rank looks for it in its own `--output_dir`. Logs the layout on
-    rank 0; refuses (on every rank) parts of an earlier run that only a rank other than rank 0 sees, unless
-    `fresh` (then those ranks remove them). Returns {"shared": bool, "apart": [ranks that do not see it]}."""
+    rank 0. Refuses (on every rank) the parts of an earlier run that a rank not seeing rank 0's directory holds
+    and rank 0 does not (their manifests differ), unless `fresh`: then that rank removes them. Comparing the
+    manifests, not only the marker, keeps a shared disk that shows a new file late (NFS caches a name's absence
+    for up to its attribute timeout) from being taken for another disk holding other parts.
+    Returns {"shared": bool, "apart": [ranks that do not see it]}."""
     import torch.distributed as dist
 
     out_dir = Path(out_dir)
     if not (dist.is_available() and dist.is_initialized()) or topology.world_size == 1:
         return {"shared": True, "apart": []}
-    token = [uuid.uuid4().hex if topology.rank == 0 else None]
+    head = [uuid.uuid4().hex, _manifest_digest(out_dir, parts_name)] if topology.rank == 0 else [None, None]
     marker = None
     if topology.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)  # a script without our parser may not have made it yet
-        marker = out_dir / f".ds-inference-layout-{token[0]}"
-        marker.write_text(token[0])
-    dist.broadcast_object_list(token, src=0)  # after rank 0 wrote the marker
-    sees = (out_dir / f".ds-inference-layout-{token[0]}").is_file()
-    stale = not sees and _local_parts(out_dir, parts_name)
+        marker = out_dir / f".ds-inference-layout-{head[0]}"
+        marker.write_text(head[0])
+    dist.broadcast_object_list(head, src=0)  # after rank 0 wrote the marker
+    token, rank0_manifest = head
+    sees = (out_dir / f".ds-inference-layout-{token}").is_file()
+    mine = None if sees else _manifest_digest(out_dir, parts_name)
+    stale = mine is not None and mine != rank0_manifest
     if stale and fresh:
         import shutil
 

@@ -71,12 +71,12 @@ def test_a_new_run_never_merges_into_or_shows_as_an_earlier_run(tiny_t5, tmp_pat
 def test_a_failed_run_leaves_the_earlier_good_run_whole(tmp_path):
     args = ["--do_predict", "--max_predict_samples", "8", *TRANSLATE_ARGS]
     run_in_process(args, tmp_path)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".ds-inference.lock"}
     assert {"generated_predictions.txt", "predict_results.json", "all_results.json"} <= set(before)
     # the next run dies while its predictions are being written (after generating, before the rename)
     bad = run_example([*args, "--max_predict_samples", "5"], tmp_path, fault="fail_write:generated_predictions.txt")
     assert bad.returncode != 0 and "injected write failure" in bad.output
-    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".ds-inference.lock"}
     assert after == before  # no metrics of the failed run, no half-written predictions, nothing of the good run lost
 
 
