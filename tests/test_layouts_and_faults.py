@@ -159,6 +159,7 @@ def test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_r
 
 # Two runs of one command into one directory, and a timeout meant as "none" -----------------------------------------
 
+@pytest.mark.slow  # make test-all: suite time (make test stays under 15 minutes)
 def test_a_second_run_into_the_same_directory_is_refused_while_the_first_streams(single_all, tmp_path):
     """The same tp 2 predict started twice into one --output_dir, the second once the first streams: the second is
     refused at once in one line naming the first (rank 0's lock on the directory), the first ends byte for byte as
@@ -197,6 +198,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow  # make test-all: suite time (make test stays under 15 minutes)
 def test_a_full_disk_ends_every_rank_in_one_line_and_the_same_command_resumes(single_all, small_tmpfs):
     """A 24 KiB tmpfs as --output_dir (the 203 examples' parts need about 40 KiB), tp 2: the run ends non-zero with
     the same one line on every rank, no traceback, nothing claimed; after space is made, the same command resumes
