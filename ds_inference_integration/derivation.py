@@ -26,10 +26,18 @@ from pathlib import Path
 
 from torch import nn
 
-from .deepspeed_compat import autotp_row_parallel, head_grain
+from .deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
 from .errors import InferenceSetupError
 from .experts import is_packed_experts
-from .policy import AttentionSpec, Policy, is_linear, layer_classes, names_module
+from .policy import (
+    AttentionSpec,
+    Policy,
+    is_linear,
+    layer_classes,
+    layer_kinds,
+    names_module,
+    outermost_layer_classes,
+)
 
 # Config attributes holding the query and key/value head counts, in the order they are looked for.
 QUERY_HEAD_ATTRIBUTES = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads")
@@ -70,15 +78,15 @@ def _tp_plan_rows(model: nn.Module) -> dict[str, set[str]]:
             continue
         if not isinstance(layers, nn.ModuleList) or not len(layers):
             continue
-        layer = layers[0]
-        try:
-            target = layer.get_submodule(rest)
-        except AttributeError:
-            continue
-        if not is_linear(target):
-            continue  # a packed expert parameter or a norm: not a linear DeepSpeed splits
-        kind = "row" if style.startswith("rowwise") or style == "local_rowwise" else "column"
-        found.setdefault(type(layer).__name__, set()).add(f"{kind}:{rest}")
+        for layer in layers:  # every layer: a dense-first MoE's first layers hold `mlp.down_proj`, the rest not
+            try:
+                target = layer.get_submodule(rest)
+            except AttributeError:
+                continue
+            if not is_linear(target):
+                continue  # a packed expert parameter or a norm: not a linear DeepSpeed splits
+            kind = "row" if style.startswith("rowwise") or style == "local_rowwise" else "column"
+            found.setdefault(type(layer).__name__, set()).add(f"{kind}:{rest}")
     return found
 
 
@@ -89,12 +97,51 @@ def _autotp_rows(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {cls.__name__: tuple(sorted(n.lstrip(".") for n in names)) for cls, names in autotp_row_parallel(model)}
 
 
+def _chain_rows(model: nn.Module) -> dict[str, dict[str, list[str]]]:
+    """{layer class: {path of a linear that ends an MLP chain: its module's linears}}, where neither the plan nor AutoTP
+    names a row-parallel linear by its conventions: of a child module's linears, the one that reads what every
+    other one writes and writes what they read (LFM2's `w2` after `w1` and `w3`; AutoTP knows `w2` only in
+    Mixtral). Modules with a convolution are mixers, kept whole instead (`_whole_reason`)."""
+    found: dict[str, dict[str, list[str]]] = {}
+    outermost = outermost_layer_classes(model)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
+    for name, kinds in layer_kinds(model).items():
+        if name not in outermost:
+            continue
+        for layer in kinds:
+            units = list(layer.named_children())
+            for path, child in list(units):
+                unpacked = _unpacked_experts(child)
+                if unpacked:  # each expert its own MLP chain (its fc2), the router apart
+                    units += [(f"{path}.{p}", e) for p, e in unpacked[1]]
+            for path, child in units:
+                linears = _linears(child)
+                if len(linears) < 2 or any(isinstance(m, nn.Conv1d) for m in child.modules()):
+                    continue
+                if _unpacked_experts(child):
+                    continue
+                ends = [q for q, m in linears.items()
+                        if all(o.weight.shape == m.weight.shape[::-1] for p, o in linears.items() if p != q)]
+                if len(ends) == 2:  # fc1 and fc2 alone mirror each other: the end writes the model's width
+                    ends = [q for q in ends if linears[q].weight.shape[0] == hidden]
+                if len(ends) == 1:  # else (two square linears) either could end it, so neither is guessed
+                    found.setdefault(name, {})[f"{path}.{ends[0]}"] = [f"{path}.{q}" for q in linears]
+    return found
+
+
 def derive_row_parallel(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """{layer class name: row-parallel linear paths}: the tp plan's row-wise entries, plus AutoTP's verdict on
-    the linears the plan does not name."""
+    the linears the plan does not name, plus the end of each MLP chain neither names (`_chain_rows`)."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
     plan = _tp_plan_rows(model)
     autotp = _autotp_rows(model)
+    for name, ends in _chain_rows(model).items():
+        known = {e.split(":", 1)[1] for e in plan.get(name, ()) if e.startswith("row:")} | set(autotp.get(name, ()))
+        extra = [end for end, linears in ends.items()  # only where no linear of that module is row-parallel yet
+                 if not any("down_proj" in lp or names_module(k, lp) for k in known for lp in linears)]
+        if extra:
+            autotp[name] = tuple(sorted({*autotp.get(name, ()), *extra}))
     classes = layer_classes(model)
     layers: dict[str, tuple[str, ...]] = {}
     for name in sorted(set(plan) | set(autotp)):
@@ -192,7 +239,7 @@ def _whole_projection_norms(attention: nn.Module, projections: list[nn.Module], 
     return None
 
 
-def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]]
+def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip: dict[str, set[str]] | None = None
                      ) -> tuple[AttentionSpec | None, dict[str, tuple[str, ...]]]:
     """The attention table for a model with no policy file, or None where DeepSpeed's own split is right
     (separate q/k/v with as many key/value heads as query heads, or a fused layout only DeepSpeed knows); and
@@ -205,9 +252,14 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]]
         return None, {}  # no head count to split by, or a layout DeepSpeed keeps its own record of (CodeGen)
     q = getattr(text, q_attr)
     kv = kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q
-    classes = layer_classes(model)
-    found = [(name, a) for name in layers if name in classes
-             for a in _attention_modules(next(m for m in model.modules() if type(m) is classes[name]))]
+    kinds = layer_kinds(model)
+    by_path: dict[tuple[str, str], tuple] = {}  # one per attention path of each layer class, over its kinds
+    for name in layers:
+        for layer in kinds.get(name, ()):
+            for a in _attention_modules(layer):
+                if not any(a[0] == p or a[0].startswith(p + ".") for p in (skip or {}).get(name, ())):
+                    by_path.setdefault((name, a[0]), a)  # not inside a module kept whole
+    found = [(name, a) for (name, _), a in by_path.items()]
     if not found:
         return None, {}
     specs, replicated = set(), {}
@@ -244,14 +296,144 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]]
     return (specs.pop() if specs else None), {k: tuple(v) for k, v in replicated.items()}
 
 
+def _linears(module: nn.Module) -> dict[str, nn.Module]:
+    return {p: m for p, m in module.named_modules() if p and is_linear(m)}
+
+
+def _unpacked_experts(module: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | None:
+    """(path, [(path, expert)]) of a list of experts held as modules (NLLB-MoE's `experts.expert_0` ...,
+    several modules of one class holding linears), inside a block, else None."""
+    for path, m in module.named_modules():
+        if path and "expert" in path.rpartition(".")[2] and not _linears(m).keys() & {n for n, _ in m.named_children()}:
+            children = [(n, c) for n, c in m.named_children() if _linears(c)]  # NLLB-MoE's holds a Dropout too
+            if len(children) > 1 and len({type(c) for _, c in children}) == 1:
+                return path, [(f"{path}.{n}", c) for n, c in children]
+    return None
+
+
+def _expert_count(module: nn.Module) -> int | None:
+    """The number of experts of a mixture-of-experts block (packed experts' first dimension, or a list of
+    expert modules), else None."""
+    for _, m in module.named_modules():
+        if is_packed_experts(m):
+            return m.gate_up_proj.shape[0]
+    unpacked = _unpacked_experts(module)
+    return len(unpacked[1]) if unpacked else None
+
+
+def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths: set[str],
+                  heads: tuple[int, int] | None) -> str | None:
+    """Why a child module of a layer (at `path` in it) must be kept whole on every rank, or None where AutoTP's
+    split (rows named in `rows`, every other linear by output rows) computes it right.
+
+    * a mixer with a depthwise convolution (Mamba/Mamba2 and the hybrids' SSM mixers, gated delta nets, LFM2's
+      short convolution): its input projection packs several streams of different widths ([z | x | B | C | dt]),
+      which a split by output rows cuts across, and its forward reads whole sizes from the config;
+    * a module whose linears do not chain as an MLP (each column-split linear's outputs the inputs of a
+      row-parallel one): the split would pair the wrong features (MiniMax's lightning attention: a 3 x width
+      `qkv_proj` into a 1 x width `out_proj`; GraniteMoE's `input_linear`, [gate | up] in one linear that
+      DeepSpeed's GateUpPack handles only under the name `gate_up_proj`).
+    DeepSeek's multi-head latent attention (`kv_a_proj_with_mqa`) is DeepSpeed's own record, left to it."""
+    if any(isinstance(m, nn.Conv1d) for m in module.modules()):
+        return "a mixer with a convolution over its channels: its packed input projection does not split by rows"
+    linears = _linears(module)
+    if any(autotp_keeps_whole(f"{path}.{q}") for q in linears):
+        return None
+    # DeepSpeed makes any `down_proj` row-parallel whatever the policy says (deepspeed_compat's note)
+    row = {q: m for q, m in linears.items()
+           if "down_proj" in q or any(names_module(r, f"{path}.{q}") for r in rows)}
+    columns = {q: m for q, m in linears.items() if q not in row}
+    if path in attention_paths:
+        fused = next((m for q, m in columns.items() if q.rpartition(".")[2] in FUSED_QKV), None)
+        query = next((m for q, m in columns.items() if q.rpartition(".")[2] in ("q_proj", "query", "q")), None)
+        if query is not None and row:
+            width = next(iter(row.values())).weight.shape[1]
+            if query.weight.shape[0] != width:  # Qwen3-Next: q_proj holds the query and its output gate
+                return (f"its query projection ({query.weight.shape[0]} outputs) is not the {width} features its "
+                        "output projection reads (a gate packed with it)")
+        if fused is None or heads is None or not row:
+            return None  # separate q/k/v: the attention table's, or DeepSpeed's head-aware split
+        q_heads, kv_heads = heads
+        head_dim = fused.weight.shape[0] // (q_heads + 2 * kv_heads)
+        width = next(iter(row.values())).weight.shape[1]
+        if q_heads * head_dim == width:
+            return None
+        return (f"its fused projection ({fused.weight.shape[0]} outputs) does not hold {q_heads} query and "
+                f"{kv_heads} key/value heads of the {width // q_heads} features its output projection reads")
+    if not columns:
+        return None
+    if not row:
+        return (f"no row-parallel linear gathers what {', '.join(columns)} compute: split by output rows, each "
+                "rank would keep part of the module's output")
+    fed = {m.weight.shape[1] for m in row.values()}
+    odd = [q for q, m in columns.items() if m.weight.shape[0] not in fed
+           and not (q.endswith("gate_up_proj") and m.weight.shape[0] // 2 in fed)]
+    if odd:
+        return (f"{odd[0]} ({columns[odd[0]].weight.shape[0]} outputs) does not feed a row-parallel linear "
+                f"({', '.join(str(f) for f in sorted(fed))} inputs): no split by output rows pairs its features")
+    return None
+
+
+def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]]
+                         ) -> dict[str, dict[str, str]]:
+    """{layer class: {path: why}} of the modules to keep whole on every rank: mixers AutoTP cannot split
+    (`_whole_reason`), and mixture-of-experts routers and gates (each rank must route every token alike:
+    a linear of the block, outside its experts, with one output per expert or a single one)."""
+    found: dict[str, dict[str, str]] = {}
+    q_attr, kv_attr = _head_counts(model.config)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = None
+    if q_attr:
+        q = getattr(text, q_attr)
+        heads = (q, kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q)
+    placed = (set(layers) | set(derive_experts(model))) & outermost_layer_classes(model)
+    for name, kinds in layer_kinds(model).items():
+        if name not in placed:
+            continue  # not a layer the policy names (T5LayerFF inside T5Block: its linears are T5Block's)
+        rows = set(layers.get(name, ()))
+        for layer in kinds:
+            attention_paths = {a[0] for a in _attention_modules(layer)}
+            for path, child in layer.named_children():
+                experts = _expert_count(child)
+                if experts is not None:
+                    for q, m in _linears(child).items():
+                        if m.weight.shape[0] in (experts, 1) and "expert" not in q.rpartition(".")[0]:
+                            found.setdefault(name, {}).setdefault(f"{path}.{q}", "a router: every rank routes "
+                                                                                 "every token")
+                    continue
+                why = _whole_reason(path, child, rows, attention_paths, heads)
+                if why:
+                    found.setdefault(name, {}).setdefault(path, why)
+    return found
+
+
 def derive_policy(model: nn.Module) -> Policy:
-    """A complete policy for a model with no policy file: row-parallel linears and the attention table."""
+    """A complete policy for a model with no policy file: row-parallel linears, the attention table, the packed
+    experts, and the modules kept whole."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
     layers = derive_row_parallel(model)
-    attention, replicated = derive_attention(model, layers)
-    # a row-parallel linear inside a module kept whole is not split either
-    layers = {name: tuple(r for r in rows if not any(r == p or r.startswith(p + ".") for p in replicated.get(name, ())))
-              for name, rows in layers.items()}
+    whole = derive_whole_modules(model, layers)
+    for name, paths in whole.items():
+        logger.warning("%s: kept whole on every rank in %s: %s", model_type, name,
+                       "; ".join(f"{p} ({why})" for p, why in paths.items()))
+    attention, replicated = derive_attention(model, layers, skip={n: set(p) for n, p in whole.items()})
+    replicated = {n: tuple(dict.fromkeys((*whole.get(n, {}), *replicated.get(n, ()))))
+                  for n in {*whole, *replicated}}
+    # a row-parallel linear inside a module kept whole is not split either (by its path, or by a DeepSpeed-style
+    # key that names a linear inside: NLLB-MoE's "expert_3.fc2")
+    kinds = layer_kinds(model)
+
+    def inside_whole(name: str, row: str) -> bool:
+        for p in replicated.get(name, ()):
+            if row == p or row.startswith(p + "."):
+                return True
+            for layer in kinds.get(name, ()):
+                for q, m in layer.named_modules():
+                    if q.startswith(p + ".") and is_linear(m) and names_module(row, q):
+                        return True
+        return False
+
+    layers = {name: tuple(r for r in rows if not inside_whole(name, r)) for name, rows in layers.items()}
     q_attr, _ = _head_counts(model.config)
     heads = (q_attr,) if q_attr else ()
     return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
@@ -262,9 +444,9 @@ def derive_policy(model: nn.Module) -> Policy:
 def derive_experts(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """{layer class: paths of its packed mixture-of-experts modules} (3-D gate_up_proj and down_proj)."""
     found: dict[str, tuple[str, ...]] = {}
-    for name, cls in layer_classes(model).items():
-        layer = next(m for m in model.modules() if type(m) is cls)
-        paths = tuple(p for p, m in layer.named_modules() if p and is_packed_experts(m))
+    for name, layers in layer_kinds(model).items():  # every kind: DeepSeek-V3's first layers are dense
+        paths = tuple(dict.fromkeys(p for layer in layers for p, m in layer.named_modules()
+                                    if p and is_packed_experts(m)))
         if paths:
             found[name] = paths
     return found

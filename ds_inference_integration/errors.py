@@ -29,3 +29,19 @@ class RunFailure(RuntimeError):
     and the message says how to continue."""
 
     ranks = None
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message as one line (its first non-empty line), for an `error:` line."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def sharding_failure(error: BaseException) -> bool:
+    """Whether an exception from sharding a model or from its sharded forward is the model's (any type: a shape
+    that does not fit, an index, an attribute a module lacks), to become one line naming the layer; not our own
+    errors, a lost peer (torch.distributed's errors), or an interrupt, which keep their own handling."""
+    import torch.distributed as dist
+
+    ours = (InferenceSetupError, LockstepError, RunFailure)
+    return isinstance(error, Exception) and not isinstance(error, (*ours, dist.DistError, ConnectionError,
+                                                                    TimeoutError))

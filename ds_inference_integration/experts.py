@@ -30,8 +30,9 @@ PACKED = ("gate_up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class ExpertSlices:
-    """Of a packed expert parameter, this rank's part: along `dim` (1: gate_up's rows, 2: down's columns), the
-    ranges it keeps, in order (gate_up: this rank's gate rows, then its up rows)."""
+    """Of a packed expert parameter, this rank's part: along `dim` (the inner axis: 1 or 2 of gate_up and down,
+    by layout; 1 of a bias), the ranges it keeps, in order (gate_up: this rank's gate rows, then its up rows, or
+    its interleaved pairs); no ranges: this rank holds zeros (a down bias on all but the group's first rank)."""
 
     dim: int
     ranges: tuple[tuple[int, int], ...]
@@ -43,30 +44,64 @@ def is_packed_experts(module: nn.Module) -> bool:
     return all(isinstance(params.get(n), torch.Tensor) and params[n].ndim == 3 for n in PACKED)
 
 
+def expert_layout(module: nn.Module) -> tuple[bool, bool]:
+    """(transposed, interleaved) of a packed experts module, from transformers' own record where its
+    `use_experts_implementation` decorator left one (`is_transposed`, `is_concatenated` on the instance: GPT-OSS
+    is transposed and interleaved, [gate_0, up_0, gate_1, ...]), else from the shapes: gate_up_proj
+    [experts, 2 x inner, hidden] with down_proj [experts, hidden, inner] (Mixtral, Qwen-MoE, OLMoE), or
+    [experts, hidden, 2 x inner] with [experts, inner, hidden] (Llama 4), [gate | up] halves. One
+    `InferenceSetupError` naming the shapes and the layouts known otherwise."""
+    gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+    standard = gate_up[1] == 2 * down[2] and gate_up[2] == down[1]
+    transposed = gate_up[2] == 2 * down[1] and gate_up[1] == down[2]
+    recorded = getattr(module, "is_transposed", None)
+    if isinstance(recorded, bool) and (transposed if recorded else standard):
+        return recorded, getattr(module, "is_concatenated", True) is False
+    if standard != transposed:
+        return transposed, False
+    raise InferenceSetupError(
+        f"{type(module).__name__}: packed experts of shapes gate_up_proj {list(gate_up)} and down_proj {list(down)} "
+        "are in no known layout; known: [experts, 2 x inner, hidden] with [experts, hidden, inner], and "
+        "[experts, hidden, 2 x inner] with [experts, inner, hidden] (gate and up as halves, or interleaved where "
+        "transformers records `is_concatenated=False`); write a policy without `experts` for it")
+
+
 def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     """Keep this rank's 1/tp of every expert's inner dimension (in place; meta tensors stay meta) and all-reduce
-    the module's output over `group`."""
+    the module's output over `group`. Per-expert biases: gate_up's split with it; down's (added after the
+    partial product, so once per rank) kept on the first rank of the group and zero on the others."""
+    transposed, interleaved = expert_layout(module)
     gate_up, down = module.gate_up_proj, module.down_proj
-    experts, hidden, inner = down.shape
-    if tuple(gate_up.shape) != (experts, 2 * inner, hidden):
-        raise InferenceSetupError(
-            f"{type(module).__name__}: packed experts of shapes gate_up_proj {list(gate_up.shape)} and down_proj "
-            f"{list(down.shape)} are not [experts, 2 x inner, hidden] and [experts, hidden, inner]; write a policy "
-            "without `experts` for it")
+    inner = down.shape[1] if transposed else down.shape[2]
     if inner % tp_size:
         valid = [d for d in range(1, inner + 1) if inner % d == 0 and d <= 64]
         raise InferenceSetupError(f"{type(module).__name__}: the experts' inner size {inner} is not divisible by "
                                   f"--tp_size {tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
     part = inner // tp_size
     a, b = tp_rank * part, (tp_rank + 1) * part
-    rows = ((a, b), (inner + a, inner + b))
+    # gate_up's inner axis: rows of this rank's gate then its up (halves), or its [gate, up] pairs (interleaved)
+    rows = ((2 * a, 2 * b),) if interleaved else ((a, b), (inner + a, inner + b))
+    up_dim, down_dim = (2, 1) if transposed else (1, 2)
+
+    def take(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+        return torch.cat([t.narrow(dim, s, e - s) for s, e in ranges], dim=dim).contiguous()
+
     with torch.no_grad():
-        local_gate_up = torch.cat([gate_up[:, s:e] for s, e in rows], dim=1)
-        local_down = down[:, :, a:b]
-    module.gate_up_proj = nn.Parameter(local_gate_up.contiguous(), requires_grad=False)
-    module.down_proj = nn.Parameter(local_down.contiguous(), requires_grad=False)
-    module.gate_up_proj.expert_slices = ExpertSlices(1, rows, tuple(gate_up.shape))
-    module.down_proj.expert_slices = ExpertSlices(2, ((a, b),), tuple(down.shape))
+        local_gate_up, local_down = take(gate_up, up_dim, rows), take(down, down_dim, ((a, b),))
+    module.gate_up_proj = nn.Parameter(local_gate_up, requires_grad=False)
+    module.down_proj = nn.Parameter(local_down, requires_grad=False)
+    module.gate_up_proj.expert_slices = ExpertSlices(up_dim, rows, tuple(gate_up.shape))
+    module.down_proj.expert_slices = ExpertSlices(down_dim, ((a, b),), tuple(down.shape))
+    bias = module._parameters.get("gate_up_proj_bias")
+    if isinstance(bias, torch.Tensor):
+        with torch.no_grad():
+            module.gate_up_proj_bias = nn.Parameter(take(bias, 1, rows), requires_grad=False)
+        module.gate_up_proj_bias.expert_slices = ExpertSlices(1, rows, tuple(bias.shape))
+    bias = module._parameters.get("down_proj_bias")
+    if isinstance(bias, torch.Tensor) and tp_rank > 0:
+        with torch.no_grad():
+            module.down_proj_bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
+        module.down_proj_bias.expert_slices = ExpertSlices(1, (), tuple(bias.shape))  # no part: zeros
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
             setattr(module, attr, part)

@@ -20,15 +20,20 @@ from torch import nn
 from .arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from .attention import HeadLayout, split_fused_qkv, split_heads, whole
 from .deepspeed_compat import (
+    autotp_replacements,
     buffers_kept_apart,
     kv_heads_seen_by_deepspeed,
+    modules_kept_apart,
     plain_subclass,
     restore_buffers,
+    yuan_named_apart,
 )
 from .derivation import derive_policy
+from .errors import first_line, sharding_failure
 from .experts import experts_modules, split_experts
 from .policy import DERIVE, Policy, build_injection_policy, names_module
 from .topology import ModelParallelUnit, ProcessGroups, Topology
+from .weight_share import WeightShare, full_sizes, measure
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,7 @@ class ShardReport:
     replicated_kv: bool = False
     policy_object: Policy | None = None  # the policy applied (derived ones included)
     loading: str = ""  # how the weights were loaded, and how long it took
+    weight_share: WeightShare | None = None  # of the layer weights, against the policy's target (tp > 1)
 
     def __str__(self) -> str:
         share = self.param_bytes / max(self.full_param_bytes, 1)
@@ -76,10 +82,28 @@ def conv1d_to_linear(layer: nn.Module) -> None:
             setattr(layer.get_submodule(parent) if parent else layer, attr, linear)
 
 
-def replicate_modules(layers: list[nn.Module], policy: Policy) -> int:
+def _own_forward(linear: nn.Module) -> bool:
+    """A subclass of nn.Linear with a forward of its own (Llama 4's router returns scores and logits): a
+    ColumnShard in its place would change what it returns."""
+    return type(linear) is not nn.Linear and type(linear).forward is not nn.Linear.forward
+
+
+def replicate_modules(layers: list[nn.Module], policy: Policy, apart: list[nn.Module] | None = None) -> int:
     """Keep every linear under the policy's `replicated` modules whole on every rank (a ColumnShard of all its
-    rows, which DeepSpeed neither splits nor all-reduces); returns how many linears were kept whole."""
+    rows, which DeepSpeed neither splits nor all-reduces); returns how many linears were kept whole. A linear
+    with a forward of its own is left in place and added to `apart`, to be hidden from DeepSpeed while it
+    splits (`deepspeed_compat.modules_kept_apart`)."""
     kept, found = 0, set()
+    apart = [] if apart is None else apart
+
+    def keep(owner: nn.Module, name: str, linear: nn.Module) -> None:
+        nonlocal kept
+        if _own_forward(linear):
+            apart.append(linear)
+        else:
+            _replace(owner, name, whole(linear))
+        kept += 1
+
     for layer in layers:
         for pattern, paths in policy.replicated.items():
             if not fnmatch.fnmatchcase(type(layer).__name__, pattern):
@@ -88,10 +112,12 @@ def replicate_modules(layers: list[nn.Module], policy: Policy) -> int:
                 for hit, module in list(layer.named_modules()):
                     if hit and names_module(path, hit):
                         found.add((pattern, path))
+                        if isinstance(module, nn.Linear):  # the path names a linear itself (a router: mlp.gate.wg)
+                            keep(layer, hit, module)
+                            continue
                         for name, child in list(module.named_modules()):
                             if name and isinstance(child, nn.Linear):
-                                _replace(module, name, whole(child))
-                                kept += 1
+                                keep(module, name, child)
     missing = [(pattern, path) for pattern, paths in policy.replicated.items() for path in paths
                if (pattern, path) not in found]
     if missing:
@@ -162,6 +188,19 @@ def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayou
         setattr(owner, attr, values[value_name])
 
 
+def split_per_head_parameters(attention: nn.Module, heads: HeadLayout) -> None:
+    """A parameter of the attention itself with one value per query head (GPT-OSS's attention `sinks`): this
+    rank's heads of it, the ones its query rows hold (DeepSpeed gives each rank a contiguous run of heads). Its
+    `head_rows` tell shard-aware loading which part to read."""
+    mine = heads.q_heads()
+    for name, p in list(attention._parameters.items()):
+        if isinstance(p, torch.Tensor) and p.ndim == 1 and p.shape[0] == heads.query_heads and heads.tp_size > 1:
+            with torch.no_grad():
+                part = nn.Parameter(p[mine.start:mine.stop].clone(), requires_grad=False)
+            part.head_rows = (mine.start, mine.stop)
+            attention._parameters[name] = part
+
+
 def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
     """How to name `policy` if nobody has checked it on this architecture, else None: shipped files are checked
     by the project's architecture matrix; a derived policy, DeepSpeed's automatic mode and a user's file are not."""
@@ -227,10 +266,12 @@ def shard_model(
     device = torch.device(device)
     full_bytes = _param_bytes(model) * torch.finfo(dtype).bits // torch.finfo(next(model.parameters()).dtype).bits
     kwargs: dict = {"dtype": dtype, "replace_with_kernel_inject": args.replace_with_kernel_inject}
-    heads, attentions, copies, unchecked = None, [], {}, None
+    heads, attentions, copies, unchecked, apart = None, [], {}, None, []
     if topology.tp_size > 1:
         kwargs["tensor_parallel"] = {"tp_size": topology.tp_size, "mpu": ModelParallelUnit(groups), "tp_group": groups.tp}
         unchecked = _unchecked(policy, model) if not args.replace_with_kernel_inject else None
+        share_patterns = _layer_patterns(policy, model)
+        before = full_sizes(model, share_patterns)
         if verify and unchecked and not isinstance(loader, PreShardedLoader):  # pre-sharded: checked when sharded
             copy_start = time.perf_counter()
             copies = reference_copies(model, _layer_patterns(policy, model), loader)
@@ -241,7 +282,7 @@ def shard_model(
                 conv1d_to_linear(layer)
                 plain_subclass(layer)
             if policy.replicated:
-                replicate_modules(layers, policy)
+                replicate_modules(layers, policy, apart)
             for layer in layers:
                 for pattern, paths in policy.experts.items():
                     if fnmatch.fnmatchcase(type(layer).__name__, pattern):
@@ -255,11 +296,22 @@ def shard_model(
         loader.fill_replicated(model, device)
         kwargs["keep_module_on_host"] = True  # DeepSpeed would `.to()` the still-meta linears
     kept = buffers_kept_apart(model, dtype)
-    with kv_heads_seen_by_deepspeed(model.config, heads):
-        engine = deepspeed.init_inference(model, **kwargs)
+    with kv_heads_seen_by_deepspeed(model.config, heads), yuan_named_apart(model), modules_kept_apart(model, apart), \
+            autotp_replacements() as seen:
+        try:
+            engine = deepspeed.init_inference(model, **kwargs)
+        except Exception as e:
+            if not sharding_failure(e):
+                raise
+            where = f" while splitting {seen['last']}" if seen.get("last") else ""
+            raise InferenceSetupError(
+                f"DeepSpeed could not shard model_type {getattr(model.config, 'model_type', '?')!r}{where}: "
+                f"{type(e).__name__}: {first_line(e)}; a policy can keep that module whole (`replicated`): "
+                "`ds-inference policy suggest MODEL_DIR > my.toml`") from e
     restore_buffers(engine.module, kept)
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)
+        split_per_head_parameters(attention, heads)
     sharded = engine.module
     loading = ""
     if loader is not None:
@@ -269,6 +321,11 @@ def shard_model(
         if load_start is not None:
             loader.ready_seconds = time.perf_counter() - load_start
         loading = loader.summary()
+    share = None
+    if topology.tp_size > 1 and not args.replace_with_kernel_inject:
+        share = measure(sharded, share_patterns, before, topology.tp_size, policy if isinstance(policy, Policy) else None)
+        if share.over_target():
+            logger.warning("deepspeed_inference: %s", share.warning(topology.tp_size))
     if copies:
         summary = verify_sharded_layers(sharded, copies, unchecked, dtype, groups.tp)
         logger.warning("deepspeed_inference: %s (+ %.2f s to copy the reference layers)", summary, copy_seconds)
@@ -280,5 +337,6 @@ def shard_model(
         replicated_kv=bool(heads and heads.replicated),
         policy_object=policy if isinstance(policy, Policy) else None,
         loading=loading,
+        weight_share=share,
     )
     return sharded, report

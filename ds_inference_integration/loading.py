@@ -190,8 +190,24 @@ class ShardAwareLoader(Loader):
     def _read_whole(self, names, p) -> torch.Tensor:
         before = self.ckpt.bytes_read
         key = self._key(names)
-        t = (self._read_packed(self.packed[key], getattr(p, "expert_slices", None)) if key in self.packed
-             else self.ckpt.read(key, dtype=self.dtype, view=True))
+        slices = getattr(p, "expert_slices", None)
+        if slices is not None and not slices.ranges:  # a down bias this rank adds nothing of (experts.py)
+            t = torch.zeros(tuple(p.shape), dtype=self.dtype)
+        elif key in self.packed:
+            t = self._read_packed(self.packed[key], slices)
+        elif slices is not None and tuple(self.ckpt.shape(key)) == slices.full_shape:
+            # a checkpoint that stores the experts packed already (GraniteMoE's `input_linear`, saved by transformers
+            # 5 as one [experts, 2 x inner, hidden] tensor): this rank's slices of it, from the mapped file's view
+            # (only the pages of those slices become resident)
+            whole = self.ckpt.read(key, dtype=self.dtype, view=True)
+            index = [slice(None)] * whole.ndim
+            parts = []
+            for a, b in slices.ranges:
+                index[slices.dim] = slice(a, b)
+                parts.append(whole[tuple(index)])
+            t = torch.cat(parts, dim=slices.dim).contiguous()
+        else:
+            t = self.ckpt.read(key, dtype=self.dtype, view=True)
         self.bytes_read += self.ckpt.bytes_read - before
         return t
 
@@ -228,7 +244,10 @@ class ShardAwareLoader(Loader):
         if p.numel() == 0:  # DeepSpeed's 64-grain split can leave trailing ranks nothing of a narrow tensor
             return torch.empty(want, dtype=self.dtype)
         rows = getattr(module, "source_rows", None)
-        if rows is not None:  # a ColumnShard: our own head split recorded its rows
+        head_rows = getattr(p, "head_rows", None)
+        if head_rows is not None:  # a per-head parameter of an attention (inject.split_per_head_parameters)
+            pieces = [((head_rows[0],), (0,), (head_rows[1] - head_rows[0],))]
+        elif rows is not None:  # a ColumnShard: our own head split recorded its rows
             pieces, at = [], 0
             for a, b in ranges_of(rows):
                 pieces.append(((a,) + (0,) * (len(full) - 1), (at,) + (0,) * (len(full) - 1), (b - a,) + full[1:]))

@@ -1,8 +1,9 @@
 """Before a run uses a policy nobody has checked (derived from the model, DeepSpeed's `autotp`, or a file
 of the user's), check it numerically: the sharded model against the same layers unsharded.
 
-Before sharding, one full copy is kept of the first layer of each distinct type (each layer class in
-each list of layers: a T5 gets its first encoder and first decoder block). After sharding, one short
+Before sharding, one full copy is kept of the first layer of each distinct kind (each layer class in
+each list of layers, and each make-up of it: a T5 gets its first encoder and first decoder block, a DeepSeek-V3
+its first dense and its first expert layer). After sharding, one short
 probe input (8 tokens) runs through the sharded model; hooks record each chosen layer's input and
 output, and the unsharded copy runs on the same input. A wrong split that still has the right shapes
 (heads cut in the wrong layout, a projection that should have been row-parallel) shows up as a layer
@@ -27,7 +28,7 @@ import time
 import torch
 from torch import nn
 
-from .errors import InferenceSetupError
+from .errors import InferenceSetupError, first_line, sharding_failure
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,10 @@ PROBE_TOKENS = 8
 
 
 def first_layers(model: nn.Module, patterns) -> dict[str, nn.Module]:
-    """Path -> module of the first layer of each class matching `patterns`, in each ModuleList."""
+    """Path -> module of the first layer of each kind (`policy.layer_kind`: a dense-first MoE's dense and expert
+    layers, a hybrid's attention and mixer layers) of each class matching `patterns`, in each ModuleList."""
+    from .policy import layer_kind
+
     chosen: dict[str, nn.Module] = {}
     seen = set()
     for path, module in model.named_modules():
@@ -44,8 +48,11 @@ def first_layers(model: nn.Module, patterns) -> dict[str, nn.Module]:
             continue
         for index, child in enumerate(module):
             name = type(child).__name__
-            if (path, name) not in seen and any(fnmatch.fnmatchcase(name, p) for p in patterns):
-                seen.add((path, name))
+            if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                continue
+            kind = (path, name, layer_kind(child))
+            if kind not in seen:
+                seen.add(kind)
                 chosen[f"{path}.{index}" if path else str(index)] = child
     return chosen
 
@@ -125,6 +132,41 @@ def _probe_inputs(model: nn.Module, device) -> dict:
     return inputs
 
 
+class track_modules:
+    """While active, which modules of `model` a forward is inside (a global forward pre/post hook): where an
+    exception from a sharded forward came from, named by the innermost module's path."""
+
+    def __init__(self, model: nn.Module):
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.failed_in: str | None = None
+        self.handles = []
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def pre(module, args):
+            if id(module) in self.names:
+                self.stack.append(self.names[id(module)])
+
+        def post(module, args, output):
+            if id(module) in self.names and self.stack:
+                self.stack.pop()
+
+        self.handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is not None and self.stack:
+            self.failed_in = self.stack[-1]
+        for h in self.handles:
+            h.remove()
+        return False
+
+    def where(self) -> str:
+        return self.failed_in or "the model"
+
+
 def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what: str, dtype: torch.dtype,
                           group=None) -> str:
     """Compare each copied layer with its sharded self on a probe input; raise one `InferenceSetupError` naming
@@ -134,13 +176,11 @@ def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what
     start = time.perf_counter()
     device = next(sharded.parameters()).device
     seen: dict[str, tuple] = {}
-    entered: list[str] = []
     hooks = []
     for path in copies:
         layer = sharded.get_submodule(path)
 
         def pre(module, args, kwargs, path=path):
-            entered.append(path)
             seen[path] = (copy.copy(args), dict(kwargs))
 
         def post(module, args, kwargs, output, path=path):
@@ -149,11 +189,14 @@ def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what
         hooks += [layer.register_forward_pre_hook(pre, with_kwargs=True),
                   layer.register_forward_hook(post, with_kwargs=True)]
     error = None
+    inside = track_modules(sharded)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), inside:
             sharded(**_probe_inputs(sharded, device))
-    except RuntimeError as e:
-        error = f"the sharded forward fails in {entered[-1] if entered else 'the model'}: {str(e).splitlines()[0]}"
+    except Exception as e:  # any type: ProphetNet's mask check raised ValueError, HunYuan's RuntimeError
+        if not sharding_failure(e):
+            raise
+        error = f"the sharded forward fails in {inside.where()}: {type(e).__name__}: {first_line(e)}"
     finally:
         for h in hooks:
             h.remove()

@@ -134,6 +134,8 @@ def test_the_parser_prepares_command_lines_and_json_files_alike(monkeypatch, tmp
     for module in (arguments, argument_parser):
         monkeypatch.setattr(module, "world_size_from_env", lambda: 2)
 
+    out = str(tmp_path / "out")  # the parser claims its output directory (a lock file): not the checkout
+
     def parse(options: dict):
         parser = InferenceArgumentParser((Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
         if form == "json":
@@ -144,14 +146,14 @@ def test_the_parser_prepares_command_lines_and_json_files_alike(monkeypatch, tmp
         return parser, parser.parse_args_into_dataclasses(args=argv)
 
     with pytest.raises(InferenceSetupError, match="--tp_size 3 does not fit 2"):
-        parse({"output_dir": "x", "deepspeed_inference": True, "tp_size": 3})
-    parser, (training, inference) = parse({"output_dir": "x", "deepspeed_inference": True, "inference_timeout": 30,
+        parse({"output_dir": out, "deepspeed_inference": True, "tp_size": 3})
+    parser, (training, inference) = parse({"output_dir": out, "deepspeed_inference": True, "inference_timeout": 30,
                                            "evaluation_strategy": "no", "overwrite_output_dir": True})
     assert inference.deepspeed_inference and inference.inference_timeout == 30
     assert training.ddp_timeout == 30 and training.eval_strategy == "no"
     assert parser.legacy == {"overwrite_output_dir": True}
     assert training.use_cpu == (not torch.cuda.is_available())  # else accelerate makes each CPU rank a world of one
-    parser, (training, _) = parse({"output_dir": "x", "tp_size": 3, "ddp_timeout": 99})  # flag off: tp not checked
+    parser, (training, _) = parse({"output_dir": out, "tp_size": 3, "ddp_timeout": 99})  # flag off: tp not checked
     assert training.ddp_timeout == 99 and parser.legacy == {}
 
 

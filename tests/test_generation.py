@@ -115,3 +115,33 @@ def test_bench_generation_pairs_the_tp2_trainer_path_with_the_bare_loop_in_the_s
                for r in rows.values())
     ratio = report["ratios"]["embedded"]["trainer_streaming_tp2_over_generate_loop_tp2_paired_bs8"]
     assert ratio["n"] == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+
+
+@pytest.mark.slow  # make test-all: two launches (`policy check` covers these families in make test)
+@pytest.mark.parametrize("name", ["deepseek_v3", "lfm2", "gpt_oss"])
+def test_the_2026_families_predict_at_tp2_as_one_process_through_the_example(name, tmp_path):
+    """A dense-first MoE, a convolution hybrid (its mixers kept whole) and transposed experts with biases and
+    attention sinks, each through run_generation.py with a derived policy (checked numerically at start) at tp 2
+    against one process: the same generations."""
+    import shutil
+
+    import torch
+
+    from ds_inference_integration.loading import model_class_for
+    from ds_inference_integration.tools.architecture_zoo import ZOO
+
+    default = EXAMPLES / "models" / "gpt2-num2words-en-ro"
+    config = ZOO[name]()
+    config.vocab_size = 72  # the embedded tokenizer's
+    torch.manual_seed(0)
+    model_dir = tmp_path / name
+    model_class_for(config).from_config(config).save_pretrained(model_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default / f, model_dir / f)
+    args = [*ARGS, "--model_name_or_path", str(model_dir), "--max_prompts", "12"]
+    single = run_in_process(args, tmp_path / "single", script=RUN_GENERATION)
+    tp = run_example([*args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2, script=RUN_GENERATION)
+    assert_ok(single)
+    assert_ok(tp)
+    assert tp.predictions() == single.predictions() and len(single.predictions()) == 12
+    assert "checked numerically" in tp.output, tp.output[-2000:]

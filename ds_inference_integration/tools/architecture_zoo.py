@@ -3,9 +3,11 @@
 table written from those reports (`--readme README.md` rewrites the block between its two markers).
 
 The models: every family with a shipped policy file, the families whose policy is derived, more encoder-decoders,
-and mixture-of-experts decoders. Widths are small (hidden 128, 2 layers; encoder-decoders d_model 64) and the
-initialisation large, so that greedy tokens depend on the input. Head counts are chosen so that tp 2 and tp 4
-are possible (CodeGen's 4-block fused projection needs 8 heads per 2 ranks).
+mixture-of-experts decoders (dense-first ones, packed experts in both orientations, experts held as modules), and
+the hybrids and state-space models whose mixers are kept whole (issue #27). Widths are small (hidden 128, 2
+layers; encoder-decoders d_model 64) and the initialisation large, so that greedy tokens depend on the input.
+Head counts are chosen so that tp 2 and tp 4 are possible (CodeGen's 4-block fused projection needs 8 heads per 2
+ranks).
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ VOCAB = 96
 TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme README.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
-    "prophetnet": "its attention checks its mask against the whole head count",
+    "t5gemma": "self and cross attention each with fewer KV heads than query heads: a policy holds one [attention] "
+               "table, so the derivation refuses it in one line",
+    "moonshine": "its encoder and decoder attentions have head counts of their own (encoder_num_attention_heads, ...) "
+                 "and fewer KV heads: one [attention] table, refused in one line",
+    "prophetnet": "its attention checks its mask against the whole head count (one FAIL line naming "
+                  "prophetnet.encoder.layers.0.self_attn)",
     "gpt2 (derived)": "AutoTP's parser does not see Conv1D layers as linears (GPT-2 ships a policy)",
 }
 
@@ -52,6 +59,10 @@ def _t5(cls_name: str, **kw):
 
 
 GQA = dict(num_key_value_heads=2)
+# DeepSeek-V2/V3, GLM-4-MoE, dots1: the first `first_k_dense_replace` layers dense, the rest experts; the inner
+# sizes 128 and 256 (shared), as DeepSpeed splits an MLP in blocks of 64 (a 64 left one of two ranks all of it: 55% / 45%)
+MOE_DENSE_FIRST = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                       n_shared_experts=2, moe_intermediate_size=128, n_group=1, topk_group=1)
 ZOO = {
     # shipped policy files
     "gpt2": lambda: _decoder("GPT2Config", n_embd=128, n_layer=2, n_head=4, n_positions=64),
@@ -116,6 +127,50 @@ ZOO = {
     "qwen3_moe": lambda: _decoder("Qwen3MoeConfig", **GQA, num_experts=4, num_experts_per_tok=2,
                                   moe_intermediate_size=128, head_dim=32),
     "olmoe": lambda: _decoder("OlmoeConfig", **GQA, num_experts=4, num_experts_per_tok=2),
+    # derived policies: mixture of experts whose first layers are dense (each layer kind derived on its own)
+    "deepseek_v2": lambda: _decoder("DeepseekV2Config", **MOE_DENSE_FIRST, kv_lora_rank=32, q_lora_rank=32,
+                                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, topk_method="greedy",
+                                    num_key_value_heads=4),
+    "deepseek_v3": lambda: _decoder("DeepseekV3Config", **MOE_DENSE_FIRST, kv_lora_rank=32, q_lora_rank=32,
+                                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, num_key_value_heads=4),
+    "glm4_moe": lambda: _decoder("Glm4MoeConfig", **MOE_DENSE_FIRST, **GQA, head_dim=32),
+    "dots1": lambda: _decoder("Dots1Config", **MOE_DENSE_FIRST, **GQA, head_dim=32),
+    # derived policies: more 2026 decoders (dense and MoE)
+    "hunyuan_v1_dense": lambda: _decoder("HunYuanDenseV1Config", **GQA, head_dim=32),
+    # transposed experts ([experts, hidden, 2 x inner]): GPT-OSS interleaved with biases, Llama 4 in halves
+    "gpt_oss": lambda: _decoder("GptOssConfig", **GQA, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                                sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "llama4_text": lambda: _decoder("Llama4TextConfig", **GQA, num_local_experts=4, num_experts_per_tok=1,
+                                    head_dim=32, intermediate_size_mlp=256),
+    "granitemoe": lambda: _decoder("GraniteMoeConfig", **GQA, num_local_experts=4, num_experts_per_tok=2),
+    "hunyuan_v1_moe": lambda: _decoder("HunYuanMoEV1Config", **GQA, num_experts=4, moe_topk=2, head_dim=32),
+    "ernie4_5_moe": lambda: _decoder("Ernie4_5_MoeConfig", **GQA, moe_num_experts=4, moe_k=2, moe_num_shared_experts=2,
+                                     moe_intermediate_size=128, head_dim=32),
+    "minimax_m2": lambda: _decoder("MiniMaxM2Config", **GQA, num_local_experts=4, num_experts_per_tok=2, head_dim=32),
+    "flex_olmo": lambda: _decoder("FlexOlmoConfig", **GQA, num_experts=4, num_experts_per_tok=2),
+    "exaone4": lambda: _decoder("Exaone4Config", **GQA, head_dim=32),
+    "olmo3": lambda: _decoder("Olmo3Config", **GQA),
+    # derived policies: hybrids (state-space, convolution and linear-attention mixers kept whole) and pure SSMs
+    "falcon_h1": lambda: _decoder("FalconH1Config", **GQA, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32,
+                                  mamba_d_state=16, mamba_n_groups=1, head_dim=32),
+    "bamba": lambda: _decoder("BambaConfig", **GQA, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16,
+                              mamba_n_groups=1, attn_layer_indices=[1]),
+    "granitemoehybrid": lambda: _decoder("GraniteMoeHybridConfig", **GQA, num_local_experts=4, num_experts_per_tok=2,
+                                         shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=64,
+                                         mamba_d_state=16, mamba_n_groups=1, layer_types=["mamba", "attention"]),
+    "nemotron_h": lambda: _decoder("NemotronHConfig", **GQA, hybrid_override_pattern="M*", mamba_num_heads=4,
+                                   mamba_head_dim=32, ssm_state_size=16, n_groups=1),
+    "jamba": lambda: _decoder("JambaConfig", **GQA, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+                              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16),
+    "lfm2": lambda: _decoder("Lfm2Config", **GQA, layer_types=["conv", "full_attention"]),
+    "qwen3_next": lambda: _decoder("Qwen3NextConfig", **GQA, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=128, shared_expert_intermediate_size=128, head_dim=32,
+                                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                   linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
+    "minimax": lambda: _decoder("MiniMaxConfig", **GQA, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                                layer_types=["linear_attention", "full_attention"]),
+    "mamba": lambda: _decoder("MambaConfig", state_size=16, expand=2),
+    "mamba2": lambda: _decoder("Mamba2Config", num_heads=4, head_dim=64, state_size=16, n_groups=1, expand=2),
     # derived policies: encoder-decoders
     "pegasus": lambda: _seq2seq("PegasusConfig"),
     "m2m_100": lambda: _seq2seq("M2M100Config"),
@@ -126,6 +181,9 @@ ZOO = {
     "bigbird_pegasus": lambda: _seq2seq("BigBirdPegasusConfig", attention_type="original_full"),
     "umt5": lambda: _t5("UMT5Config"),
     "longt5": lambda: _t5("LongT5Config", local_radius=4),
+    # experts held as modules (expert_0 ...), a router of its own, every other layer sparse
+    "nllb_moe": lambda: _seq2seq("NllbMoeConfig", num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2,
+                                 expert_capacity=64),
     # d_ff 256: DeepSpeed splits an MLP in blocks of 64, so 128 gave two of four ranks nothing (35% / 15%)
     "switch_transformers": lambda: _t5("SwitchTransformersConfig", num_experts=4, d_ff=256),
     # speech: log-mel features in, tokens out; the convolutional front end is outside the layers, so whole

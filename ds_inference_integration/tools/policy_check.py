@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 from ..files import write_text_atomic
+from ..weight_share import TOLERANCE
 from .ranks import failure_text, start_ranks, wait_ranks
 
 LOGIT_RTOL = 1e-4
-BYTES_TOLERANCE = 0.05
 NEW_TOKENS = 8
 
 
@@ -172,39 +172,20 @@ class ReferenceFailed(Exception):
 
 
 def _run_model_naming_failures(model, inputs, patterns, torch) -> dict:
-    """`_run_model`, but an exception names the layer it happened in."""
-    import fnmatch
+    """`_run_model`, but an exception of any type the model raises names the module it happened in (the
+    innermost one, `verify_policy.track_modules`)."""
+    from ..errors import first_line, sharding_failure
+    from ..verify_policy import track_modules
 
-    entered: list[str] = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: entered.append(name))
-             for name, m in model.named_modules()
-             if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns)]
+    inside = track_modules(model)
     try:
-        return _run_model(model, inputs, torch)
-    except (RuntimeError, ValueError, AssertionError, AttributeError, TypeError, IndexError) as e:
-        where = f"first failing layer {entered[-1]}" if entered else "before the first layer"
-        raise ShardedForwardFailed(f"sharded forward failed in {where}: {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def _weight_bytes(modules) -> int:
-    """Bytes of the weights (2-D and up: linears, packed experts) of `modules`, each tensor counted once."""
-    seen, total = set(), 0
-    for m in modules:
-        for p in m.parameters():
-            if p.ndim >= 2 and id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-    return total
-
-
-def _layer_weight_bytes(model, patterns) -> int:
-    import fnmatch
-
-    return _weight_bytes(m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns))
+        with inside:
+            return _run_model(model, inputs, torch)
+    except Exception as e:
+        if not sharding_failure(e):
+            raise
+        raise ShardedForwardFailed(f"sharded forward failed in {inside.where()}: {type(e).__name__}: "
+                                   f"{first_line(e)}") from None
 
 
 def _policy_name(policy) -> str:
@@ -218,19 +199,6 @@ def _policy_name(policy) -> str:
     if policy.source.resolve().parent == POLICY_DIR.resolve():
         return f"shipped {policy.source.name}"
     return str(policy.source)
-
-
-def _replicated_bytes(model, policy) -> int:
-    """Bytes of the weights under the modules a policy keeps whole (`replicated`), in this rank's model."""
-    import fnmatch
-
-    from ..policy import names_module
-
-    if policy is None or not getattr(policy, "replicated", None):
-        return 0
-    return _weight_bytes(module for layer in model.modules() for pattern, paths in policy.replicated.items()
-                         if fnmatch.fnmatchcase(type(layer).__name__, pattern)
-                         for name, module in layer.named_modules() if name and any(names_module(p, name) for p in paths))
 
 
 def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list[dict],
@@ -255,7 +223,6 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     check_head_counts(policy, config, topology.tp_size)
     layers = derive_policy(model).layers if policy == DERIVE else getattr(policy, "layers", ["*Layer", "*Block"])
     patterns = list(layers)
-    full_bytes = _layer_weight_bytes(model, patterns)  # before sharding: the unsharded model's bytes
     want = _reference(cls, model_dir, inputs, topology, groups, torch)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
     # verify=False: this command's own comparisons below are the numerical check, in more detail
@@ -293,29 +260,21 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
                                        f"first different token at (row, position) {mism}")
               + ("" if ranks_agree else "; ranks of the TP group disagree"),
               identical=mism is None, first_different=mism, ranks_agree=ranks_agree)
-    mine = torch.tensor([_layer_weight_bytes(model, patterns)], dtype=torch.long)
+    share = report.weight_share  # what inject.shard_model measured against the policy's target (weight_share.py)
+    mine = torch.tensor([share.held, share.full, round(share.target_elements)], dtype=torch.long)
     every = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
     dist.all_gather(every, mine, group=groups.tp)
-    shares = [int(b) / max(full_bytes, 1) for b in every]
-    tp = topology.tp_size
-    kv_bytes = n_kv = 0
-    kv = ""
-    if report.replicated_kv:  # each rank keeps a whole KV head where 1/tp of the KV weights would be
-        text = config.get_text_config()
-        spec = policy.attention
-        n_q, n_kv = (v if isinstance(v, int) else getattr(config, v) for v in (spec.query_heads, spec.kv_heads))
-        hidden = text.hidden_size
-        kv_bytes = 2 * n_kv * (hidden // n_q) * hidden * 4 * text.num_hidden_layers
-    whole = _replicated_bytes(model, policy)  # modules the policy keeps whole: every rank holds all of them
-    target = ((full_bytes - kv_bytes - whole) / tp + (kv_bytes / n_kv if n_kv else 0) + whole) / full_bytes
-    if kv_bytes or whole:
-        what = " and ".join(w for w, b in (("KV heads", kv_bytes), ("modules kept whole", whole)) if b)
-        kv = f" ({what} replicated: +{target - 1 / tp:.1%} over 1/tp, counted in the target)"
-    check(all(abs(share - target) <= BYTES_TOLERANCE * target for share in shares), "weights_per_rank",
-          f"layer weights per rank: {', '.join(f'{s:.1%}' for s in shares)} of {full_bytes} bytes "
-          f"(target {target:.1%}, tolerance {BYTES_TOLERANCE:.0%}){kv}",
-          shares=shares, target=target, full_bytes=full_bytes, kv_replicated=bool(report.replicated_kv),
-          replicated_bytes=whole, model_type=config.model_type, policy=_policy_name(policy))
+    shares = [int(e[0]) / max(int(e[1]), 1) for e in every]
+    target = max(int(e[2]) / max(int(e[1]), 1) for e in every)
+    whole = "; ".join(f"{p} ({why})" for p, why in sorted(share.by_design.items()))
+    kept = f" (whole by design, counted in the target: {whole})" if whole else ""
+    unplanned = f"; held whole and not placed: {', '.join(share.not_placed)}" if share.not_placed else ""
+    check(all(abs(s - target) <= TOLERANCE * target for s in shares), "weights_per_rank",
+          f"layer weights per rank: {', '.join(f'{s:.1%}' for s in shares)} of {share.full} elements "
+          f"(target {target:.1%}, tolerance {TOLERANCE:.0%}){kept}{unplanned}",
+          shares=shares, target=target, full_elements=share.full, kv_replicated=bool(report.replicated_kv),
+          by_design=share.by_design, not_placed=share.not_placed, model_type=config.model_type,
+          policy=_policy_name(policy))
     if work_dir is not None:
         for ok, kind, text, data in _check_loading(model_dir, cls, config, model, got["greedy"], inputs, args, topology,
                                                    groups, resolve_policy(policy_spec, config), work_dir):
