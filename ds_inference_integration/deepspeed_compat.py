@@ -166,18 +166,31 @@ def restore_buffers(model: nn.Module, kept: dict[str, torch.Tensor]) -> None:
 def kv_heads_seen_by_deepspeed(config: object, heads):
     """While DeepSpeed splits, report at least tp KV heads, so its head-aware split gives every rank
     tp-th of the query side (the KV side, if any, was split by us)."""
-    from deepspeed.module_inject.tp_shard import _KV_HEAD_ATTRS  # the names DeepSpeed reads, in order
+    from deepspeed.module_inject.tp_shard import _ATTN_HEAD_ATTRS, _KV_HEAD_ATTRS  # what DeepSpeed reads, in order
 
-    name = next((n for n in _KV_HEAD_ATTRS if getattr(config, n, None) is not None), None)
-    if heads is None or name is None or not heads.replicated:
-        yield
-        return
-    old = getattr(config, name)
-    setattr(config, name, heads.tp_size)
+    # DeepSpeed reads the counts from the model's config, or its `text_config` (tp_shard.AutoTPMeta); T5Gemma's
+    # are in its encoder and decoder configs only (`get_text_config()`), so DeepSpeed found none and split each
+    # projection in 64-row blocks: a 2-KV-head k_proj of 32 rows all on rank 0 ("size of tensor a (4) must
+    # match the size of tensor b (2)", 2026-12-03). They are lent to the top config while DeepSpeed splits.
+    seen = getattr(config, "text_config", None) or config
+    lent = []
+    if hasattr(config, "get_text_config") and not any(getattr(seen, n, None) is not None for n in _KV_HEAD_ATTRS):
+        text = config.get_text_config()
+        for n in dict.fromkeys((*_KV_HEAD_ATTRS, *_ATTN_HEAD_ATTRS)):
+            if getattr(text, n, None) is not None and n not in seen.__dict__:
+                setattr(seen, n, getattr(text, n))
+                lent.append(n)
+    name = next((n for n in _KV_HEAD_ATTRS if getattr(seen, n, None) is not None), None)
+    old = getattr(seen, name) if name else None
+    if heads is not None and name is not None and heads.replicated:
+        setattr(seen, name, heads.tp_size)
     try:
         yield
     finally:
-        setattr(config, name, old)
+        if heads is not None and name is not None and heads.replicated:
+            setattr(seen, name, old)
+        for n in lent:
+            seen.__dict__.pop(n, None)
 
 
 def autotp_keeps_whole(path: str) -> bool:

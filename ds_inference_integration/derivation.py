@@ -37,6 +37,7 @@ from .policy import (
     layer_kinds,
     names_module,
     outermost_layer_classes,
+    under_replicated,
 )
 
 # Config attributes holding the query and key/value head counts, in the order they are looked for.
@@ -180,6 +181,9 @@ def _attention_modules(layer: nn.Module) -> list[tuple[str, nn.Module, str | Non
     return found
 
 
+# An attention whose query projection holds [query | gate] per head, as its forward views it (Qwen3-Next:
+# `q_proj(x).view(..., -1, self.head_dim * 2)`): a split by whole heads keeps each head's gate with it.
+_PER_HEAD_GATE = re.compile(r"view\([^)]*-1,\s*self\.head_dim\s*\*\s*2\s*\)")
 # A forward that views the fused output as (..., heads, 3, head_dim) or (..., heads, 3 * head_dim): [q k v] per head.
 _PER_HEAD_VIEW = re.compile(r"3\s*\*\s*self\.head_(dim|size)|,\s*3\s*,\s*self\.head_(dim|size)")
 
@@ -257,12 +261,13 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     for name in layers:
         for layer in kinds.get(name, ()):
             for a in _attention_modules(layer):
-                if not any(a[0] == p or a[0].startswith(p + ".") for p in (skip or {}).get(name, ())):
+                if not any(under_replicated(p, layer, a[0]) for p in (skip or {}).get(name, ())):
                     by_path.setdefault((name, a[0]), a)  # not inside a module kept whole
     found = [(name, a) for (name, _), a in by_path.items()]
     if not found:
         return None, {}
-    specs, replicated = set(), {}
+    specs: dict[AttentionSpec, list[tuple[str, str]]] = {}
+    replicated: dict[str, list[str]] = {}
     for layer_name, (path, attention, fused, separate) in found:
         prefix = f"{path}." if path else ""
         projections = [attention.get_submodule(n) for n in ((fused,) if fused else separate)]
@@ -273,14 +278,26 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                            layer_name, prefix, norm, projections[0].weight.shape[0], q)
             replicated.setdefault(layer_name, []).append(path)
             continue
-        if not fused and kv == q:
-            continue  # DeepSpeed's head-aware split of separate projections is right
+        own_dim = getattr(attention, "head_dim", None)
+        if not fused and isinstance(own_dim, int) and own_dim > 0:
+            gated = 2 if _PER_HEAD_GATE.search(_class_source(type(attention))) else 1  # [query | gate] per head
+            mine = (projections[0].weight.shape[0] // (own_dim * gated), projections[1].weight.shape[0] // own_dim)
+            if mine != (q, kv):  # Moonshine's encoder reads encoder_num_attention_heads, not the config's count
+                logger.warning("%s: %s.%s has %d query and %d key/value heads, not the config's %s = %d and %s = %d: "
+                               "no table describes it, so that attention is kept whole on every rank", model_type,
+                               layer_name, path, *mine, q_attr, q, kv_attr or q_attr, kv)
+                replicated.setdefault(layer_name, []).append(path)
+                continue
         if fused:
             out = projections[0].weight.shape[0]
             head_dim = out // (q + 2 * kv)
         else:
             head_dim = projections[1].weight.shape[0] // kv
         local = _local_attributes(attention, q, kv, head_dim)
+        if not fused and kv == q and not any(attr.startswith("config.") for attr, _ in local):
+            continue  # DeepSpeed's head-aware split of separate projections is right, and updates the module's
+            # own head counts; a count read from the config (Moonshine views q by config.num_key_value_heads)
+            # must be made this rank's by the table
         kv_value = kv_attr if kv_attr is not None else q_attr  # no KV-head attribute: as many as query heads
         if fused:
             spec = AttentionSpec(query_heads=q_attr, kv_heads=kv_value, fused_qkv=prefix + fused,
@@ -288,12 +305,19 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
         else:
             spec = AttentionSpec(query_heads=q_attr, kv_heads=kv_value, query=prefix + separate[0],
                                  key=prefix + separate[1], value=prefix + separate[2], local=local)
-        specs.add(spec)
-    if len(specs) > 1:
-        paths = sorted(s.fused_qkv or s.key for s in specs)
-        raise _cannot_derive(model_type, f"more than one attention to split here ({', '.join(paths)}); a policy "
-                                         "holds one [attention] table")
-    return (specs.pop() if specs else None), {k: tuple(v) for k, v in replicated.items()}
+        specs.setdefault(spec, []).append((layer_name, path))
+    # A policy holds one [attention] table: the one most attentions use is split by it; an attention needing
+    # another (T5Gemma's cross attention, beside its self attention, both with fewer KV heads) is kept whole,
+    # with a warning, rather than the model refused. (Several tables per policy: not built yet.)
+    chosen = max(specs, key=lambda sp: len(specs[sp]), default=None)
+    for spec, places in specs.items():
+        if spec is not chosen:
+            for layer_name, path in places:
+                logger.warning("%s: %s.%s needs a second attention table (%s), which a policy cannot hold yet: that "
+                               "attention is kept whole on every rank", model_type, layer_name, path,
+                               spec.fused_qkv or spec.key)
+                replicated.setdefault(layer_name, []).append(path)
+    return chosen, {k: tuple(dict.fromkeys(v)) for k, v in replicated.items()}
 
 
 def _linears(module: nn.Module) -> dict[str, nn.Module]:
@@ -348,7 +372,8 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
         query = next((m for q, m in columns.items() if q.rpartition(".")[2] in ("q_proj", "query", "q")), None)
         if query is not None and row:
             width = next(iter(row.values())).weight.shape[1]
-            if query.weight.shape[0] != width:  # Qwen3-Next: q_proj holds the query and its output gate
+            per_head = _PER_HEAD_GATE.search(_class_source(type(module)))
+            if query.weight.shape[0] != width and not (per_head and query.weight.shape[0] == 2 * width):
                 return (f"its query projection ({query.weight.shape[0]} outputs) is not the {width} features its "
                         "output projection reads (a gate packed with it)")
         if fused is None or heads is None or not row:
@@ -387,6 +412,8 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]]
         q = getattr(text, q_attr)
         heads = (q, kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q)
     placed = (set(layers) | set(derive_experts(model))) & outermost_layer_classes(model)
+    whole_types: dict[tuple[str, str], set[str]] = {}
+    split_types: dict[tuple[str, str], set[str]] = {}
     for name, kinds in layer_kinds(model).items():
         if name not in placed:
             continue  # not a layer the policy names (T5LayerFF inside T5Block: its linears are T5Block's)
@@ -404,6 +431,15 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]]
                 why = _whole_reason(path, child, rows, attention_paths, heads)
                 if why:
                     found.setdefault(name, {}).setdefault(path, why)
+                    whole_types.setdefault((name, path), set()).add(type(child).__name__)
+                else:
+                    split_types.setdefault((name, path), set()).add(type(child).__name__)
+    # a path kept whole in one kind and split in another (NemotronH's `mixer`): name the kind by its class
+    for (name, path), types in whole_types.items():
+        if (name, path) in split_types:
+            why = found[name].pop(path)
+            for cls in sorted(types):
+                found[name][f"{path}@{cls}"] = why
     return found
 
 
@@ -424,14 +460,11 @@ def derive_policy(model: nn.Module) -> Policy:
     kinds = layer_kinds(model)
 
     def inside_whole(name: str, row: str) -> bool:
-        for p in replicated.get(name, ()):
-            if row == p or row.startswith(p + "."):
-                return True
-            for layer in kinds.get(name, ()):
-                for q, m in layer.named_modules():
-                    if q.startswith(p + ".") and is_linear(m) and names_module(row, q):
-                        return True
-        return False
+        """Every linear the row names, in every kind of the layer, is inside a module kept whole."""
+        places = [(layer, q) for layer in kinds.get(name, ()) for q, m in layer.named_modules()
+                  if q and is_linear(m) and names_module(row, q)]
+        return bool(places) and all(any(under_replicated(p, layer, q) for p in replicated.get(name, ()))
+                                    for layer, q in places)
 
     layers = {name: tuple(r for r in rows if not inside_whole(name, r)) for name, rows in layers.items()}
     q_attr, _ = _head_counts(model.config)

@@ -31,7 +31,7 @@ from .deepspeed_compat import (
 from .derivation import derive_policy
 from .errors import first_line, sharding_failure
 from .experts import experts_modules, split_experts
-from .policy import DERIVE, Policy, build_injection_policy, names_module
+from .policy import DERIVE, Policy, build_injection_policy, config_value, replicated_match
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 from .weight_share import WeightShare, full_sizes, measure
 
@@ -110,7 +110,7 @@ def replicate_modules(layers: list[nn.Module], policy: Policy, apart: list[nn.Mo
                 continue
             for path in paths:
                 for hit, module in list(layer.named_modules()):
-                    if hit and names_module(path, hit):
+                    if hit and replicated_match(path, hit, module):
                         found.add((pattern, path))
                         if isinstance(module, nn.Linear):  # the path names a linear itself (a router: mlp.gate.wg)
                             keep(layer, hit, module)
@@ -128,7 +128,7 @@ def replicate_modules(layers: list[nn.Module], policy: Policy, apart: list[nn.Mo
 
 def _head_layout(policy: Policy, config: object, topology: Topology) -> HeadLayout:
     spec = policy.attention
-    q, kv = (v if isinstance(v, int) else getattr(config, v, None) for v in (spec.query_heads, spec.kv_heads))
+    q, kv = (v if isinstance(v, int) else config_value(config, v) for v in (spec.query_heads, spec.kv_heads))
     if not isinstance(q, int) or not isinstance(kv, int):
         raise InferenceSetupError(f"policy {policy.source}: config has no integer {spec.query_heads!r} / {spec.kv_heads!r}")
     return HeadLayout(q, kv, topology.tp_size, topology.tp_rank)

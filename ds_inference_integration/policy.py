@@ -12,7 +12,8 @@ module paths relative to the layer, matched as whole-component suffixes ("fc2",
     [layers.T5Block]
     row_parallel = ["SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo"]
 
-`replicated = ["self_attn"]` in a layer's table keeps every linear under those modules whole on every rank (no
+`replicated = ["self_attn"]` in a layer's table keeps every linear under those modules whole on every rank (an
+entry "PATH@Class" only where the module there is of that class, for a layer class of several kinds; no
 split, no all-reduce): for an attention no rank can compute from its own heads (FSMT views its output at the
 input's width; OLMo-2 normalises the whole query projection), while the rest of the layer is split.
 `experts = ["mlp.experts"]` names packed mixture-of-experts modules, each expert's MLP split (`experts.py`).
@@ -216,13 +217,22 @@ def resolve_policy(spec: str, config: object) -> Policy | str | None:
     return load_policy(spec)
 
 
+def config_value(config: object, attr: str):
+    """A head count from the config, or from its text config where the top one has none (T5Gemma keeps its
+    counts in its encoder and decoder configs; `get_text_config()` is the decoder's)."""
+    value = getattr(config, attr, None)
+    if value is None and hasattr(config, "get_text_config"):
+        value = getattr(config.get_text_config(), attr, None)
+    return value
+
+
 def check_head_counts(policy: Policy | str | None, config: object, tp_size: int) -> None:
     """Every head count the policy names (or the config's usual ones) must divide by tp."""
     model_type = getattr(config, "model_type", "?")
     policy = policy if isinstance(policy, Policy) else None
     names = policy.head_count_attributes if policy else _GENERIC_HEAD_ATTRIBUTES
     for attr in names:
-        value = getattr(config, attr, None)
+        value = config_value(config, attr)
         if value is None:
             if policy:
                 raise InferenceSetupError(
@@ -249,6 +259,21 @@ def policy_for_run(spec: str, config: object, tp_size: int) -> Policy | str | No
 def names_module(name: str, path: str) -> bool:
     """Whether a policy entry `name` names the module at `path` inside a layer: a whole-component suffix."""
     return path == name or path.endswith("." + name)
+
+
+def replicated_match(entry: str, path: str, module: nn.Module) -> bool:
+    """Whether a `replicated` entry names the module at `path` inside its layer: "PATH" names any module there,
+    "PATH@Class" only one of that class (a per-kind entry: NemotronH's `mixer` is a Mamba2 mixer in some layers,
+    an attention in others, so `mixer@NemotronHMamba2Mixer`)."""
+    where, _, cls = entry.partition("@")
+    return names_module(where, path) and (not cls or type(module).__name__ == cls)
+
+
+def under_replicated(entry: str, layer: nn.Module, path: str) -> bool:
+    """Whether the module at `path` in `layer` is, or is inside, the module a `replicated` entry names."""
+    parts = path.split(".") if path else []
+    return any(replicated_match(entry, ".".join(parts[:i]), layer.get_submodule(".".join(parts[:i])))
+               for i in range(1, len(parts) + 1))
 
 
 def is_linear(module: nn.Module) -> bool:

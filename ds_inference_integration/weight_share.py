@@ -87,7 +87,7 @@ def full_sizes(model: nn.Module, patterns) -> dict[str, int]:
 def measure(model: nn.Module, patterns, before: dict[str, int], tp_size: int, policy=None) -> WeightShare:
     """This rank's WeightShare after sharding, against `before` (`full_sizes` of the same model)."""
     from .deepspeed_compat import autotp_keeps_whole
-    from .policy import names_module
+    from .policy import under_replicated
 
     held = full = 0
     target = 0.0
@@ -105,10 +105,9 @@ def measure(model: nn.Module, patterns, before: dict[str, int], tp_size: int, po
                 whole, now = before[key], p.numel()
                 held, full = held + now, full + whole
                 shown = f"{kind}.{module_path}" if module_path else kind
-                under = next((r for r in replicated if module_path == r or module_path.startswith(r + ".")
-                              or names_module(r, module_path)), None)
+                under = next((r for r in replicated if under_replicated(r, layer, module_path)), None)
                 if under is not None:  # named as the policy names it: the module kept whole, not each linear in it
-                    expected, why, shown = whole, "replicated by the policy", f"{kind}.{under}"
+                    expected, why, shown = whole, "replicated by the policy", f"{kind}.{under.partition('@')[0]}"
                 elif autotp_keeps_whole(module_path):
                     expected, why = whole, "kept whole by DeepSpeed AutoTP (a router or low-rank projection)"
                 elif is_router(module_path, module):

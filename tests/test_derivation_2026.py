@@ -37,9 +37,14 @@ def test_a_dense_first_moe_splits_the_experts_of_its_later_layers(name, layer):
 
 @pytest.mark.parametrize("name, whole", [
     ("mamba2", {"mixer"}), ("falcon_h1", {"mamba"}), ("lfm2", {"conv"}), ("jamba", {"mamba"}),
-    ("minimax", {"self_attn"}),  # lightning attention: a 3 x width qkv_proj into a 1 x width out_proj
+    ("minimax", {"self_attn@MiniMaxLightningAttention"}),  # a 3 x width qkv_proj into a 1 x width out_proj
     ("hunyuan_v1_dense", set()), ("ernie4_5_moe", set()),  # a bare-weight router: no linear DeepSpeed could split
-    ("nemotron_h", {"mixer"}), ("bamba", {"mamba"}),
+    # its gated delta net kept whole; its attention's q_proj packs [query | gate] per head: split with its heads
+    ("qwen3_next", {"linear_attn", "mlp.shared_expert_gate"}),
+    ("t5gemma", {"cross_attn"}),  # a second attention table: kept whole (it was refused: "more than one attention")
+    ("nllb_moe", {"ffn.router.classifier"}),  # experts held as modules: each split as an MLP, the router whole
+    ("moonshine", {"mlp", "encoder_attn"}),  # a [gate | up] fc1, and a second attention table
+    ("nemotron_h", {"mixer@NemotronHMamba2Mixer"}), ("bamba", {"mamba"}),  # its attention layers' mixer is split
 ])
 def test_mixers_and_routers_are_kept_whole_and_the_rest_split(name, whole, caplog):
     """State-space, convolution and linear-attention mixers pack streams of different widths in one projection,
@@ -49,8 +54,8 @@ def test_mixers_and_routers_are_kept_whole_and_the_rest_split(name, whole, caplo
     kept = {p for paths in policy.replicated.values() for p in paths}
     assert kept == whole, policy.replicated
     assert ("kept whole on every rank" in caplog.text) == bool(whole) and all(p in caplog.text for p in whole)
-    rows = {r for rs in policy.layers.values() for r in rs}
-    assert not any(r == p or r.startswith(p + ".") for r in rows for p in kept)  # nothing split inside them
+    for name, rows in policy.layers.items():  # nothing split inside them
+        assert not any(r == p or r.startswith(p + ".") for r in rows for p in policy.replicated.get(name, ()))
 
 
 def test_an_mlp_whose_row_parallel_linear_no_convention_names_is_found_by_its_shapes():
@@ -182,3 +187,28 @@ def test_a_replicated_path_naming_a_linear_keeps_that_linear_whole():
     replicate_modules(list(model.model.layers), policy, apart)
     assert apart == [layer.feed_forward.router for layer in model.model.layers]
     assert type(apart[0]).__name__ == "Llama4Router"  # still itself, not a ColumnShard
+
+
+def test_an_attention_that_reads_its_head_count_from_the_config_gets_a_table_of_this_ranks_counts():
+    """Moonshine views its query by `self.config.num_key_value_heads`: with as many KV heads as query heads
+    DeepSpeed's split is right, but it updates only the module's own attributes, so the view failed ("shape
+    '[3, 9, 4, 16]' is invalid for input of size 864" at tp 2). The table sets this rank's count on a copy of
+    the attention's config."""
+    spec = derive_policy(zoo_model("moonshine")).attention
+    assert spec.query == "self_attn.q_proj" and ("config.num_key_value_heads", "q_heads") in spec.local
+
+
+def test_deepspeed_sees_the_head_counts_of_a_config_that_keeps_them_in_its_encoder_and_decoder():
+    """T5Gemma's top config holds no head count (its encoder and decoder configs do): DeepSpeed found none and
+    split each projection in 64-row blocks, all 32 rows of a 2-KV-head k_proj on rank 0 at tp 2. They are lent
+    to the top config while DeepSpeed splits, and taken back after."""
+    from deepspeed.module_inject.tp_shard import AutoTPMeta
+
+    from ds_inference_integration.deepspeed_compat import kv_heads_seen_by_deepspeed
+
+    config = ZOO["t5gemma"]()
+    assert AutoTPMeta.from_model_config(config).num_kv_heads is None
+    with kv_heads_seen_by_deepspeed(config, None):
+        meta = AutoTPMeta.from_model_config(config)
+        assert (meta.num_kv_heads, meta.num_attention_heads) == (2, 4)
+    assert AutoTPMeta.from_model_config(config).num_kv_heads is None and "num_key_value_heads" not in vars(config)

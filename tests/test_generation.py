@@ -117,8 +117,9 @@ def test_bench_generation_pairs_the_tp2_trainer_path_with_the_bare_loop_in_the_s
     assert ratio["n"] == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
 
 
-@pytest.mark.slow  # make test-all: two launches (`policy check` covers these families in make test)
-@pytest.mark.parametrize("name", ["deepseek_v3", "lfm2", "gpt_oss"])
+# lfm2 in make test (13 s), the other two make test-all's (`policy check` covers them in make test)
+@pytest.mark.parametrize("name", [pytest.param("deepseek_v3", marks=pytest.mark.slow), "lfm2",
+                                  pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_the_2026_families_predict_at_tp2_as_one_process_through_the_example(name, tmp_path):
     """A dense-first MoE, a convolution hybrid (its mixers kept whole) and transposed experts with biases and
     attention sinks, each through run_generation.py with a derived policy (checked numerically at start) at tp 2

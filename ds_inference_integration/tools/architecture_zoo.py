@@ -21,10 +21,6 @@ VOCAB = 96
 TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme README.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
-    "t5gemma": "self and cross attention each with fewer KV heads than query heads: a policy holds one [attention] "
-               "table, so the derivation refuses it in one line",
-    "moonshine": "its encoder and decoder attentions have head counts of their own (encoder_num_attention_heads, ...) "
-                 "and fewer KV heads: one [attention] table, refused in one line",
     "prophetnet": "its attention checks its mask against the whole head count (one FAIL line naming "
                   "prophetnet.encoder.layers.0.self_attn)",
     "gpt2 (derived)": "AutoTP's parser does not see Conv1D layers as linears (GPT-2 ships a policy)",
@@ -48,6 +44,29 @@ def _seq2seq(cls_name: str, **kw):
                 init_std=0.5, forced_eos_token_id=None)
     settings = {**base, **kw, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1, "decoder_start_token_id": 0}
     return getattr(tr, cls_name)(**{k: v for k, v in settings.items() if v is not None})  # None: leave it out
+
+
+def _t5gemma():
+    """T5Gemma: an encoder and a decoder config of its own, grouped-query self and cross attention."""
+    import transformers as tr
+
+    sub = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.5)
+    return tr.T5GemmaConfig(encoder=tr.T5GemmaModuleConfig(**sub), decoder=tr.T5GemmaModuleConfig(**sub, is_decoder=True),
+                            vocab_size=VOCAB, pad_token_id=0, bos_token_id=2, eos_token_id=1, decoder_start_token_id=0)
+
+
+def _moonshine():
+    """Moonshine: raw audio in, its encoder's and decoder's head counts under names of their own. As many KV heads
+    as query heads: transformers' MoonshineAttention views the query by `config.num_key_value_heads`, so with
+    fewer KV heads the unsharded model fails (transformers 5.24)."""
+    import transformers as tr
+
+    return tr.MoonshineConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=256, encoder_num_hidden_layers=2,
+                              decoder_num_hidden_layers=2, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+                              encoder_num_key_value_heads=4, decoder_num_key_value_heads=4, max_position_embeddings=64,
+                              pad_token_id=0, bos_token_id=2, eos_token_id=1, decoder_start_token_id=0,
+                              initializer_range=0.5)
 
 
 def _t5(cls_name: str, **kw):
@@ -164,7 +183,7 @@ ZOO = {
                               attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16),
     "lfm2": lambda: _decoder("Lfm2Config", **GQA, layer_types=["conv", "full_attention"]),
     "qwen3_next": lambda: _decoder("Qwen3NextConfig", **GQA, num_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=128, shared_expert_intermediate_size=128, head_dim=32,
+                                   moe_intermediate_size=128, shared_expert_intermediate_size=256, head_dim=32,
                                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                                    linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
     "minimax": lambda: _decoder("MiniMaxConfig", **GQA, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
@@ -181,12 +200,16 @@ ZOO = {
     "bigbird_pegasus": lambda: _seq2seq("BigBirdPegasusConfig", attention_type="original_full"),
     "umt5": lambda: _t5("UMT5Config"),
     "longt5": lambda: _t5("LongT5Config", local_radius=4),
+    # grouped-query self and cross attention (the cross attention kept whole: one [attention] table per policy)
+    "t5gemma": _t5gemma,
     # experts held as modules (expert_0 ...), a router of its own, every other layer sparse
     "nllb_moe": lambda: _seq2seq("NllbMoeConfig", num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2,
                                  expert_capacity=64),
     # d_ff 256: DeepSpeed splits an MLP in blocks of 64, so 128 gave two of four ranks nothing (35% / 15%)
     "switch_transformers": lambda: _t5("SwitchTransformersConfig", num_experts=4, d_ff=256),
-    # speech: log-mel features in, tokens out; the convolutional front end is outside the layers, so whole
+    # speech (raw audio in: Moonshine; log-mel features in: Whisper), tokens out; the convolutional front ends
+    # are outside the layers, so whole
+    "moonshine": _moonshine,
     "whisper": lambda: _seq2seq("WhisperConfig", num_mel_bins=16, max_source_positions=32, max_target_positions=64,
                                 suppress_tokens=None, begin_suppress_tokens=None),
 }
