@@ -18,6 +18,7 @@ the layer is still split.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -306,9 +307,30 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
             spec = AttentionSpec(query_heads=q_attr, kv_heads=kv_value, query=prefix + separate[0],
                                  key=prefix + separate[1], value=prefix + separate[2], local=local)
         specs.setdefault(spec, []).append((layer_name, path))
-    # A policy holds one [attention] table: the one most attentions use is split by it; an attention needing
-    # another (T5Gemma's cross attention, beside its self attention, both with fewer KV heads) is kept whole,
-    # with a warning, rather than the model refused. (Several tables per policy: not built yet.)
+    # Tables that differ only in which attention module they name (T5Gemma's and Moonshine's cross attention
+    # beside their self attention) are one table with `also`. A policy holds one table: the one most attentions
+    # use is split by it; an attention needing another (other head counts, another layout) is kept whole, with a
+    # warning, rather than the model refused. (Several tables per policy: not built yet.)
+    def relative(spec: AttentionSpec) -> AttentionSpec:
+        names = [None if n is None else n.rpartition(".")[2] for n in (spec.fused_qkv, spec.query, spec.key, spec.value)]
+        return dataclasses.replace(spec, fused_qkv=names[0], query=names[1], key=names[2], value=names[3])
+
+    def module_of(spec: AttentionSpec) -> str:
+        return (spec.fused_qkv or spec.key).rpartition(".")[0]
+
+    groups: dict[AttentionSpec, list[AttentionSpec]] = {}
+    for spec in specs:
+        groups.setdefault(relative(spec), []).append(spec)
+    merged: dict[AttentionSpec, list[tuple[str, str]]] = {}
+    for members in groups.values():
+        members.sort(key=lambda sp: (-len(specs[sp]), module_of(sp)))
+        first, others = members[0], members[1:]
+        if others and all(module_of(sp) for sp in members):
+            first = dataclasses.replace(first, also=tuple(module_of(sp) for sp in others))
+        merged[first] = [place for sp in members for place in specs[sp]] if first.also else specs[members[0]]
+        for sp in others if not first.also else ():
+            merged[sp] = specs[sp]
+    specs = merged
     chosen = max(specs, key=lambda sp: len(specs[sp]), default=None)
     for spec, places in specs.items():
         if spec is not chosen:

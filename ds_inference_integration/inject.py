@@ -31,7 +31,7 @@ from .deepspeed_compat import (
 from .derivation import derive_policy
 from .errors import first_line, sharding_failure
 from .experts import experts_modules, split_experts
-from .policy import DERIVE, Policy, build_injection_policy, config_value, replicated_match
+from .policy import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, replicated_match
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 from .weight_share import WeightShare, full_sizes, measure
 
@@ -141,10 +141,10 @@ def _replace(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
     return owner
 
 
-def split_attention(layer: nn.Module, policy: Policy, heads: HeadLayout) -> tuple[nn.Module, int] | None:
-    """Split this layer's fused QKV (always) or separate Q/K/V (when KV heads < ranks) here.
-    Returns the attention module and head dim, or None when DeepSpeed's own split is right."""
-    spec = policy.attention
+def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout) -> tuple[nn.Module, int] | None:
+    """Split this layer's fused QKV (always) or separate Q/K/V (when KV heads < ranks) here, as `spec` (one of
+    the policy's table's `variants()`) names them. Returns the attention module and head dim, or None where the
+    layer has no such attention."""
     if spec.fused_qkv:
         if not _has(layer, spec.fused_qkv):
             return None  # e.g. a cross-attention-free variant of the layer
@@ -220,7 +220,8 @@ def _derived_summary(policy: Policy) -> str:
     spec = policy.attention
     attention = "" if spec is None else (
         f"; attention {spec.fused_qkv} (fused, layout {spec.layout})" if spec.fused_qkv else
-        f"; attention {spec.query}/{spec.key}/{spec.value} ({spec.query_heads} / {spec.kv_heads} heads)")
+        f"; attention {spec.query}/{spec.key}/{spec.value} ({spec.query_heads} / {spec.kv_heads} heads)") + (
+        f", also {', '.join(spec.also)}" if spec and spec.also else "")
     kept = f"; kept whole on every rank: {dict(policy.replicated)}" if policy.replicated else ""
     experts = f"; experts split: {dict(policy.experts)}" if policy.experts else ""
     return f"row-parallel linears {dict(policy.layers)}{attention}{kept}{experts}"
@@ -290,7 +291,8 @@ def shard_model(
                             split_experts(experts, topology.tp_size, topology.tp_rank, groups.tp)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
-                attentions = [a for a in (split_attention(layer, policy, heads) for layer in layers) if a]
+                attentions = [a for layer in layers for spec in policy.attention.variants()
+                              if (a := split_attention(layer, spec, heads))]
             kwargs["injection_policy"] = build_injection_policy(policy, model)
     if loader is not None:
         loader.fill_replicated(model, device)

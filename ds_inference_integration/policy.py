@@ -21,6 +21,7 @@ input's width; OLMo-2 normalises the whole query projection), while the rest of 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ def _shipped_policy_dir() -> Path:
 POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR") or _shipped_policy_dir())
 _TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention"}
 _LAYER_KEYS = {"row_parallel", "replicated", "experts"}
-_ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local"}
+_ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local", "also"}
 _LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim"}
 DERIVE = "derive"  # resolve_policy's answer for a model type with no policy file: derive one from the model
 # Attributes DeepSpeed's own head-aware split reads when no policy names them.
@@ -76,6 +77,19 @@ class AttentionSpec:
     key: str | None = None
     value: str | None = None
     local: tuple[tuple[str, str], ...] = ()
+    # other attention modules of the layer, by path, with the same projection names and head counts, split by
+    # the same table (T5Gemma's and Moonshine's cross attention beside their self attention)
+    also: tuple[str, ...] = ()
+
+    def variants(self) -> list["AttentionSpec"]:
+        """This table, and one for each module in `also` (its paths moved under that module)."""
+        names = [n for n in (self.fused_qkv, self.query, self.key, self.value)]
+        found = [self]
+        for other in self.also:
+            moved = [None if n is None else f"{other}.{n.rpartition('.')[2]}" for n in names]
+            found.append(dataclasses.replace(self, fused_qkv=moved[0], query=moved[1], key=moved[2], value=moved[3],
+                                             also=()))
+        return found
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,7 @@ def _parse_attention(path: Path, data: object) -> AttentionSpec | None:
         query_heads=data["query_heads"], kv_heads=data["kv_heads"], fused_qkv=data.get("fused_qkv"),
         layout=data.get("layout", "qkv"), query=data.get("query"), key=data.get("key"), value=data.get("value"),
         local=tuple(local.items()),
+        also=_str_list(path, "attention.also", data.get("also", []), allow_empty=True),
     )
 
 
@@ -406,6 +421,8 @@ def policy_to_toml(policy: Policy) -> str:
         if spec.local:
             # a key with a dot ("config.num_attention_heads") is quoted, or TOML would read it as a nested table
             lines.append("local = { " + ", ".join(f"{q(k) if '.' in k else k} = {q(v)}" for k, v in spec.local) + " }")
+        if spec.also:
+            lines.append("also = [" + ", ".join(q(a) for a in spec.also) + "]")
     return "\n".join(lines) + "\n"
 
 
@@ -417,5 +434,7 @@ def policy_identity(policy: Policy) -> str:
     import json
 
     fields = {k: v for k, v in dataclasses.asdict(policy).items() if k not in ("source", "description")}
+    if fields.get("attention") and not fields["attention"]["also"]:
+        del fields["attention"]["also"]  # a table without `also` keeps the identity it had before the key existed
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

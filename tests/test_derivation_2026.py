@@ -41,9 +41,9 @@ def test_a_dense_first_moe_splits_the_experts_of_its_later_layers(name, layer):
     ("hunyuan_v1_dense", set()), ("ernie4_5_moe", set()),  # a bare-weight router: no linear DeepSpeed could split
     # its gated delta net kept whole; its attention's q_proj packs [query | gate] per head: split with its heads
     ("qwen3_next", {"linear_attn", "mlp.shared_expert_gate"}),
-    ("t5gemma", {"cross_attn"}),  # a second attention table: kept whole (it was refused: "more than one attention")
+    ("t5gemma", set()),  # its cross attention split by the self attention's table (`also`): it was refused
     ("nllb_moe", {"ffn.router.classifier"}),  # experts held as modules: each split as an MLP, the router whole
-    ("moonshine", {"mlp", "encoder_attn"}),  # a [gate | up] fc1, and a second attention table
+    ("moonshine", {"mlp"}),  # a [gate | up] fc1; its cross attention split by the table's `also`
     ("nemotron_h", {"mixer@NemotronHMamba2Mixer"}), ("bamba", {"mamba"}),  # its attention layers' mixer is split
 ])
 def test_mixers_and_routers_are_kept_whole_and_the_rest_split(name, whole, caplog):
@@ -196,6 +196,30 @@ def test_an_attention_that_reads_its_head_count_from_the_config_gets_a_table_of_
     the attention's config."""
     spec = derive_policy(zoo_model("moonshine")).attention
     assert spec.query == "self_attn.q_proj" and ("config.num_key_value_heads", "q_heads") in spec.local
+    assert spec.also == ("encoder_attn",)
+
+
+def test_a_cross_attention_with_the_same_heads_is_split_by_the_same_table_written_and_read_back(tmp_path):
+    """T5Gemma's self and cross attention both have fewer KV heads than query heads: "more than one attention
+    to split here" refused the model. One table with `also` covers both; written out and read back it is the
+    same, and a table without `also` keeps the identity it had before the key existed."""
+    import dataclasses
+
+    from ds_inference_integration.policy import load_policy, policy_identity, policy_to_toml
+
+    policy = derive_policy(zoo_model("t5gemma"))
+    assert policy.attention.also == ("cross_attn",) and not policy.replicated
+    assert [v.key for v in policy.attention.variants()] == ["self_attn.k_proj", "cross_attn.k_proj"]
+    path = tmp_path / "t5gemma.toml"
+    path.write_text(policy_to_toml(policy))
+    assert load_policy(path).attention == policy.attention
+    plain = dataclasses.replace(policy, attention=dataclasses.replace(policy.attention, also=()))
+    assert policy_identity(plain) != policy_identity(policy)
+    # the shipped llama.toml's identity as the code before `also` computed it (ec1ca83): pre-sharded
+    # directories written then still match
+    from ds_inference_integration.policy import POLICY_DIR
+
+    assert policy_identity(load_policy(POLICY_DIR / "llama.toml")) == "930d13df0ce29ce8"
 
 
 def test_deepspeed_sees_the_head_counts_of_a_config_that_keeps_them_in_its_encoder_and_decoder():

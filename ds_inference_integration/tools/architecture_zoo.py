@@ -200,7 +200,7 @@ ZOO = {
     "bigbird_pegasus": lambda: _seq2seq("BigBirdPegasusConfig", attention_type="original_full"),
     "umt5": lambda: _t5("UMT5Config"),
     "longt5": lambda: _t5("LongT5Config", local_radius=4),
-    # grouped-query self and cross attention (the cross attention kept whole: one [attention] table per policy)
+    # grouped-query self and cross attention (one table for both: `also`), head counts in sub-configs
     "t5gemma": _t5gemma,
     # experts held as modules (expert_0 ...), a router of its own, every other layer sparse
     "nllb_moe": lambda: _seq2seq("NllbMoeConfig", num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2,
