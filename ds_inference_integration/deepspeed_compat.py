@@ -181,13 +181,14 @@ def kv_heads_seen_by_deepspeed(config: object, heads):
                 setattr(seen, n, getattr(text, n))
                 lent.append(n)
     name = next((n for n in _KV_HEAD_ATTRS if getattr(seen, n, None) is not None), None)
-    old = getattr(seen, name) if name else None
-    if heads is not None and name is not None and heads.replicated:
+    raised = heads is not None and name is not None and heads.replicated
+    old = getattr(seen, name) if raised else None
+    if raised:
         setattr(seen, name, heads.tp_size)
     try:
         yield
     finally:
-        if heads is not None and name is not None and heads.replicated:
+        if raised:
             setattr(seen, name, old)
         for n in lent:
             seen.__dict__.pop(n, None)
@@ -298,8 +299,15 @@ def autotp_row_parallel(model: nn.Module) -> list[tuple[type, list[str]]]:
 
     from .policy import layer_kind
 
+    kinds: dict[int, tuple] = {}  # each layer's kind, computed once for the whole parse
+
+    def kind_of(module) -> tuple:
+        if id(module) not in kinds:
+            kinds[id(module)] = layer_kind(module)
+        return kinds[id(module)]
+
     def same_kind(module, module_list):  # AutoTP parses the first layer of each class only (`in_module_list`)
-        return any(type(m) is type(module) and layer_kind(m) == layer_kind(module) for m in module_list)
+        return any(type(m) is type(module) and kind_of(m) == kind_of(module) for m in module_list)
 
     def merge(policy_list, module, gems):  # `update_policy_list` makes the first merge a set, then adds a list to
         for i, (cls, known) in enumerate(policy_list):  # it: a third kind of one class (LongT5) raised TypeError

@@ -106,7 +106,7 @@ def _chain_rows(model: nn.Module) -> dict[str, dict[str, list[str]]]:
     Mixtral). Modules with a convolution are mixers, kept whole instead (`_whole_reason`)."""
     found: dict[str, dict[str, list[str]]] = {}
     outermost = outermost_layer_classes(model)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text_config(model.config)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
     for name, kinds in layer_kinds(model).items():
         if name not in outermost:
@@ -160,13 +160,27 @@ def derive_row_parallel(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return layers
 
 
+def _text_config(config: object) -> object:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _head_counts(config: object) -> tuple[str | None, str | int | None]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     query = next((a for a in QUERY_HEAD_ATTRIBUTES if isinstance(getattr(text, a, None), int)), None)
     kv = next((a for a in KV_HEAD_ATTRIBUTES if isinstance(getattr(text, a, None), int)), None)
     if getattr(text, "multi_query", False) is True and not getattr(text, "new_decoder_architecture", False):
         kv = 1  # Falcon-7B and GPTBigCode: one KV head, whatever num_kv_heads says (Falcon sets it to the query count)
     return query, kv
+
+
+def _head_values(config: object) -> tuple[int, int] | None:
+    """(query heads, key/value heads) as the attributes `_head_counts` finds say; None without a query count."""
+    q_attr, kv_attr = _head_counts(config)
+    if q_attr is None:
+        return None
+    text = _text_config(config)
+    q = getattr(text, q_attr)
+    return q, kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q
 
 
 def _attention_modules(layer: nn.Module) -> list[tuple[str, nn.Module, str | None, tuple[str, str, str] | None]]:
@@ -185,6 +199,10 @@ def _attention_modules(layer: nn.Module) -> list[tuple[str, nn.Module, str | Non
 # An attention whose query projection holds [query | gate] per head, as its forward views it (Qwen3-Next:
 # `q_proj(x).view(..., -1, self.head_dim * 2)`): a split by whole heads keeps each head's gate with it.
 _PER_HEAD_GATE = re.compile(r"view\([^)]*-1,\s*self\.head_dim\s*\*\s*2\s*\)")
+
+
+def _gated_per_head(attention: nn.Module) -> bool:
+    return bool(_PER_HEAD_GATE.search(_class_source(type(attention))))
 # A forward that views the fused output as (..., heads, 3, head_dim) or (..., heads, 3 * head_dim): [q k v] per head.
 _PER_HEAD_VIEW = re.compile(r"3\s*\*\s*self\.head_(dim|size)|,\s*3\s*,\s*self\.head_(dim|size)")
 
@@ -252,11 +270,10 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     q_attr, kv_attr = _head_counts(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     if q_attr is None or head_grain(model_type) > 1:
         return None, {}  # no head count to split by, or a layout DeepSpeed keeps its own record of (CodeGen)
-    q = getattr(text, q_attr)
-    kv = kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q
+    q, kv = _head_values(config)
     kinds = layer_kinds(model)
     by_path: dict[tuple[str, str], tuple] = {}  # one per attention path of each layer class, over its kinds
     for name in layers:
@@ -281,7 +298,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
             continue
         own_dim = getattr(attention, "head_dim", None)
         if not fused and isinstance(own_dim, int) and own_dim > 0:
-            gated = 2 if _PER_HEAD_GATE.search(_class_source(type(attention))) else 1  # [query | gate] per head
+            gated = 2 if _gated_per_head(attention) else 1  # [query | gate] per head
             mine = (projections[0].weight.shape[0] // (own_dim * gated), projections[1].weight.shape[0] // own_dim)
             if mine != (q, kv):  # Moonshine's encoder reads encoder_num_attention_heads, not the config's count
                 logger.warning("%s: %s.%s has %d query and %d key/value heads, not the config's %s = %d and %s = %d: "
@@ -324,12 +341,11 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     merged: dict[AttentionSpec, list[tuple[str, str]]] = {}
     for members in groups.values():
         members.sort(key=lambda sp: (-len(specs[sp]), module_of(sp)))
-        first, others = members[0], members[1:]
-        if others and all(module_of(sp) for sp in members):
-            first = dataclasses.replace(first, also=tuple(module_of(sp) for sp in others))
-        merged[first] = [place for sp in members for place in specs[sp]] if first.also else specs[members[0]]
-        for sp in others if not first.also else ():
-            merged[sp] = specs[sp]
+        if len(members) > 1 and all(module_of(sp) for sp in members):
+            first = dataclasses.replace(members[0], also=tuple(module_of(sp) for sp in members[1:]))
+            merged[first] = [place for sp in members for place in specs[sp]]
+        else:
+            merged.update((sp, specs[sp]) for sp in members)
     specs = merged
     chosen = max(specs, key=lambda sp: len(specs[sp]), default=None)
     for spec, places in specs.items():
@@ -390,19 +406,19 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
            if "down_proj" in q or any(names_module(r, f"{path}.{q}") for r in rows)}
     columns = {q: m for q, m in linears.items() if q not in row}
     if path in attention_paths:
+        if not row:
+            return None  # the attention table's, or DeepSpeed's head-aware split
         fused = next((m for q, m in columns.items() if q.rpartition(".")[2] in FUSED_QKV), None)
         query = next((m for q, m in columns.items() if q.rpartition(".")[2] in ("q_proj", "query", "q")), None)
-        if query is not None and row:
-            width = next(iter(row.values())).weight.shape[1]
-            per_head = _PER_HEAD_GATE.search(_class_source(type(module)))
-            if query.weight.shape[0] != width and not (per_head and query.weight.shape[0] == 2 * width):
+        width = next(iter(row.values())).weight.shape[1]  # what the output projection reads
+        if query is not None:
+            if query.weight.shape[0] != width and not (_gated_per_head(module) and query.weight.shape[0] == 2 * width):
                 return (f"its query projection ({query.weight.shape[0]} outputs) is not the {width} features its "
                         "output projection reads (a gate packed with it)")
-        if fused is None or heads is None or not row:
+        if fused is None or heads is None:
             return None  # separate q/k/v: the attention table's, or DeepSpeed's head-aware split
         q_heads, kv_heads = heads
         head_dim = fused.weight.shape[0] // (q_heads + 2 * kv_heads)
-        width = next(iter(row.values())).weight.shape[1]
         if q_heads * head_dim == width:
             return None
         return (f"its fused projection ({fused.weight.shape[0]} outputs) does not hold {q_heads} query and "
@@ -421,19 +437,14 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
     return None
 
 
-def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]]
+def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], experts: dict[str, tuple[str, ...]]
                          ) -> dict[str, dict[str, str]]:
     """{layer class: {path: why}} of the modules to keep whole on every rank: mixers AutoTP cannot split
     (`_whole_reason`), and mixture-of-experts routers and gates (each rank must route every token alike:
     a linear of the block, outside its experts, with one output per expert or a single one)."""
     found: dict[str, dict[str, str]] = {}
-    q_attr, kv_attr = _head_counts(model.config)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = None
-    if q_attr:
-        q = getattr(text, q_attr)
-        heads = (q, kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q)
-    placed = (set(layers) | set(derive_experts(model))) & outermost_layer_classes(model)
+    heads = _head_values(model.config)
+    placed = (set(layers) | set(experts)) & outermost_layer_classes(model)
     whole_types: dict[tuple[str, str], set[str]] = {}
     split_types: dict[tuple[str, str], set[str]] = {}
     for name, kinds in layer_kinds(model).items():
@@ -443,10 +454,10 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]]
         for layer in kinds:
             attention_paths = {a[0] for a in _attention_modules(layer)}
             for path, child in layer.named_children():
-                experts = _expert_count(child)
-                if experts is not None:
+                count = _expert_count(child)
+                if count is not None:
                     for q, m in _linears(child).items():
-                        if m.weight.shape[0] in (experts, 1) and "expert" not in q.rpartition(".")[0]:
+                        if m.weight.shape[0] in (count, 1) and "expert" not in q.rpartition(".")[0]:
                             found.setdefault(name, {}).setdefault(f"{path}.{q}", "a router: every rank routes "
                                                                                  "every token")
                     continue
@@ -470,7 +481,8 @@ def derive_policy(model: nn.Module) -> Policy:
     experts, and the modules kept whole."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
     layers = derive_row_parallel(model)
-    whole = derive_whole_modules(model, layers)
+    experts = derive_experts(model)
+    whole = derive_whole_modules(model, layers, experts)
     for name, paths in whole.items():
         logger.warning("%s: kept whole on every rank in %s: %s", model_type, name,
                        "; ".join(f"{p} ({why})" for p, why in paths.items()))
@@ -493,7 +505,7 @@ def derive_policy(model: nn.Module) -> Policy:
     heads = (q_attr,) if q_attr else ()
     return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
                   model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention,
-                  replicated=replicated, experts=derive_experts(model))
+                  replicated=replicated, experts=experts)
 
 
 def derive_experts(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -275,7 +275,7 @@ def shard_model(
         before = full_sizes(model, share_patterns)
         if verify and unchecked and not isinstance(loader, PreShardedLoader):  # pre-sharded: checked when sharded
             copy_start = time.perf_counter()
-            copies = reference_copies(model, _layer_patterns(policy, model), loader)
+            copies = reference_copies(model, share_patterns, loader)
             copy_seconds = time.perf_counter() - copy_start
         if isinstance(policy, Policy) and not args.replace_with_kernel_inject:
             layers = _layers(model, policy)

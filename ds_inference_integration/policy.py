@@ -83,7 +83,7 @@ class AttentionSpec:
 
     def variants(self) -> list["AttentionSpec"]:
         """This table, and one for each module in `also` (its paths moved under that module)."""
-        names = [n for n in (self.fused_qkv, self.query, self.key, self.value)]
+        names = (self.fused_qkv, self.query, self.key, self.value)
         found = [self]
         for other in self.also:
             moved = [None if n is None else f"{other}.{n.rpartition('.')[2]}" for n in names]

@@ -171,7 +171,7 @@ class ReferenceFailed(Exception):
     next model."""
 
 
-def _run_model_naming_failures(model, inputs, patterns, torch) -> dict:
+def _run_model_naming_failures(model, inputs, torch) -> dict:
     """`_run_model`, but an exception of any type the model raises names the module it happened in (the
     innermost one, `verify_policy.track_modules`)."""
     from ..errors import first_line, sharding_failure
@@ -208,10 +208,9 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from transformers import AutoConfig
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..derivation import derive_policy
     from ..inject import shard_model
     from ..loading import model_class_for
-    from ..policy import DERIVE, check_head_counts, resolve_policy
+    from ..policy import check_head_counts, resolve_policy
     from ..verify_policy import main_input_name
 
     name = Path(model_dir).name
@@ -221,14 +220,12 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     inputs = _inputs(config, torch, main_input_name(model))  # first: no known probe input is refused before any work
     policy = resolve_policy(policy_spec, config)
     check_head_counts(policy, config, topology.tp_size)
-    layers = derive_policy(model).layers if policy == DERIVE else getattr(policy, "layers", ["*Layer", "*Block"])
-    patterns = list(layers)
     want = _reference(cls, model_dir, inputs, topology, groups, torch)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
     # verify=False: this command's own comparisons below are the numerical check, in more detail
     model, report = shard_model(model, args, topology, groups, policy, torch.float32, verify=False)
     policy = report.policy_object
-    got = _run_model_naming_failures(model, inputs, patterns, torch)
+    got = _run_model_naming_failures(model, inputs, torch)
 
     passed = total = 0
 
