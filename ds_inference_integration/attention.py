@@ -96,7 +96,7 @@ def _rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:
     return [offset + h * head_dim + i for h in heads for i in range(head_dim)]
 
 
-def _take(linear: nn.Module, rows: list[int]) -> ColumnShard:
+def take_rows(linear: nn.Module, rows: list[int]) -> ColumnShard:
     index = torch.tensor(rows, dtype=torch.long, device=linear.weight.device)
     bias = None if getattr(linear, "bias", None) is None else linear.bias.detach()[index]
     shard = ColumnShard(linear.weight.detach()[index], bias)
@@ -139,15 +139,15 @@ def split_fused_qkv(linear: nn.Module, layout: str, heads: HeadLayout) -> tuple[
     if rem:
         raise InferenceSetupError(f"fused QKV has {out} outputs, which does not fit {heads.query_heads} query "
                                   f"and {heads.kv_heads} key/value heads in layout {layout!r}")
-    return _take(linear, rows), head_dim
+    return take_rows(linear, rows), head_dim
 
 
 def whole(linear: nn.Module) -> ColumnShard:
     """The linear unsplit, as a ColumnShard that DeepSpeed leaves alone (a module the policy replicates)."""
-    return _take(linear, list(range(linear.weight.shape[0])))
+    return take_rows(linear, list(range(linear.weight.shape[0])))
 
 
 def split_heads(linear: nn.Module, heads: range, n_heads: int) -> tuple[ColumnShard, int]:
     """Rows of the given heads of a separate Q, K or V projection with `n_heads` heads."""
     head_dim = linear.weight.shape[0] // n_heads
-    return _take(linear, _rows(heads, head_dim)), head_dim
+    return take_rows(linear, _rows(heads, head_dim)), head_dim

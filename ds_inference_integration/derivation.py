@@ -30,6 +30,7 @@ from torch import nn
 from .deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
 from .errors import InferenceSetupError
 from .experts import is_packed_experts
+from .mixers import is_ssm_mixer
 from .policy import (
     AttentionSpec,
     Policy,
@@ -438,11 +439,14 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
 
 
 def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], experts: dict[str, tuple[str, ...]]
-                         ) -> dict[str, dict[str, str]]:
+                         ) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
     """{layer class: {path: why}} of the modules to keep whole on every rank: mixers AutoTP cannot split
     (`_whole_reason`), and mixture-of-experts routers and gates (each rank must route every token alike:
-    a linear of the block, outside its experts, with one output per expert or a single one)."""
+    a linear of the block, outside its experts, with one output per expert or a single one); and {layer class:
+    paths} of the Mamba2-style mixers split by their heads instead (`mixers.py`)."""
     found: dict[str, dict[str, str]] = {}
+    mixers: dict[str, dict[str, None]] = {}
+    mixer_types: dict[tuple[str, str], set[str]] = {}
     heads = _head_values(model.config)
     placed = (set(layers) | set(experts)) & outermost_layer_classes(model)
     whole_types: dict[tuple[str, str], set[str]] = {}
@@ -461,6 +465,10 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
                             found.setdefault(name, {}).setdefault(f"{path}.{q}", "a router: every rank routes "
                                                                                  "every token")
                     continue
+                if is_ssm_mixer(child):
+                    mixers.setdefault(name, {})[path] = None
+                    mixer_types.setdefault((name, path), set()).add(type(child).__name__)
+                    continue
                 why = _whole_reason(path, child, rows, attention_paths, heads)
                 if why:
                     found.setdefault(name, {}).setdefault(path, why)
@@ -469,11 +477,15 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
                     split_types.setdefault((name, path), set()).add(type(child).__name__)
     # a path kept whole in one kind and split in another (NemotronH's `mixer`): name the kind by its class
     for (name, path), types in whole_types.items():
-        if (name, path) in split_types:
+        if (name, path) in split_types or (name, path) in mixer_types:
             why = found[name].pop(path)
             for cls in sorted(types):
                 found[name][f"{path}@{cls}"] = why
-    return found
+    for (name, path), types in mixer_types.items():  # likewise a path that is an SSM mixer in some kinds only
+        if (name, path) in split_types or (name, path) in whole_types:
+            del mixers[name][path]
+            mixers[name].update(dict.fromkeys(f"{path}@{cls}" for cls in sorted(types)))
+    return found, {name: tuple(paths) for name, paths in mixers.items()}
 
 
 def derive_policy(model: nn.Module) -> Policy:
@@ -482,22 +494,24 @@ def derive_policy(model: nn.Module) -> Policy:
     model_type = getattr(model.config, "model_type", type(model).__name__)
     layers = derive_row_parallel(model)
     experts = derive_experts(model)
-    whole = derive_whole_modules(model, layers, experts)
+    whole, mixers = derive_whole_modules(model, layers, experts)
     for name, paths in whole.items():
         logger.warning("%s: kept whole on every rank in %s: %s", model_type, name,
                        "; ".join(f"{p} ({why})" for p, why in paths.items()))
-    attention, replicated = derive_attention(model, layers, skip={n: set(p) for n, p in whole.items()})
+    attention, replicated = derive_attention(model, layers, skip={n: {*whole.get(n, ()), *mixers.get(n, ())}
+                                                                  for n in {*whole, *mixers}})
     replicated = {n: tuple(dict.fromkeys((*whole.get(n, {}), *replicated.get(n, ()))))
                   for n in {*whole, *replicated}}
-    # a row-parallel linear inside a module kept whole is not split either (by its path, or by a DeepSpeed-style
-    # key that names a linear inside: NLLB-MoE's "expert_3.fc2")
+    # a row-parallel linear inside a module kept whole, or inside a mixer split here, is not DeepSpeed's to split
+    # (by its path, or by a DeepSpeed-style key that names a linear inside: NLLB-MoE's "expert_3.fc2")
     kinds = layer_kinds(model)
 
     def inside_whole(name: str, row: str) -> bool:
-        """Every linear the row names, in every kind of the layer, is inside a module kept whole."""
+        """Every linear the row names, in every kind of the layer, is inside a module kept whole or split here."""
         places = [(layer, q) for layer in kinds.get(name, ()) for q, m in layer.named_modules()
                   if q and is_linear(m) and names_module(row, q)]
-        return bool(places) and all(any(under_replicated(p, layer, q) for p in replicated.get(name, ()))
+        return bool(places) and all(any(under_replicated(p, layer, q) for p in (*replicated.get(name, ()),
+                                                                                *mixers.get(name, ())))
                                     for layer, q in places)
 
     layers = {name: tuple(r for r in rows if not inside_whole(name, r)) for name, rows in layers.items()}
@@ -505,7 +519,7 @@ def derive_policy(model: nn.Module) -> Policy:
     heads = (q_attr,) if q_attr else ()
     return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
                   model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention,
-                  replicated=replicated, experts=experts)
+                  replicated=replicated, experts=experts, mixers=mixers)
 
 
 def derive_experts(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -12,31 +12,19 @@ all-reduce of the experts module's output over the TP group gives the unsharded 
 DeepSpeed's own inference all-reduce, as its row-parallel linears use). The router (a bare weight, or a linear
 DeepSpeed skips by name) is not split.
 
-Each split parameter records which rows or columns of the packed tensor it holds (`expert_slices`), read by
+Each split parameter records which rows or columns of the packed tensor it holds (`tensor_slices`), read by
 shard-aware loading to convert, from the checkpoint's per-expert tensors, only this rank's part.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from .errors import InferenceSetupError
+from .slices import TensorSlices, take
 
 PACKED = ("gate_up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ExpertSlices:
-    """Of a packed expert parameter, this rank's part: along `dim` (the inner axis: 1 or 2 of gate_up and down,
-    by layout; 1 of a bias), the ranges it keeps, in order (gate_up: this rank's gate rows, then its up rows, or
-    its interleaved pairs); no ranges: this rank holds zeros (a down bias on all but the group's first rank)."""
-
-    dim: int
-    ranges: tuple[tuple[int, int], ...]
-    full_shape: tuple[int, ...]
 
 
 def is_packed_experts(module: nn.Module) -> bool:
@@ -83,25 +71,22 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     rows = ((2 * a, 2 * b),) if interleaved else ((a, b), (inner + a, inner + b))
     up_dim, down_dim = (2, 1) if transposed else (1, 2)
 
-    def take(t: torch.Tensor, dim: int, ranges) -> torch.Tensor:
-        return torch.cat([t.narrow(dim, s, e - s) for s, e in ranges], dim=dim).contiguous()
-
     with torch.no_grad():
         local_gate_up, local_down = take(gate_up, up_dim, rows), take(down, down_dim, ((a, b),))
     module.gate_up_proj = nn.Parameter(local_gate_up, requires_grad=False)
     module.down_proj = nn.Parameter(local_down, requires_grad=False)
-    module.gate_up_proj.expert_slices = ExpertSlices(up_dim, rows, tuple(gate_up.shape))
-    module.down_proj.expert_slices = ExpertSlices(down_dim, ((a, b),), tuple(down.shape))
+    module.gate_up_proj.tensor_slices = TensorSlices(up_dim, rows, tuple(gate_up.shape))
+    module.down_proj.tensor_slices = TensorSlices(down_dim, ((a, b),), tuple(down.shape))
     bias = module._parameters.get("gate_up_proj_bias")
     if isinstance(bias, torch.Tensor):
         with torch.no_grad():
             module.gate_up_proj_bias = nn.Parameter(take(bias, 1, rows), requires_grad=False)
-        module.gate_up_proj_bias.expert_slices = ExpertSlices(1, rows, tuple(bias.shape))
+        module.gate_up_proj_bias.tensor_slices = TensorSlices(1, rows, tuple(bias.shape))
     bias = module._parameters.get("down_proj_bias")
     if isinstance(bias, torch.Tensor) and tp_rank > 0:
         with torch.no_grad():
             module.down_proj_bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
-        module.down_proj_bias.expert_slices = ExpertSlices(1, (), tuple(bias.shape))  # no part: zeros
+        module.down_proj_bias.tensor_slices = TensorSlices(1, (), tuple(bias.shape))  # no part: zeros
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
             setattr(module, attr, part)

@@ -31,6 +31,7 @@ from .deepspeed_compat import (
 from .derivation import derive_policy
 from .errors import first_line, sharding_failure
 from .experts import experts_modules, split_experts
+from .mixers import split_ssm_mixer, ssm_mixers
 from .policy import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, replicated_match
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 from .weight_share import WeightShare, full_sizes, measure
@@ -65,7 +66,7 @@ def _param_bytes(model: nn.Module) -> int:
 # Preparation: what DeepSpeed would get wrong, made right on the model first --------------------------
 
 def _layers(model: nn.Module, policy: Policy) -> list[nn.Module]:
-    patterns = {*policy.layers, *policy.replicated, *policy.experts}
+    patterns = {*policy.layers, *policy.replicated, *policy.experts, *policy.mixers}
     return [m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns)]
 
 
@@ -224,7 +225,8 @@ def _derived_summary(policy: Policy) -> str:
         f", also {', '.join(spec.also)}" if spec and spec.also else "")
     kept = f"; kept whole on every rank: {dict(policy.replicated)}" if policy.replicated else ""
     experts = f"; experts split: {dict(policy.experts)}" if policy.experts else ""
-    return f"row-parallel linears {dict(policy.layers)}{attention}{kept}{experts}"
+    mixers = f"; SSM mixers split by heads or channels: {dict(policy.mixers)}" if policy.mixers else ""
+    return f"row-parallel linears {dict(policy.layers)}{attention}{kept}{experts}{mixers}"
 
 
 def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
@@ -289,6 +291,10 @@ def shard_model(
                     if fnmatch.fnmatchcase(type(layer).__name__, pattern):
                         for experts in experts_modules(layer, paths):
                             split_experts(experts, topology.tp_size, topology.tp_rank, groups.tp)
+                for pattern, paths in policy.mixers.items():
+                    if fnmatch.fnmatchcase(type(layer).__name__, pattern):
+                        for mixer in ssm_mixers(layer, paths):
+                            split_ssm_mixer(mixer, topology.tp_size, topology.tp_rank, groups.tp)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for layer in layers for spec in policy.attention.variants()

@@ -190,7 +190,7 @@ class ShardAwareLoader(Loader):
     def _read_whole(self, names, p) -> torch.Tensor:
         before = self.ckpt.bytes_read
         key = self._key(names)
-        slices = getattr(p, "expert_slices", None)
+        slices = getattr(p, "tensor_slices", None)
         if slices is not None and not slices.ranges:  # a down bias this rank adds nothing of (experts.py)
             t = torch.zeros(tuple(p.shape), dtype=self.dtype)
         elif key in self.packed:

@@ -17,6 +17,7 @@ entry "PATH@Class" only where the module there is of that class, for a layer cla
 split, no all-reduce): for an attention no rank can compute from its own heads (FSMT views its output at the
 input's width; OLMo-2 normalises the whole query projection), while the rest of the layer is split.
 `experts = ["mlp.experts"]` names packed mixture-of-experts modules, each expert's MLP split (`experts.py`).
+`mixers = ["mixer"]` names Mamba2-style state-space mixers (also "PATH@Class"), each split by its heads (`mixers.py`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _shipped_policy_dir() -> Path:
 
 POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR") or _shipped_policy_dir())
 _TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention"}
-_LAYER_KEYS = {"row_parallel", "replicated", "experts"}
+_LAYER_KEYS = {"row_parallel", "replicated", "experts", "mixers"}
 _ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local", "also"}
 _LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim"}
 DERIVE = "derive"  # resolve_policy's answer for a model type with no policy file: derive one from the model
@@ -103,6 +104,7 @@ class Policy:
     attention: AttentionSpec | None = None
     replicated: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> modules kept whole
     experts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> packed experts modules
+    mixers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> SSM mixers split by heads
 
     def matches(self, config: object) -> bool:
         return all(getattr(config, k, None) == v for k, v in self.match)
@@ -138,17 +140,19 @@ def load_policy(path: str | Path) -> Policy:
     layers = data.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise _schema_error(path, "needs a [layers.<ClassName>] table with row_parallel = [...]")
-    parsed_layers, replicated, experts = {}, {}, {}
+    parsed_layers, replicated, experts, mixers = {}, {}, {}, {}
     for pattern, entry in layers.items():
         if not isinstance(entry, dict) or set(entry) - _LAYER_KEYS or "row_parallel" not in entry:
             raise _schema_error(path, f"[layers.{pattern}] must hold row_parallel = [...] (and may hold "
-                                      "replicated = [...] and experts = [...]), nothing else")
+                                      "replicated = [...], experts = [...] and mixers = [...]), nothing else")
         parsed_layers[pattern] = _str_list(path, f"layers.{pattern}.row_parallel", entry["row_parallel"], True)
         if "replicated" in entry:
             replicated[pattern] = _str_list(path, f"layers.{pattern}.replicated", entry["replicated"])
         if "experts" in entry:
             experts[pattern] = _str_list(path, f"layers.{pattern}.experts", entry["experts"])
-        if not parsed_layers[pattern] and pattern not in replicated and pattern not in experts:
+        if "mixers" in entry:
+            mixers[pattern] = _str_list(path, f"layers.{pattern}.mixers", entry["mixers"])
+        if not parsed_layers[pattern] and not any(pattern in d for d in (replicated, experts, mixers)):
             raise _schema_error(path, f"'layers.{pattern}.row_parallel' must be a non-empty list of strings, got []")
     match = data.get("match", {})
     if not isinstance(match, dict):
@@ -161,6 +165,7 @@ def load_policy(path: str | Path) -> Policy:
         layers=parsed_layers,
         replicated=replicated,
         experts=experts,
+        mixers=mixers,
         match=tuple(sorted(match.items())),
         attention=_parse_attention(path, data.get("attention")),
     )
@@ -408,7 +413,7 @@ def policy_to_toml(policy: Policy) -> str:
         lines.append("match = { " + ", ".join(f"{k} = {q(v)}" for k, v in policy.match) + " }")
     for pattern, names in policy.layers.items():
         lines += ["", f"[layers.{q(pattern)}]", f"row_parallel = [{', '.join(map(q, names))}]"]
-        for key in ("replicated", "experts"):
+        for key in ("replicated", "experts", "mixers"):
             if getattr(policy, key).get(pattern):
                 lines.append(f"{key} = [{', '.join(map(q, getattr(policy, key)[pattern]))}]")
     spec = policy.attention
@@ -436,5 +441,7 @@ def policy_identity(policy: Policy) -> str:
     fields = {k: v for k, v in dataclasses.asdict(policy).items() if k not in ("source", "description")}
     if fields.get("attention") and not fields["attention"]["also"]:
         del fields["attention"]["also"]  # a table without `also` keeps the identity it had before the key existed
+    if not fields["mixers"]:
+        del fields["mixers"]  # likewise a policy without mixers
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

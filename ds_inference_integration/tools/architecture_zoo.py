@@ -190,6 +190,12 @@ ZOO = {
                                 layer_types=["linear_attention", "full_attention"]),
     "mamba": lambda: _decoder("MambaConfig", state_size=16, expand=2),
     "mamba2": lambda: _decoder("Mamba2Config", num_heads=4, head_dim=64, state_size=16, n_groups=1, expand=2),
+    # the SSM mixers' two group layouts: B and C in as many groups as ranks (each rank its own), and Falcon-H1's
+    # gated norm (it counts groups; norm before the gate) over groups that span ranks at tp 4
+    "mamba2_groups4": lambda: _decoder("Mamba2Config", num_heads=8, head_dim=32, state_size=16, n_groups=4, expand=2),
+    "falcon_h1_norm": lambda: _decoder("FalconH1Config", **GQA, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32,
+                                       mamba_d_state=16, mamba_n_groups=2, head_dim=32, mamba_rms_norm=True,
+                                       mamba_norm_before_gate=True),
     # derived policies: encoder-decoders
     "pegasus": lambda: _seq2seq("PegasusConfig"),
     "m2m_100": lambda: _seq2seq("M2M100Config"),
