@@ -225,7 +225,7 @@ def _derived_summary(policy: Policy) -> str:
         f", also {', '.join(spec.also)}" if spec and spec.also else "")
     kept = f"; kept whole on every rank: {dict(policy.replicated)}" if policy.replicated else ""
     experts = f"; experts split: {dict(policy.experts)}" if policy.experts else ""
-    mixers = f"; SSM mixers split by heads or channels: {dict(policy.mixers)}" if policy.mixers else ""
+    mixers = f"; mixers split by heads or channels: {dict(policy.mixers)}" if policy.mixers else ""
     return f"row-parallel linears {dict(policy.layers)}{attention}{kept}{experts}{mixers}"
 
 

@@ -1,5 +1,6 @@
 """State-space mixers split by their heads (Mamba2's mixer and the hybrids built on it: Bamba, Falcon-H1,
-Nemotron-H, Granite-4 hybrids, Zamba2) or by their channels (Mamba's, and Jamba's).
+Nemotron-H, Granite-4 hybrids, Zamba2), linear-attention mixers split by their heads (the gated delta nets of
+Qwen3-Next and Qwen3.5), or mixers split by their channels (Mamba's, and Jamba's; LFM2's short convolution).
 
 Such a mixer projects the input once into packed streams, `in_proj` -> [z | x | B | C | dt] (widths I, I, G x N,
 G x N, H: I = H heads x P head dim, G groups of B and C with N state features each), runs a depthwise
@@ -23,9 +24,21 @@ their conv channels, A_log and D rows, and their columns of `x_proj` and `out_pr
 are sums over every channel, so `x_proj`'s partial sums are all-reduced before the scan (Jamba's norms of dt, B
 and C then see the whole values).
 
+A gated delta net (`delta_net`): Kh key heads of dk features, Vh = r x Kh value heads of dv; q, k (Kh heads) and v
+(Vh heads) through a depthwise conv of [Q | K | V], the delta rule per value head with its key head, z gating a
+per-head norm, `out_proj` from Vh x dv. Each rank keeps Vh / tp value heads and the key heads they read (a copy
+where Kh < tp, as with KV heads): their rows of the input projections, in the layout each family packs them
+(Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` per key head: [q k v_1..v_r z_1..z_r] and [b_1..b_r a_1..a_r];
+Qwen3.5's separate `in_proj_qkv` [Q | K | V], `in_proj_z`, `in_proj_b`, `in_proj_a`), their conv channels,
+A_log and dt_bias, and their `out_proj` columns; the norm is per head, unchanged.
+
+LFM2's short convolution: `in_proj` -> [B | C | x] (D = the model's width each), y = C * conv(B * x) per channel,
+`out_proj`. Each rank keeps D / tp channels: their rows of B, C and x, their conv channels, their `out_proj` columns.
+
 A mixer is recognised by its shapes, not its class name (`ssm_layout`): Mamba2's sizes, `in_proj` of
 I + (I + 2GN) + H outputs, a depthwise `conv1d` of I + 2GN channels, `A_log`, `D`, `dt_bias` of H; Mamba's
-`in_proj` of 2I, `conv1d` of I, `x_proj` of R + 2N, `dt_proj` [I, R], `A_log` [I, N]. Every split parameter
+`in_proj` of 2I, `conv1d` of I, `x_proj` of R + 2N, `dt_proj` [I, R], `A_log` [I, N]; the short convolution's
+`in_proj` of 3D, a depthwise `conv` of D, `out_proj` from D, nothing else. Every split parameter
 records its part (`slices.TensorSlices`) for shard-aware loading; `ColumnShard` and `RowShard` are not
 `nn.Linear`s, so DeepSpeed leaves them alone. The whole layer is then checked against the unsharded one as any
 derived split is.
@@ -51,8 +64,52 @@ def _sizes(module: nn.Module) -> tuple[int, ...] | None:
 
 
 def ssm_layout(module: nn.Module) -> str | None:
-    """"mamba2" or "mamba" for a state-space mixer of that layout (see the module docstring), else None."""
-    return "mamba2" if _is_mamba2(module) else "mamba" if _is_mamba(module) else None
+    """"mamba2", "mamba", "delta_net" or "short_conv" for a mixer of that layout (see the module docstring), else
+    None."""
+    return ("mamba2" if _is_mamba2(module) else "mamba" if _is_mamba(module) else
+            "delta_net" if _delta_net_sizes(module) else "short_conv" if _is_short_conv(module) else None)
+
+
+DELTA_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
+# each layout's input projections and their widths, as functions of (Kh, Vh, dk, dv)
+DELTA_PROJECTIONS = {
+    "grouped": {"in_proj_qkvz": lambda kh, vh, dk, dv: 2 * kh * dk + 2 * vh * dv, "in_proj_ba": lambda kh, vh, dk, dv: 2 * vh},
+    "separate": {"in_proj_qkv": lambda kh, vh, dk, dv: 2 * kh * dk + vh * dv, "in_proj_z": lambda kh, vh, dk, dv: vh * dv,
+                 "in_proj_b": lambda kh, vh, dk, dv: vh, "in_proj_a": lambda kh, vh, dk, dv: vh},
+}
+
+
+def _delta_net_sizes(module: nn.Module) -> tuple[str, tuple[int, ...]] | None:
+    """(projection layout, sizes) of a gated delta net, else None."""
+    sizes = tuple(getattr(module, a, None) for a in DELTA_SIZES)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return None
+    kh, vh, dk, dv, key_dim, value_dim, conv_dim = sizes
+    conv, out = getattr(module, "conv1d", None), getattr(module, "out_proj", None)
+    if (vh % kh or key_dim != kh * dk or value_dim != vh * dv or conv_dim != 2 * key_dim + value_dim
+            or not isinstance(conv, nn.Conv1d) or conv.weight.shape[0] != conv_dim or not isinstance(out, nn.Linear)
+            or out.weight.shape[1] != value_dim):
+        return None
+    if not all(isinstance(module._parameters.get(n), torch.Tensor) and tuple(module._parameters[n].shape) == (vh,)
+               for n in ("A_log", "dt_bias")):
+        return None
+    for layout, projections in DELTA_PROJECTIONS.items():
+        linears = [getattr(module, n, None) for n in projections]
+        if all(isinstance(m, nn.Linear) and m.weight.shape[0] == width(kh, vh, dk, dv)
+               for m, width in zip(linears, projections.values())):
+            return layout, sizes
+    return None
+
+
+def _is_short_conv(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    in_proj, conv, out_proj = (children.get(n) for n in ("in_proj", "conv", "out_proj"))
+    if set(children) != {"in_proj", "conv", "out_proj"} or module._parameters:
+        return False
+    if not (isinstance(in_proj, nn.Linear) and isinstance(conv, nn.Conv1d) and isinstance(out_proj, nn.Linear)):
+        return False
+    width = conv.weight.shape[0]
+    return conv.groups == width and in_proj.weight.shape[0] == 3 * width and out_proj.weight.shape[1] == width
 
 
 def is_ssm_mixer(module: nn.Module) -> bool:
@@ -91,14 +148,17 @@ def _is_mamba2(module: nn.Module) -> bool:
 
 def check_divisible(module: nn.Module, tp_size: int) -> None:
     """One line naming the sizes and the valid tp sizes where this mixer cannot be split over `tp_size` ranks."""
-    if ssm_layout(module) == "mamba":
-        inner = module.intermediate_size
+    if ssm_layout(module) in ("mamba", "short_conv"):
+        inner = module.conv1d.weight.shape[0] if hasattr(module, "conv1d") else module.conv.weight.shape[0]
         if inner % tp_size:
             valid = [t for t in range(1, 65) if inner % t == 0]
             raise InferenceSetupError(f"{type(module).__name__}: {inner} SSM channels do not split over --tp_size "
                                       f"{tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
         return
-    heads, _, groups, *_ = _sizes(module)
+    if ssm_layout(module) == "delta_net":
+        _, (groups, heads, *_) = _delta_net_sizes(module)
+    else:
+        heads, _, groups, *_ = _sizes(module)
     if heads % tp_size == 0 and (groups % tp_size == 0 or tp_size % groups == 0):
         return
     valid = [t for t in range(1, heads + 1) if heads % t == 0 and (groups % t == 0 or t % groups == 0)]
@@ -178,8 +238,15 @@ def split_ssm_mixer(module: nn.Module, tp_size: int, tp_rank: int, group) -> Non
     """Keep this rank's heads (Mamba2) or channels (Mamba) of a state-space mixer, in place (meta tensors stay meta;
     see the module docstring)."""
     check_divisible(module, tp_size)
-    if ssm_layout(module) == "mamba":
+    layout = ssm_layout(module)
+    if layout == "mamba":
         _split_mamba(module, tp_size, tp_rank, group)
+        return
+    if layout == "short_conv":
+        _split_short_conv(module, tp_size, tp_rank, group)
+        return
+    if layout == "delta_net":
+        _split_delta_net(module, tp_size, tp_rank, group)
         return
     heads, head_dim, groups, state, inner, conv_dim = _sizes(module)
     local_heads = heads // tp_size
@@ -231,6 +298,52 @@ def _split_mamba(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     module.intermediate_size = part
 
 
+def _split_delta_net(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
+    layout, (kh, vh, dk, dv, key_dim, value_dim, _) = _delta_net_sizes(module)
+    r = vh // kh  # value heads per key head
+    v0, v1 = tp_rank * vh // tp_size, (tp_rank + 1) * vh // tp_size
+    keys = range(v0 // r, (v1 - 1) // r + 1)  # the key heads this rank's value heads read
+
+    def values_of(k: int) -> range:  # this rank's value heads of key head k, counted within its group
+        return range(max(v0, k * r) - k * r, min(v1, (k + 1) * r) - k * r)
+
+    def spans(base: int, heads, width: int) -> list[tuple[int, int]]:
+        return [(base + h * width, base + (h + 1) * width) for h in heads]
+
+    q_k = spans(0, keys, dk) + spans(key_dim, keys, dk)
+    v = spans(2 * key_dim, range(v0, v1), dv)
+    if layout == "grouped":  # per key head k: [q k v_1..v_r z_1..z_r] and [b_1..b_r a_1..a_r]
+        block, rows_qkvz, rows_ba = 2 * dk + 2 * r * dv, [], []
+        for k in keys:
+            mine = values_of(k)
+            rows_qkvz += spans(k * block, (0, 1), dk) + spans(k * block + 2 * dk, mine, dv)
+            rows_qkvz += spans(k * block + 2 * dk + r * dv, mine, dv)
+            rows_ba += [(k * 2 * r + j, k * 2 * r + j + 1) for j in mine] + [(k * 2 * r + r + j, k * 2 * r + r + j + 1)
+                                                                            for j in mine]
+        rows = {"in_proj_qkvz": rows_qkvz, "in_proj_ba": rows_ba}
+    else:  # [Q | K | V], z, b and a each by value head
+        rows = {"in_proj_qkv": q_k + v, "in_proj_z": spans(0, range(v0, v1), dv), "in_proj_b": [(v0, v1)],
+                "in_proj_a": [(v0, v1)]}
+    for name, ranges in rows.items():
+        setattr(module, name, take_rows(getattr(module, name), [i for a, b in ranges for i in range(a, b)]))
+    local_conv = _split_conv(module.conv1d, q_k + v)
+    for name in ("A_log", "dt_bias"):
+        _slice_param(module, name, 0, ((v0, v1),))
+    module.out_proj = _row_shard(module.out_proj, ((v0 * dv, v1 * dv),), group)
+    module.num_k_heads, module.num_v_heads = len(keys), v1 - v0
+    module.key_dim, module.value_dim, module.conv_dim = len(keys) * dk, (v1 - v0) * dv, local_conv
+
+
+def _split_short_conv(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
+    width = module.conv.weight.shape[0]
+    part = width // tp_size
+    a = tp_rank * part
+    mine = ((a, a + part),)
+    module.in_proj = take_rows(module.in_proj, [r for k in range(3) for r in range(k * width + a, k * width + a + part)])
+    _split_conv(module.conv, mine)
+    module.out_proj = _row_shard(module.out_proj, mine, group)
+
+
 def _split_norm(module: nn.Module, groups: int, local_groups: int, g0: int, inner: int, x, tp_size: int, group) -> None:
     norm = getattr(module, "norm", None)
     if not isinstance(getattr(norm, "weight", None), torch.Tensor):  # Falcon-H1 without mamba_rms_norm: Identity
@@ -256,13 +369,18 @@ def ssm_mixers(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
     names a module that is not a Mamba2-style mixer."""
     from .policy import replicated_match
 
-    found = []
-    for name, module in layer.named_modules():
+    found, where = [], []
+    for name, module in layer.named_modules():  # parents first: an entry "conv" names LFM2's mixer, not its `conv.conv`
+        if any(name.startswith(f"{w}.") for w in where):
+            continue
         if name and any(replicated_match(p, name, module) for p in paths):
+            where.append(name)
             if not is_ssm_mixer(module):
                 raise InferenceSetupError(f"mixers {name!r} in {type(layer).__name__} is {type(module).__name__}, not a "
                                           "state-space mixer of a known layout (Mamba2's: in_proj, conv1d, A_log, D, "
                                           "dt_bias, out_proj; Mamba's: in_proj, conv1d, x_proj, dt_proj, A_log, D, "
-                                          "out_proj)")
+                                          "out_proj; a gated delta net: in_proj_qkvz and in_proj_ba, or in_proj_qkv, "
+                                          "in_proj_z, in_proj_b and in_proj_a, conv1d, A_log, dt_bias, out_proj; a "
+                                          "short convolution: in_proj, conv, out_proj)")
             found.append(module)
     return found
