@@ -34,6 +34,7 @@ from torch import nn
 from .checkpoint import SafetensorsCheckpoint, ranges_of
 from .errors import InferenceSetupError
 from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
+from .slices import take
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,9 @@ class Loader:
         before = self.ckpt.bytes_read
         t = self.ckpt.read(key, dtype=buf.dtype)
         self.bytes_read += self.ckpt.bytes_read - before
+        slices = getattr(buf, "tensor_slices", None)  # a per-head buffer split here (MiniMax's decays: mixers.py)
+        if slices is not None and tuple(t.shape) == slices.full_shape:
+            t = take(t, slices.dim, slices.ranges)
         return t
 
     def fill_sharded(self, model: nn.Module, tp_rank: int, device: torch.device) -> None:

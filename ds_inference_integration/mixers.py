@@ -1,6 +1,7 @@
 """State-space mixers split by their heads (Mamba2's mixer and the hybrids built on it: Bamba, Falcon-H1,
 Nemotron-H, Granite-4 hybrids, Zamba2), linear-attention mixers split by their heads (the gated delta nets of
-Qwen3-Next and Qwen3.5), or mixers split by their channels (Mamba's, and Jamba's; LFM2's short convolution).
+Qwen3-Next and Qwen3.5, MiniMax's lightning attention), or mixers split by their channels (Mamba's, and Jamba's;
+LFM2's short convolution).
 
 Such a mixer projects the input once into packed streams, `in_proj` -> [z | x | B | C | dt] (widths I, I, G x N,
 G x N, H: I = H heads x P head dim, G groups of B and C with N state features each), runs a depthwise
@@ -31,6 +32,11 @@ where Kh < tp, as with KV heads): their rows of the input projections, in the la
 (Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` per key head: [q k v_1..v_r z_1..z_r] and [b_1..b_r a_1..a_r];
 Qwen3.5's separate `in_proj_qkv` [Q | K | V], `in_proj_z`, `in_proj_b`, `in_proj_a`), their conv channels,
 A_log and dt_bias, and their `out_proj` columns; the norm is per head, unchanged.
+
+MiniMax's lightning attention (`lightning`): `qkv_proj` -> [q k v] per head, a decay per head (`slope_rate` and the
+decays built from it: persistent buffers), an RMS norm over every head's output together, a sigmoid `output_gate`,
+`out_proj`. Each rank keeps H / tp heads: their rows of `qkv_proj` and `output_gate`, their decays, their
+`out_proj` columns; the norm's sum of squares is all-reduced (`RanksGatedRMSNorm` with one group, no gate).
 
 LFM2's short convolution: `in_proj` -> [B | C | x] (D = the model's width each), y = C * conv(B * x) per channel,
 `out_proj`. Each rank keeps D / tp channels: their rows of B, C and x, their conv channels, their `out_proj` columns.
@@ -67,7 +73,27 @@ def ssm_layout(module: nn.Module) -> str | None:
     """"mamba2", "mamba", "delta_net" or "short_conv" for a mixer of that layout (see the module docstring), else
     None."""
     return ("mamba2" if _is_mamba2(module) else "mamba" if _is_mamba(module) else
-            "delta_net" if _delta_net_sizes(module) else "short_conv" if _is_short_conv(module) else None)
+            "delta_net" if _delta_net_sizes(module) else "short_conv" if _is_short_conv(module) else
+            "lightning" if _is_lightning(module) else None)
+
+
+LIGHTNING_DECAYS = {"slope_rate": 0, "query_decay": 0, "key_decay": 0, "diagonal_decay": 1}  # buffer: its head axis
+
+
+def _is_lightning(module: nn.Module) -> bool:
+    heads, head_dim = getattr(module, "num_attention_heads", None), getattr(module, "head_dim", None)
+    if not (isinstance(heads, int) and isinstance(head_dim, int) and heads > 0 and head_dim > 0):
+        return False
+    parts = [getattr(module, n, None) for n in ("qkv_proj", "output_gate", "out_proj")]
+    norm = getattr(module, "norm", None)
+    if not all(isinstance(m, nn.Linear) for m in parts) or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        return False
+    width = heads * head_dim
+    qkv, gate, out = parts
+    decays = [module._buffers.get(n) for n in LIGHTNING_DECAYS]
+    return (qkv.weight.shape[0] == 3 * width and gate.weight.shape[0] == width and out.weight.shape[1] == width
+            and tuple(norm.weight.shape) == (width,)
+            and all(isinstance(b, torch.Tensor) and b.shape[axis] == heads for b, axis in zip(decays, LIGHTNING_DECAYS.values())))
 
 
 DELTA_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
@@ -157,6 +183,8 @@ def check_divisible(module: nn.Module, tp_size: int) -> None:
         return
     if ssm_layout(module) == "delta_net":
         _, (groups, heads, *_) = _delta_net_sizes(module)
+    elif ssm_layout(module) == "lightning":
+        heads, groups = module.num_attention_heads, 1
     else:
         heads, _, groups, *_ = _sizes(module)
     if heads % tp_size == 0 and (groups % tp_size == 0 or tp_size % groups == 0):
@@ -248,6 +276,9 @@ def split_ssm_mixer(module: nn.Module, tp_size: int, tp_rank: int, group) -> Non
     if layout == "delta_net":
         _split_delta_net(module, tp_size, tp_rank, group)
         return
+    if layout == "lightning":
+        _split_lightning(module, tp_size, tp_rank, group)
+        return
     heads, head_dim, groups, state, inner, conv_dim = _sizes(module)
     local_heads = heads // tp_size
     h0, h1 = tp_rank * local_heads, (tp_rank + 1) * local_heads
@@ -334,6 +365,30 @@ def _split_delta_net(module: nn.Module, tp_size: int, tp_rank: int, group) -> No
     module.key_dim, module.value_dim, module.conv_dim = len(keys) * dk, (v1 - v0) * dv, local_conv
 
 
+def _split_lightning(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
+    heads, dim = module.num_attention_heads, module.head_dim
+    part = heads // tp_size
+    h0, h1 = tp_rank * part, (tp_rank + 1) * part
+    mine = ((h0 * dim, h1 * dim),)
+    module.qkv_proj = take_rows(module.qkv_proj, list(range(3 * h0 * dim, 3 * h1 * dim)))  # [q k v] per head
+    module.output_gate = take_rows(module.output_gate, list(range(*mine[0])))
+    for name, axis in LIGHTNING_DECAYS.items():
+        buf = module._buffers[name]
+        local = take(buf, axis, ((h0, h1),))
+        local.tensor_slices = TensorSlices(axis, ((h0, h1),), tuple(buf.shape))  # persistent: loading reads this part
+        module._buffers[name] = local
+    norm = module.norm
+    eps = getattr(norm, "variance_epsilon", None)
+    if not isinstance(eps, float):
+        raise InferenceSetupError(f"{type(module).__name__}: its norm {type(norm).__name__} has no variance_epsilon; "
+                                  "keep the mixer whole (`replicated`)")
+    ranks = RanksGatedRMSNorm(take(norm.weight.detach(), 0, mine), eps, heads * dim, 0, 1, group)
+    ranks.weight.tensor_slices = TensorSlices(0, mine, tuple(norm.weight.shape))
+    module.norm = ranks
+    module.out_proj = _row_shard(module.out_proj, mine, group)
+    module.num_attention_heads = part
+
+
 def _split_short_conv(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     width = module.conv.weight.shape[0]
     part = width // tp_size
@@ -381,6 +436,7 @@ def ssm_mixers(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
                                           "dt_bias, out_proj; Mamba's: in_proj, conv1d, x_proj, dt_proj, A_log, D, "
                                           "out_proj; a gated delta net: in_proj_qkvz and in_proj_ba, or in_proj_qkv, "
                                           "in_proj_z, in_proj_b and in_proj_a, conv1d, A_log, dt_bias, out_proj; a "
-                                          "short convolution: in_proj, conv, out_proj)")
+                                          "short convolution: in_proj, conv, out_proj; a lightning attention: "
+                                          "qkv_proj, output_gate, norm, out_proj, slope_rate)")
             found.append(module)
     return found

@@ -1,5 +1,6 @@
 """The automatic path on the layer kinds of 2026's models, in this process from tiny random models of the zoo
-(no rank starts): every kind of layer derived (a dense-first MoE's expert layers), mixers and routers kept whole,
+(no rank starts): every kind of layer derived (a dense-first MoE's expert layers), mixers split by their heads
+(`test_mixers.py`: each layout's ranks against the whole mixer), routers kept whole,
 DeepSpeed's Yuan routing kept off HunYuan, any exception of a sharded forward one line naming its module, and the
 weight share measured against its target. That these policies give the unsharded model's tokens at tp 2 is
 `test_policies_tp.py::test_the_2026_families_match_the_unsharded_model` (and `policy matrix`, tp 2 and 4)."""
@@ -35,27 +36,35 @@ def test_a_dense_first_moe_splits_the_experts_of_its_later_layers(name, layer):
     assert list(first_layers(model, list(policy.layers))) == ["model.layers.0", "model.layers.1"]  # dense, experts
 
 
-@pytest.mark.parametrize("name, whole", [
-    ("mamba2", {"mixer"}), ("falcon_h1", {"mamba"}), ("lfm2", {"conv"}), ("jamba", {"mamba"}),
-    ("minimax", {"self_attn@MiniMaxLightningAttention"}),  # a 3 x width qkv_proj into a 1 x width out_proj
-    ("hunyuan_v1_dense", set()), ("ernie4_5_moe", set()),  # a bare-weight router: no linear DeepSpeed could split
-    # its gated delta net kept whole; its attention's q_proj packs [query | gate] per head: split with its heads
-    ("qwen3_next", {"linear_attn", "mlp.shared_expert_gate"}),
-    ("t5gemma", set()),  # its cross attention split by the self attention's table (`also`): it was refused
-    ("nllb_moe", {"ffn.router.classifier"}),  # experts held as modules: each split as an MLP, the router whole
-    ("moonshine", {"mlp"}),  # a [gate | up] fc1; its cross attention split by the table's `also`
-    ("nemotron_h", {"mixer@NemotronHMamba2Mixer"}), ("bamba", {"mamba"}),  # its attention layers' mixer is split
+@pytest.mark.parametrize("name, whole, mixers", [
+    # state-space, convolution and linear-attention mixers: split by their heads or channels (`mixers.py`)
+    ("mamba2", set(), {"mixer"}), ("mamba", set(), {"mixer"}), ("falcon_h1", set(), {"mamba"}),
+    ("lfm2", set(), {"conv"}), ("jamba", set(), {"mamba"}), ("bamba", set(), {"mamba"}),
+    ("nemotron_h", set(), {"mixer@NemotronHMamba2Mixer"}),  # its attention layers' mixer is split by the table
+    ("qwen3_5_text", set(), {"linear_attn"}),
+    # its attention's q_proj packs [query | gate] per head: split with its heads
+    ("qwen3_next", {"mlp.shared_expert_gate"}, {"linear_attn"}),
+    # its lightning attention (a 3 x width qkv_proj into a 1 x width out_proj) kept whole before: 55% per rank
+    ("minimax", set(), {"self_attn@MiniMaxLightningAttention"}),
+    ("hunyuan_v1_dense", set(), set()), ("ernie4_5_moe", set(), set()),  # a bare-weight router: nothing to split
+    ("t5gemma", set(), set()),  # its cross attention split by the self attention's table (`also`): it was refused
+    ("nllb_moe", {"ffn.router.classifier"}, set()),  # experts held as modules: each split as an MLP, the router whole
+    ("moonshine", {"mlp"}, set()),  # a [gate | up] fc1; its cross attention split by the table's `also`
 ])
-def test_mixers_and_routers_are_kept_whole_and_the_rest_split(name, whole, caplog):
+def test_mixers_are_split_by_heads_routers_kept_whole_and_the_rest_split(name, whole, mixers, caplog):
     """State-space, convolution and linear-attention mixers pack streams of different widths in one projection,
-    which a split by output rows cuts across; routers must route every token alike on every rank."""
+    which a split by output rows cuts across: they are split by their heads or channels here (Mamba2 was kept whole,
+    100% of its weights on every rank). Routers must route every token alike on every rank. No row-parallel linear
+    of the policy lies inside a module kept whole or a mixer (DeepSpeed would split it)."""
     with caplog.at_level(logging.WARNING):
         policy = derive_policy(zoo_model(name))
     kept = {p for paths in policy.replicated.values() for p in paths}
     assert kept == whole, policy.replicated
+    assert {p for paths in policy.mixers.values() for p in paths} == mixers, policy.mixers
     assert ("kept whole on every rank" in caplog.text) == bool(whole) and all(p in caplog.text for p in whole)
     for name, rows in policy.layers.items():  # nothing split inside them
-        assert not any(r == p or r.startswith(p + ".") for r in rows for p in policy.replicated.get(name, ()))
+        inside = [*policy.replicated.get(name, ()), *policy.mixers.get(name, ())]  # "PATH@Class": that kind only
+        assert not any(r == p or r.startswith(p + ".") for r in rows for p in inside)
 
 
 def test_an_mlp_whose_row_parallel_linear_no_convention_names_is_found_by_its_shapes():
