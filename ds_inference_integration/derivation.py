@@ -1,6 +1,6 @@
 """A policy for a model type with no file in `policies/`, derived from the model and its config.
 
-Three parts, each from the best source there is:
+Its parts, each from the best source there is:
 
 * row-parallel linears: transformers' own `base_model_tp_plan` first (maintained upstream for most decoders:
   its "rowwise" entries), validated against the module tree; the linears the plan does not name get DeepSpeed
@@ -9,7 +9,9 @@ Three parts, each from the best source there is:
   the projection's name and the config), or fewer key/value heads than query heads (grouped/multi-query
   attention, where at tp > KV heads each rank must keep a copy of its KV head);
 * the attention module's per-rank attributes (`[attention.local]`): the head counts its own code reads, on
-  itself or on its config (`self.config.num_attention_heads` in Phi-3).
+  itself or on its config (`self.config.num_attention_heads` in Phi-3);
+* the packed experts (`experts.py`), and the state-space, linear-attention and convolution mixers split by their
+  heads or channels (`mixers.py`, recognised by their shapes).
 
 An attention no rank can compute from its own heads is kept whole on every rank (`replicated`), with a warning
 naming the module: a norm over the whole query projection (OLMo-2's `q_norm`) mixes every head. The rest of
@@ -387,11 +389,12 @@ def _expert_count(module: nn.Module) -> int | None:
 def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths: set[str],
                   heads: tuple[int, int] | None) -> str | None:
     """Why a child module of a layer (at `path` in it) must be kept whole on every rank, or None where AutoTP's
-    split (rows named in `rows`, every other linear by output rows) computes it right.
+    split (rows named in `rows`, every other linear by output rows) computes it right. (A mixer of a layout
+    `mixers.py` knows is split there by its heads or channels, and never asked here.)
 
-    * a mixer with a depthwise convolution (Mamba/Mamba2 and the hybrids' SSM mixers, gated delta nets, LFM2's
-      short convolution): its input projection packs several streams of different widths ([z | x | B | C | dt]),
-      which a split by output rows cuts across, and its forward reads whole sizes from the config;
+    * a mixer with a depthwise convolution of a layout not known: its input projection packs several streams of
+      different widths (Mamba2's [z | x | B | C | dt]), which a split by output rows cuts across, and its forward
+      reads whole sizes;
     * a module whose linears do not chain as an MLP (each column-split linear's outputs the inputs of a
       row-parallel one): the split would pair the wrong features (MiniMax's lightning attention: a 3 x width
       `qkv_proj` into a 1 x width `out_proj`; GraniteMoE's `input_linear`, [gate | up] in one linear that

@@ -314,6 +314,22 @@ def test_bad_input_at_tp2_is_the_same_line_on_every_rank_and_no_traceback(tmp_pa
     assert "model loaded" not in run.output
 
 
+@pytest.mark.parametrize("error", ["KeyError", "IndexError"])
+def test_an_exception_inside_deepspeeds_sharding_is_one_line_naming_the_linear_on_every_rank(tmp_path, error):
+    """Any exception type raised inside `deepspeed.init_inference` (HunYuan-MoE's RuntimeError did, before DeepSpeed's
+    Yuan routing was kept off it) is one `error:` line per rank naming the model type and the linear AutoTP was
+    replacing, a non-zero exit and no traceback (`inject.shard_model`, `deepspeed_compat.autotp_replacements`)."""
+    run = run_example([*ALL, *TP2], tmp_path / "out", nprocs=2, launcher="deepspeed", timeout=120,
+                      fault=f"shard_raise:{error}")
+    assert run.returncode != 0 and run.seconds < 90, run.output[-3000:]
+    lines = run.error_lines()
+    assert len(lines) == 2, run.output[-3000:]
+    for line in lines:
+        assert line.startswith("error: DeepSpeed could not shard model_type 't5' while splitting T5"), line
+        assert f": {error}: " in line and "a policy can keep that module whole" in line, line
+    no_traceback(run)
+
+
 # --do_eval at dp 2 x tp 2: every metric of one process -------------------------------------------------------------
 
 EVAL = ["--do_eval", "--max_eval_samples", "37", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]

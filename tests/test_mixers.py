@@ -146,3 +146,22 @@ def test_a_mixers_entry_naming_another_module_is_one_line():
     with pytest.raises(InferenceSetupError, match=r"mixers 'feed_forward' in Lfm2DecoderLayer is Lfm2MLP, not a "
                                                   r"state-space mixer of a known layout"):
         ssm_mixers(layer, ("feed_forward",))
+
+
+def test_a_derived_policy_with_mixers_is_written_and_read_back_with_its_own_identity(tmp_path):
+    """`ds-inference policy suggest` prints the `mixers` key; read back, the policy is the same. A policy without
+    mixers keeps the identity it had before the key existed (pre-sharded directories name it)."""
+    import dataclasses
+
+    from ds_inference_integration.derivation import derive_policy
+    from ds_inference_integration.policy import load_policy, policy_identity, policy_to_toml
+
+    config = ZOO["nemotron_h"]()
+    policy = derive_policy(model_class_for(config).from_config(config))
+    assert policy.mixers == {"NemotronHBlock": ("mixer@NemotronHMamba2Mixer",)}
+    path = tmp_path / "nemotron_h.toml"
+    path.write_text(policy_to_toml(policy))
+    assert 'mixers = ["mixer@NemotronHMamba2Mixer"]' in path.read_text()
+    back = load_policy(path)
+    assert back.mixers == policy.mixers and back.layers == policy.layers
+    assert policy_identity(dataclasses.replace(policy, mixers={})) != policy_identity(policy)

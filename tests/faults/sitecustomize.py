@@ -11,6 +11,8 @@ package when that module is first imported.
     DS_INFERENCE_FAULT=check_logits:RANK  that rank's `policy check` sees its sharded logits off by 1.0
     DS_INFERENCE_FAULT=slow_start:RANK:S  that rank starts S seconds late (a loaded machine: its peers reach
                                           every check first)
+    DS_INFERENCE_FAULT=shard_raise:TYPE   DeepSpeed's AutoTP raises the builtin exception TYPE on every rank when it
+                                          replaces its first linear (an exception from inside init_inference)
 """
 
 import importlib.abc
@@ -104,6 +106,17 @@ def _patch_check(module):
     module._run_model_naming_failures = run
 
 
+def _patch_autotp(module):
+    import builtins
+
+    error = getattr(builtins, ARG)
+
+    def replace(self, child, name, conv_linear_layer):
+        raise error(f"injected inside DeepSpeed's AutoTP (DS_INFERENCE_FAULT)")
+
+    module.AutoTP._replace = replace
+
+
 if KIND == "slow_start":
     _rank, _, _seconds = ARG.partition(":")
     if os.environ.get("RANK") == _rank and "LOCAL_RANK" in os.environ:  # a rank, not its launcher
@@ -113,6 +126,7 @@ if KIND == "slow_start":
 
 PATCHES = {"ds_inference_integration.files": _patch_files} if KIND == "fail_write" else (
     {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
+    {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else
     {"ds_inference_integration.trainer": _patch_trainer} if KIND else {})
 
 
