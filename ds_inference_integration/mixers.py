@@ -263,22 +263,13 @@ def _row_shard(linear: nn.Module, columns, group) -> RowShard:
 
 
 def split_ssm_mixer(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
-    """Keep this rank's heads (Mamba2) or channels (Mamba) of a state-space mixer, in place (meta tensors stay meta;
-    see the module docstring)."""
+    """Keep this rank's heads or channels of a mixer, in its layout's way, in place (meta tensors stay meta; see the
+    module docstring)."""
     check_divisible(module, tp_size)
-    layout = ssm_layout(module)
-    if layout == "mamba":
-        _split_mamba(module, tp_size, tp_rank, group)
-        return
-    if layout == "short_conv":
-        _split_short_conv(module, tp_size, tp_rank, group)
-        return
-    if layout == "delta_net":
-        _split_delta_net(module, tp_size, tp_rank, group)
-        return
-    if layout == "lightning":
-        _split_lightning(module, tp_size, tp_rank, group)
-        return
+    SPLITS[ssm_layout(module)](module, tp_size, tp_rank, group)
+
+
+def _split_mamba2(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     heads, head_dim, groups, state, inner, conv_dim = _sizes(module)
     local_heads = heads // tp_size
     h0, h1 = tp_rank * local_heads, (tp_rank + 1) * local_heads
@@ -417,6 +408,10 @@ def _split_norm(module: nn.Module, groups: int, local_groups: int, g0: int, inne
                               weight_in_fp32=hasattr(norm, "norm_before_gate"))
     ranks.weight.tensor_slices = TensorSlices(0, x, tuple(norm.weight.shape))
     module.norm = ranks
+
+
+SPLITS = {"mamba2": _split_mamba2, "mamba": _split_mamba, "delta_net": _split_delta_net, "lightning": _split_lightning,
+          "short_conv": _split_short_conv}
 
 
 def ssm_mixers(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:

@@ -112,7 +112,7 @@ def _patch_autotp(module):
     error = getattr(builtins, ARG)
 
     def replace(self, child, name, conv_linear_layer):
-        raise error(f"injected inside DeepSpeed's AutoTP (DS_INFERENCE_FAULT)")
+        raise error("injected inside DeepSpeed's AutoTP (DS_INFERENCE_FAULT)")
 
     module.AutoTP._replace = replace
 
