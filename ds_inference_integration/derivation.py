@@ -21,8 +21,6 @@ the layer is still split.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 import re
 from pathlib import Path
@@ -36,6 +34,7 @@ from .mixers import is_ssm_mixer
 from .policy import (
     AttentionSpec,
     Policy,
+    class_source,
     is_linear,
     layer_classes,
     layer_kinds,
@@ -43,6 +42,7 @@ from .policy import (
     outermost_layer_classes,
     under_replicated,
 )
+from .weight_share import is_router
 
 # Config attributes holding the query and key/value head counts, in the order they are looked for.
 QUERY_HEAD_ATTRIBUTES = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads")
@@ -205,7 +205,7 @@ _PER_HEAD_GATE = re.compile(r"view\([^)]*-1,\s*self\.head_dim\s*\*\s*2\s*\)")
 
 
 def _gated_per_head(attention: nn.Module) -> bool:
-    return bool(_PER_HEAD_GATE.search(_class_source(type(attention))))
+    return bool(_PER_HEAD_GATE.search(class_source(type(attention))))
 # A forward that views the fused output as (..., heads, 3, head_dim) or (..., heads, 3 * head_dim): [q k v] per head.
 _PER_HEAD_VIEW = re.compile(r"3\s*\*\s*self\.head_(dim|size)|,\s*3\s*,\s*self\.head_(dim|size)")
 
@@ -219,21 +219,12 @@ def _fused_layout(attention: nn.Module, config: object, q: int, kv: int) -> str:
         return "grouped"
     if kv < q:
         return "qkv"
-    return "per_head" if _PER_HEAD_VIEW.search(_class_source(type(attention))) else "qkv"
-
-
-@functools.lru_cache(maxsize=None)
-def _class_source(cls: type) -> str:
-    """The class's own code ("" where Python has none to give), read once per class."""
-    try:
-        return inspect.getsource(cls)
-    except (OSError, TypeError):
-        return ""
+    return "per_head" if _PER_HEAD_VIEW.search(class_source(type(attention))) else "qkv"
 
 
 def _source_names(cls: type) -> tuple[set[str], set[str]]:
     """Attributes (of the module, of its config) the class's own code reads."""
-    source = _class_source(cls)
+    source = class_source(cls)
     return set(re.findall(r"self\.(\w+)", source)), set(re.findall(r"self\.config\.(\w+)", source))
 
 
@@ -441,6 +432,30 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
     return None
 
 
+def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | None) -> dict[str, str]:
+    """{path: why} of the modules nested in a split module (not linears themselves) whose linears no row-parallel
+    linear gathers: DeepSpeed would split each by output rows and every rank would read a part as the whole
+    (DeepSeek-V3.2's and GLM-5's `self_attn.indexer`, which scores every token for the sparse attention: "shape
+    '[3, 10, 64, 128]' is invalid" at tp 2). Such a module is computed whole on every rank."""
+    found = {}
+    for name, child in module.named_children():
+        linears = _linears(child)
+        if not linears or is_linear(child) or is_ssm_mixer(child) or _expert_count(child) is not None:
+            continue
+        if any(not p for p, *_ in _attention_modules(child)):  # q/k/v gathered by its parent (BigBird's `self`)
+            continue
+        where = f"{path}.{name}"
+        # a row-parallel linear gathers the module when it writes the model's width back (AutoTP names the
+        # indexer's `wk`, the linear before its norm, row-parallel, though it writes one head's features)
+        gathered = any(("down_proj" in q or any(names_module(r, f"{where}.{q}") for r in rows))
+                       and m.weight.shape[0] == hidden or autotp_keeps_whole(f"{where}.{q}")
+                       for q, m in linears.items())
+        if not gathered:
+            found[where] = ("a module inside a split one whose linears no row-parallel linear gathers: each rank "
+                            "computes it whole")
+    return found
+
+
 def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], experts: dict[str, tuple[str, ...]]
                          ) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
     """{layer class: {path: why}} of the modules to keep whole on every rank: mixers AutoTP cannot split
@@ -448,6 +463,8 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
     a linear of the block, outside its experts, with one output per expert or a single one); and {layer class:
     paths} of the Mamba2-style mixers split by their heads instead (`mixers.py`)."""
     found: dict[str, dict[str, str]] = {}
+    text = _text_config(model.config)
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
     mixers: dict[str, dict[str, None]] = {}
     mixer_types: dict[tuple[str, str], set[str]] = {}
     heads = _head_values(model.config)
@@ -463,8 +480,10 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
             for path, child in layer.named_children():
                 count = _expert_count(child)
                 if count is not None:
-                    for q, m in _linears(child).items():
-                        if m.weight.shape[0] in (count, 1) and "expert" not in q.rpartition(".")[0]:
+                    for q, m in _linears(child).items():  # by shape, or by name where it scores more than the
+                        # experts (LongCat-Flash's `router.classifier`: its zero-computation experts too)
+                        if "expert" not in q.rpartition(".")[0] and (m.weight.shape[0] in (count, 1) or (
+                                m.weight.shape[0] > count and is_router(q, m))):
                             found.setdefault(name, {}).setdefault(f"{path}.{q}", "a router: every rank routes "
                                                                                  "every token")
                     continue
@@ -478,6 +497,8 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
                     whole_types.setdefault((name, path), set()).add(type(child).__name__)
                 else:
                     split_types.setdefault((name, path), set()).add(type(child).__name__)
+                    for inner, why in _whole_inside(path, child, rows, hidden).items():
+                        found.setdefault(name, {}).setdefault(inner, why)
     # a path kept whole in one kind and split in another (NemotronH's `mixer`): name the kind by its class
     for (name, path), types in whole_types.items():
         if (name, path) in split_types or (name, path) in mixer_types:

@@ -89,13 +89,16 @@ def _own_forward(linear: nn.Module) -> bool:
     return type(linear) is not nn.Linear and type(linear).forward is not nn.Linear.forward
 
 
-def replicate_modules(layers: list[nn.Module], policy: Policy, apart: list[nn.Module] | None = None) -> int:
+def replicate_modules(layers: list[nn.Module], policy: Policy, apart: list[nn.Module] | None = None,
+                      kept_ids: set[int] | None = None) -> int:
     """Keep every linear under the policy's `replicated` modules whole on every rank (a ColumnShard of all its
     rows, which DeepSpeed neither splits nor all-reduces); returns how many linears were kept whole. A linear
     with a forward of its own is left in place and added to `apart`, to be hidden from DeepSpeed while it
-    splits (`deepspeed_compat.modules_kept_apart`)."""
+    splits (`deepspeed_compat.modules_kept_apart`). The ids of every module kept whole, and of every module
+    inside one, are added to `kept_ids` (a layer class nested in another's whole module: Zamba2's mamba layer)."""
     kept, found = 0, set()
     apart = [] if apart is None else apart
+    kept_ids = set() if kept_ids is None else kept_ids
 
     def keep(owner: nn.Module, name: str, linear: nn.Module) -> None:
         nonlocal kept
@@ -113,6 +116,7 @@ def replicate_modules(layers: list[nn.Module], policy: Policy, apart: list[nn.Mo
                 for hit, module in list(layer.named_modules()):
                     if hit and replicated_match(path, hit, module):
                         found.add((pattern, path))
+                        kept_ids.update(id(m) for m in module.modules())
                         if isinstance(module, nn.Linear):  # the path names a linear itself (a router: mlp.gate.wg)
                             keep(layer, hit, module)
                             continue
@@ -284,8 +288,9 @@ def shard_model(
             for layer in layers:
                 conv1d_to_linear(layer)
                 plain_subclass(layer)
+            kept_ids: set[int] = set()
             if policy.replicated:
-                replicate_modules(layers, policy, apart)
+                replicate_modules(layers, policy, apart, kept_ids)
             for layer in layers:
                 for pattern, paths in policy.experts.items():
                     if fnmatch.fnmatchcase(type(layer).__name__, pattern):
@@ -293,7 +298,7 @@ def shard_model(
                             split_experts(experts, topology.tp_size, topology.tp_rank, groups.tp)
                 for pattern, paths in policy.mixers.items():
                     if fnmatch.fnmatchcase(type(layer).__name__, pattern):
-                        for mixer in ssm_mixers(layer, paths):
+                        for mixer in ssm_mixers(layer, paths, skip=kept_ids):
                             split_ssm_mixer(mixer, topology.tp_size, topology.tp_rank, groups.tp)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)

@@ -38,6 +38,12 @@ decays built from it: persistent buffers), an RMS norm over every head's output 
 `out_proj`. Each rank keeps H / tp heads: their rows of `qkv_proj` and `output_gate`, their decays, their
 `out_proj` columns; the norm's sum of squares is all-reduced (`RanksGatedRMSNorm` with one group, no gate).
 
+An MLP whose first linear packs [gate | up] as halves, read with `.chunk(2, dim=-1)` (`packed_mlp`: Moonshine's
+decoder `fc1`, GraniteMoE's shared `input_linear`; DeepSpeed's own GateUpPack handles only linears named
+`gate_up_proj`, auto_tp.py `_replace`, and splits any other by output rows, pairing one rank's gates with another
+rank's ups): each rank keeps I / tp of the inner features, their gate rows and the matching up rows, and those
+columns of the second linear, a `RowShard`.
+
 LFM2's short convolution: `in_proj` -> [B | C | x] (D = the model's width each), y = C * conv(B * x) per channel,
 `out_proj`. Each rank keeps D / tp channels: their rows of B, C and x, their conv channels, their `out_proj` columns.
 
@@ -51,6 +57,8 @@ derived split is.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -74,7 +82,28 @@ def ssm_layout(module: nn.Module) -> str | None:
     None."""
     return ("mamba2" if _is_mamba2(module) else "mamba" if _is_mamba(module) else
             "delta_net" if _delta_net_sizes(module) else "short_conv" if _is_short_conv(module) else
-            "lightning" if _is_lightning(module) else None)
+            "lightning" if _is_lightning(module) else "packed_mlp" if _packed_mlp(module) else None)
+
+
+_CHUNKED_HALVES = re.compile(r"\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)")
+
+
+def _packed_mlp(module: nn.Module) -> tuple[str, str] | None:
+    """(the [gate | up] linear's name, the output linear's name) of an MLP of two linears whose first packs gate and
+    up as halves (its forward chunks that output in two), else None."""
+    from .policy import class_source
+
+    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+    if len(linears) != 2 or module._parameters or any(p is not None for n, c in module.named_children()
+                                                        if n not in linears for p in c.parameters()):
+        return None
+    (a, first), (b, second) = linears.items()
+    if first.weight.shape[0] != 2 * second.weight.shape[1]:
+        (a, first), (b, second) = (b, second), (a, first)
+    if (first.weight.shape[0] != 2 * second.weight.shape[1] or second.weight.shape[0] != first.weight.shape[1]
+            or "gate_up_proj" in a or not _CHUNKED_HALVES.search(class_source(type(module)))):
+        return None
+    return a, b
 
 
 LIGHTNING_DECAYS = {"slope_rate": 0, "query_decay": 0, "key_decay": 0, "diagonal_decay": 1}  # buffer: its head axis
@@ -174,11 +203,13 @@ def _is_mamba2(module: nn.Module) -> bool:
 
 def check_divisible(module: nn.Module, tp_size: int) -> None:
     """One line naming the sizes and the valid tp sizes where this mixer cannot be split over `tp_size` ranks."""
-    if ssm_layout(module) in ("mamba", "short_conv"):
-        inner = module.conv1d.weight.shape[0] if hasattr(module, "conv1d") else module.conv.weight.shape[0]
+    layout = ssm_layout(module)
+    if layout in ("mamba", "short_conv", "packed_mlp"):
+        inner = (module.conv1d.weight.shape[0] if layout == "mamba" else module.conv.weight.shape[0]
+                 if layout == "short_conv" else getattr(module, _packed_mlp(module)[1]).weight.shape[1])
         if inner % tp_size:
             valid = [t for t in range(1, 65) if inner % t == 0]
-            raise InferenceSetupError(f"{type(module).__name__}: {inner} SSM channels do not split over --tp_size "
+            raise InferenceSetupError(f"{type(module).__name__}: {inner} channels do not split over --tp_size "
                                       f"{tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
         return
     if ssm_layout(module) == "delta_net":
@@ -380,6 +411,15 @@ def _split_lightning(module: nn.Module, tp_size: int, tp_rank: int, group) -> No
     module.num_attention_heads = part
 
 
+def _split_packed_mlp(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
+    packed, out = _packed_mlp(module)
+    inner = getattr(module, out).weight.shape[1]
+    part = inner // tp_size
+    a = tp_rank * part
+    setattr(module, packed, take_rows(getattr(module, packed), [*range(a, a + part), *range(inner + a, inner + a + part)]))
+    setattr(module, out, _row_shard(getattr(module, out), ((a, a + part),), group))
+
+
 def _split_short_conv(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     width = module.conv.weight.shape[0]
     part = width // tp_size
@@ -411,12 +451,12 @@ def _split_norm(module: nn.Module, groups: int, local_groups: int, g0: int, inne
 
 
 SPLITS = {"mamba2": _split_mamba2, "mamba": _split_mamba, "delta_net": _split_delta_net, "lightning": _split_lightning,
-          "short_conv": _split_short_conv}
+          "short_conv": _split_short_conv, "packed_mlp": _split_packed_mlp}
 
 
-def ssm_mixers(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
+def ssm_mixers(layer: nn.Module, paths: tuple[str, ...], skip: set[int] = frozenset()) -> list[nn.Module]:
     """The mixers a policy's `mixers` entries ("PATH" or "PATH@Class") name inside `layer`; one line where an entry
-    names a module that is not a Mamba2-style mixer."""
+    names a module that is not a mixer of a known layout. Modules whose ids are in `skip` (kept whole) are left."""
     from .policy import replicated_match
 
     found, where = [], []
@@ -425,6 +465,8 @@ def ssm_mixers(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
             continue
         if name and any(replicated_match(p, name, module) for p in paths):
             where.append(name)
+            if id(module) in skip:  # inside a module the policy keeps whole
+                continue
             if not is_ssm_mixer(module):
                 raise InferenceSetupError(f"mixers {name!r} in {type(layer).__name__} is {type(module).__name__}, not a "
                                           "state-space mixer of a known layout (Mamba2's: in_proj, conv1d, A_log, D, "
@@ -432,6 +474,7 @@ def ssm_mixers(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
                                           "out_proj; a gated delta net: in_proj_qkvz and in_proj_ba, or in_proj_qkv, "
                                           "in_proj_z, in_proj_b and in_proj_a, conv1d, A_log, dt_bias, out_proj; a "
                                           "short convolution: in_proj, conv, out_proj; a lightning attention: "
-                                          "qkv_proj, output_gate, norm, out_proj, slope_rate)")
+                                          "qkv_proj, output_gate, norm, out_proj, slope_rate; an MLP of a [gate | up] "
+                                          "linear and an output linear)")
             found.append(module)
     return found

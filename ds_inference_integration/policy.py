@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,6 +296,16 @@ def under_replicated(entry: str, layer: nn.Module, path: str) -> bool:
     parts = path.split(".") if path else []
     return any(replicated_match(entry, ".".join(parts[:i]), layer.get_submodule(".".join(parts[:i])))
                for i in range(1, len(parts) + 1))
+
+
+@functools.lru_cache(maxsize=None)
+def class_source(cls: type) -> str:
+    """The class's own code ("" where Python has none to give), read once per class: how a module's forward reads
+    what it computes (a view, a chunk) where its shapes alone do not tell."""
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -39,11 +39,11 @@ class ThreadRanks:
         return tensor
 
 
-def first_mixer(name):
+def first_mixer(name, layout=None):
     config = ZOO[name]()
     torch.manual_seed(0)
     model = model_class_for(config).from_config(config).eval()
-    mixer = next(m for m in model.modules() if is_ssm_mixer(m))
+    mixer = next(m for m in model.modules() if is_ssm_mixer(m) and layout in (None, ssm_layout(m)))
     return mixer, config.get_text_config().hidden_size
 
 
@@ -93,10 +93,10 @@ def run_ranks(mixer, tp, x, monkeypatch):
     ("qwen3_5_text", 2, "delta_net"), ("qwen3_5_text", 4, "delta_net"),
     ("lfm2", 2, "short_conv"), ("lfm2", 4, "short_conv"),
     ("minimax", 2, "lightning"), ("minimax", 4, "lightning"),  # its norm over every head's output: sums reduced
+    ("moonshine", 2, "packed_mlp"), ("granitemoehybrid", 4, "packed_mlp"),  # [gate | up] in one linear: halves
 ])
 def test_every_rank_of_a_split_mixer_gives_the_whole_mixers_output(name, tp, layout, monkeypatch):
-    mixer, hidden = first_mixer(name)
-    assert ssm_layout(mixer) == layout
+    mixer, hidden = first_mixer(name, layout)
     torch.manual_seed(1)
     x = torch.randn(2, 7, hidden)
     with torch.no_grad():
@@ -143,6 +143,7 @@ def test_a_mixers_entry_naming_another_module_is_one_line():
     model = model_class_for(config).from_config(config)
     layer = model.model.layers[0]
     assert [type(m).__name__ for m in ssm_mixers(layer, ("conv",))] == ["Lfm2ShortConv"]  # not its inner conv
+    assert ssm_mixers(layer, ("conv",), skip={id(layer.conv)}) == []  # inside a module the policy keeps whole
     with pytest.raises(InferenceSetupError, match=r"mixers 'feed_forward' in Lfm2DecoderLayer is Lfm2MLP, not a "
                                                   r"state-space mixer of a known layout"):
         ssm_mixers(layer, ("feed_forward",))

@@ -21,6 +21,19 @@ VOCAB = 96
 TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme README.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
+    "afmoe": "at tp 4 its attention's per-head output gate (`gate_proj`) is split by DeepSpeed in 64-row blocks, not "
+             "with the query heads (one FAIL line naming model.layers.0.self_attn; tp 2 passes)",
+    "deepseek_v4": "its grouped output projection (`o_a_proj`, not a linear) stays whole while `o_b_proj` is split "
+                   "(one FAIL line naming self_attn.o_b_proj)",
+    "zamba2": "its hybrid layer's own `linear` is split by output rows before the whole mamba layer it feeds (one "
+              "FAIL line naming model.layers.1.mamba_decoder)",
+    "bitnet": "a norm over the MLP's and the attention's inner width (`ffn_sub_norm`, `attn_sub_norm`) inside a "
+              "split module (one FAIL line naming mlp.ffn_sub_norm)",
+    "kimi_linear, olmo_hybrid": "their delta attention keeps separate q/k/v convolutions (kept whole), and their "
+                                "checkpoints store those convolutions in a layout transformers converts at load "
+                                "(shard-aware loading refuses them in one line; the other checks pass)",
+    "gemma3n_text": "its AltUp and per-layer inputs mix predictions across the split (one FAIL line naming "
+                    "model.layers.0)",
     "prophetnet": "its attention checks its mask against the whole head count (one FAIL line naming "
                   "prophetnet.encoder.layers.0.self_attn)",
     "gpt2 (derived)": "AutoTP's parser does not see Conv1D layers as linears (GPT-2 ships a policy)",
@@ -78,6 +91,7 @@ def _t5(cls_name: str, **kw):
 
 
 GQA = dict(num_key_value_heads=2)
+SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
 # DeepSeek-V2/V3, GLM-4-MoE, dots1: the first `first_k_dense_replace` layers dense, the rest experts; the inner
 # sizes 128 and 256 (shared), as DeepSpeed splits an MLP in blocks of 64 (a 64 left one of two ranks all of it: 55% / 45%)
 MOE_DENSE_FIRST = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
@@ -169,6 +183,32 @@ ZOO = {
     "flex_olmo": lambda: _decoder("FlexOlmoConfig", **GQA, num_experts=4, num_experts_per_tok=2),
     "exaone4": lambda: _decoder("Exaone4Config", **GQA, head_dim=32),
     "olmo3": lambda: _decoder("Olmo3Config", **GQA),
+    # tried on 2026-12-04, beyond issue #27's list: decoders, MoEs (LongCat-Flash's router scores zero-computation
+    # experts too), sparse attention whose indexer is kept whole (DeepSeek-V3.2, GLM-5), hybrids
+    "apertus": lambda: _decoder("ApertusConfig", **GQA),
+    "jais2": lambda: _decoder("Jais2Config", **GQA),
+    "ministral3": lambda: _decoder("Ministral3Config", **GQA, head_dim=32),
+    "cohere2_moe": lambda: _decoder("Cohere2MoeConfig", **GQA, **SMALL_MOE),
+    "exaone_moe": lambda: _decoder("ExaoneMoeConfig", **GQA, **{**SMALL_MOE, "moe_intermediate_size": 256}, head_dim=32),
+    "glm4_moe_lite": lambda: _decoder("Glm4MoeLiteConfig", **MOE_DENSE_FIRST),
+    "granitemoeshared": lambda: _decoder("GraniteMoeSharedConfig", **GQA, num_local_experts=4, num_experts_per_tok=2,
+                                         shared_intermediate_size=128),
+    "minimax_m3_vl_text": lambda: _decoder("MiniMaxM3VLTextConfig", **GQA, num_local_experts=4, num_experts_per_tok=2,
+                                           head_dim=32),
+    "longcat_flash": lambda: _decoder("LongcatFlashConfig", num_layers=2, n_routed_experts=4, moe_topk=2,
+                                      zero_expert_num=2, expert_ffn_hidden_size=128, ffn_hidden_size=256, kv_lora_rank=32,
+                                      q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, head_dim=16),
+    "deepseek_v32": lambda: _decoder("DeepseekV32Config", **MOE_DENSE_FIRST, index_n_heads=4, index_head_dim=96,
+                                     index_topk=8),
+    "glm_moe_dsa": lambda: _decoder("GlmMoeDsaConfig", **MOE_DENSE_FIRST, index_n_heads=4, index_head_dim=96,
+                                    index_topk=8),
+    "qwen3_5_moe_text": lambda: _decoder("Qwen3_5MoeTextConfig", **GQA, **SMALL_MOE, shared_expert_intermediate_size=256,
+                                         head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
+                                         linear_key_head_dim=16, linear_value_head_dim=16,
+                                         layer_types=["linear_attention", "full_attention"]),
+    "lfm2_moe": lambda: _decoder("Lfm2MoeConfig", **GQA, **SMALL_MOE, num_dense_layers=1,
+                                 layer_types=["conv", "full_attention"]),
+    "falcon_mamba": lambda: _decoder("FalconMambaConfig", state_size=16, expand=2),
     # derived policies: hybrids (state-space, convolution and linear-attention mixers kept whole) and pure SSMs
     "falcon_h1": lambda: _decoder("FalconH1Config", **GQA, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32,
                                   mamba_d_state=16, mamba_n_groups=1, head_dim=32),
