@@ -242,6 +242,32 @@ def autotp_replacements():
         yield seen
 
 
+# DeepSpeed 0.19's LmHeadLinearAllreduce cuts its input's features as `input[:, :, a:b]` (module_inject/layers.py),
+# so it reads a 3-D [batch, sequence, hidden] input only. ProphetNet calls its lm_head on [batch, ngram, sequence,
+# hidden]: each rank cut the sequence instead, their partial logits had different shapes, and the all-reduce waited
+# until gloo's 120 s timeout (tiny ProphetNet at tp 2, 2026-12-04). Any other rank is given the 3-D view it reads.
+def lm_head_reads_any_rank(model: nn.Module) -> int:
+    """Let every DeepSpeed-split lm_head take inputs of any rank (3-D views of them); returns how many."""
+    from deepspeed.module_inject.layers import LmHeadLinearAllreduce
+
+    found = 0
+    for module in model.modules():
+        if isinstance(module, LmHeadLinearAllreduce):
+            module.forward = _any_rank(module.forward)
+            found += 1
+    return found
+
+
+def _any_rank(forward):
+    def read(input: torch.Tensor) -> torch.Tensor:
+        if input.dim() == 3:
+            return forward(input)
+        out = forward(input.reshape(-1, 1, input.shape[-1]))
+        return out.reshape(*input.shape[:-1], out.shape[-1])
+
+    return read
+
+
 # DeepSpeed 0.19 routes a layer to its Yuan-specific code by the text of the module: `'Yuan' in str(self.module)`
 # (module_inject/auto_tp.py `_replace`: v_proj becomes a Yuan_LinearLayer, o_proj a Yuan_LinearAllreduce; also
 # replace_module.py and auto_tp.py's attribute update). str() of a module holds its class names, so transformers'

@@ -23,6 +23,7 @@ from .deepspeed_compat import (
     autotp_replacements,
     buffers_kept_apart,
     kv_heads_seen_by_deepspeed,
+    lm_head_reads_any_rank,
     modules_kept_apart,
     plain_subclass,
     restore_buffers,
@@ -322,6 +323,7 @@ def shard_model(
                 f"{type(e).__name__}: {first_line(e)}; a policy can keep that module whole (`replicated`): "
                 "`ds-inference policy suggest MODEL_DIR > my.toml`") from e
     restore_buffers(engine.module, kept)
+    lm_head_reads_any_rank(engine.module)
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)
         split_per_head_parameters(attention, heads)

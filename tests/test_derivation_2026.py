@@ -253,3 +253,22 @@ def test_deepspeed_sees_the_head_counts_of_a_config_that_keeps_them_in_its_encod
         meta = AutoTPMeta.from_model_config(config)
         assert (meta.num_kv_heads, meta.num_attention_heads) == (2, 4)
     assert AutoTPMeta.from_model_config(config).num_kv_heads is None and "num_key_value_heads" not in vars(config)
+
+
+def test_a_split_lm_head_reads_inputs_of_any_rank_as_deepspeed_reads_3d_ones():
+    """DeepSpeed's LmHeadLinearAllreduce cuts its input as `input[:, :, a:b]`: ProphetNet's [batch, ngram, sequence,
+    hidden] input was cut along the sequence, the ranks' partial logits differed in shape, and the all-reduce waited
+    until gloo's 120 s timeout. The wrapper gives it a 3-D view; a 3-D input goes through as it was."""
+    from ds_inference_integration.deepspeed_compat import _any_rank
+
+    weight = torch.randn(10, 8)
+
+    def deepspeed_forward(input):  # module_inject/layers.py LmHeadLinearAllreduce.forward, this rank's 3 features
+        return torch.matmul(input[:, :, 2:5], weight[:, 2:5].transpose(-1, -2))
+
+    x = torch.randn(2, 3, 4, 8)
+    want = x[..., 2:5] @ weight[:, 2:5].T
+    with pytest.raises(RuntimeError):  # what it did: the sequence cut, not the features
+        deepspeed_forward(x)
+    torch.testing.assert_close(_any_rank(deepspeed_forward)(x), want)
+    torch.testing.assert_close(_any_rank(deepspeed_forward)(x[0]), deepspeed_forward(x[0]))

@@ -113,17 +113,23 @@ def test_the_2026_families_match_the_unsharded_model(tmp_path):
     channels), a linear-attention hybrid (Qwen3.5's gated delta net, split by heads), HunYuan (DeepSpeed's Yuan code
     path: a RuntimeError inside init_inference), GraniteMoE (a checkpoint already packed per expert: refused by
     shard-aware loading) and GPT-OSS (transposed, interleaved experts with biases, and per-head attention sinks:
-    refused). Every check passes, both loading paths and generation with the mixers' cache included, the share is
-    within 5% of its target, and what is whole is named with its reason."""
+    refused), and ProphetNet (its shipped policy; an lm_head DeepSpeed could not read). Every check passes, both
+    loading paths and generation with the mixers' cache included, the share is within 5% of its target, and what is
+    whole is named with its reason."""
     from ds_inference_integration.tools.architecture_zoo import save_zoo
 
-    names = ["deepseek_v3", "lfm2", "mamba2", "mamba", "qwen3_5_text", "hunyuan_v1_dense", "granitemoe", "gpt_oss"]
+    names = ["deepseek_v3", "lfm2", "mamba2", "mamba", "qwen3_5_text", "hunyuan_v1_dense", "granitemoe", "gpt_oss",
+             "prophetnet"]
     proc, report = policy_check(save_zoo(tmp_path / "zoo", names).values(), 2, tmp_path)
     checks = assert_all_pass(proc, report, names, 2)
     share = {n: checks[n]["weights_per_rank"]["data"] for n in names}
     assert share["deepseek_v3"]["target"] < 0.52 and max(share["deepseek_v3"]["shares"]) < 0.53, share["deepseek_v3"]
     for name in ("lfm2", "mamba2", "mamba", "qwen3_5_text"):  # mixers split: nothing whole (Mamba2: B and C copied)
         assert not share[name]["by_design"] and max(share[name]["shares"]) < 0.53, share[name]
+    # its shipped policy keeps the attentions whole; its lm_head, called on [batch, ngram, sequence, hidden], hung
+    # in DeepSpeed's all-reduce until gloo's timeout (deepspeed_compat.lm_head_reads_any_rank)
+    assert set(share["prophetnet"]["by_design"]) == {"ProphetNetEncoderLayer.self_attn", "ProphetNetDecoderLayer.self_attn",
+                                                     "ProphetNetDecoderLayer.cross_attn"}
     assert not share["hunyuan_v1_dense"]["by_design"] and share["hunyuan_v1_dense"]["target"] == 0.5
     for name in ("granitemoe", "gpt_oss"):  # the experts split (only routers, and GPT-OSS's down bias, whole)
         assert share[name]["target"] < 0.52 and all("router" in p or "experts" in p for p in share[name]["by_design"])
