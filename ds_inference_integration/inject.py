@@ -33,7 +33,7 @@ from .derivation import derive_policy
 from .errors import first_line, sharding_failure
 from .experts import experts_modules, split_experts
 from .mixers import split_ssm_mixer, ssm_mixers
-from .policy import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, replicated_match
+from .policy import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 from .weight_share import WeightShare, full_sizes, measure
 
@@ -147,10 +147,13 @@ def _replace(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
     return owner
 
 
-def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout) -> tuple[nn.Module, int] | None:
+def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, rows: tuple[str, ...] = ()
+                    ) -> tuple[nn.Module, int] | None:
     """Split this layer's fused QKV (always) or separate Q/K/V (when KV heads < ranks) here, as `spec` (one of
     the policy's table's `variants()`) names them. Returns the attention module and head dim, or None where the
-    layer has no such attention."""
+    layer has no such attention. Where the query is split here, any other linear of the attention that writes the
+    query's width (a per-head output gate: AFMoE's `gate_proj`) keeps the same heads; `rows` (the layer's
+    row-parallel paths) are never such a linear."""
     if spec.fused_qkv:
         if not _has(layer, spec.fused_qkv):
             return None  # e.g. a cross-attention-free variant of the layer
@@ -161,12 +164,27 @@ def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout) ->
     head_dim = layer.get_submodule(spec.key).weight.shape[0] // heads.kv_heads
     if not heads.replicated:
         return layer.get_submodule(spec.key.rpartition(".")[0]) if "." in spec.key else layer, head_dim
-    q, _ = split_heads(layer.get_submodule(spec.query), heads.q_heads(), heads.query_heads)
+    query = layer.get_submodule(spec.query)
+    q, _ = split_heads(query, heads.q_heads(), heads.query_heads)
     k, _ = split_heads(layer.get_submodule(spec.key), heads.kv_heads_of_rank(), heads.kv_heads)
     v, _ = split_heads(layer.get_submodule(spec.value), heads.kv_heads_of_rank(), heads.kv_heads)
     _replace(layer, spec.query, q)
     _replace(layer, spec.value, v)
-    return _replace(layer, spec.key, k), head_dim
+    attention = _replace(layer, spec.key, k)
+    # DeepSpeed would cut such a gate in 64-row blocks, not by this rank's heads (AFMoE at tp 4: "The size of tensor
+    # a (32) must match the size of tensor b (64)")
+    prefix = spec.key.rpartition(".")[0]
+    for name, child in list(attention.named_children()):
+        path = f"{prefix}.{name}" if prefix else name
+        if (isinstance(child, nn.Linear) and child.weight.shape[0] == query.weight.shape[0]
+                and child.weight.shape[1] == query.weight.shape[1] and not any(names_module(r, path) for r in rows)):
+            _replace(layer, path, split_heads(child, heads.q_heads(), heads.query_heads)[0])
+    return attention, head_dim
+
+
+def _rows_of(policy: Policy, layer: nn.Module) -> tuple[str, ...]:
+    return tuple(r for pattern, rows in policy.layers.items() if fnmatch.fnmatchcase(type(layer).__name__, pattern)
+                 for r in rows)
 
 
 def _has(layer: nn.Module, path: str) -> bool:
@@ -304,7 +322,7 @@ def shard_model(
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for layer in layers for spec in policy.attention.variants()
-                              if (a := split_attention(layer, spec, heads))]
+                              if (a := split_attention(layer, spec, heads, _rows_of(policy, layer)))]
             kwargs["injection_policy"] = build_injection_policy(policy, model)
     if loader is not None:
         loader.fill_replicated(model, device)

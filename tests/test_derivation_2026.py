@@ -272,3 +272,23 @@ def test_a_split_lm_head_reads_inputs_of_any_rank_as_deepspeed_reads_3d_ones():
         deepspeed_forward(x)
     torch.testing.assert_close(_any_rank(deepspeed_forward)(x), want)
     torch.testing.assert_close(_any_rank(deepspeed_forward)(x[0]), deepspeed_forward(x[0]))
+
+
+def test_a_per_head_output_gate_keeps_the_query_heads_where_the_table_splits_them():
+    """AFMoE's attention gates its output per head (`gate_proj`, the query's width). With fewer KV heads than ranks
+    the table splits q/k/v here; DeepSpeed cut the gate in 64-row blocks (ranks 0 and 1 held 64 rows, 2 and 3 none,
+    against 32 query rows each at tp 4: "The size of tensor a (32) must match the size of tensor b (64)"). It keeps
+    this rank's heads now; the output projection (the query's width in, as the gate's out when they are square) is
+    left to DeepSpeed's row split."""
+    from ds_inference_integration.attention import ColumnShard, HeadLayout
+    from ds_inference_integration.inject import split_attention
+
+    model = zoo_model("afmoe")
+    policy = derive_policy(model)
+    layer = model.model.layers[0]
+    rows = policy.layers["AfmoeDecoderLayer"]
+    gate = layer.self_attn.gate_proj.weight.detach().clone()
+    assert split_attention(layer, policy.attention, HeadLayout(4, 2, 4, 1), rows) is not None
+    assert isinstance(layer.self_attn.gate_proj, ColumnShard) and layer.self_attn.gate_proj.source_rows == list(range(32, 64))
+    torch.testing.assert_close(layer.self_attn.gate_proj.weight, gate[32:64])
+    assert isinstance(layer.self_attn.o_proj, nn.Linear)

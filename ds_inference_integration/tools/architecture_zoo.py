@@ -21,8 +21,6 @@ VOCAB = 96
 TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme README.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
-    "afmoe": "at tp 4 its attention's per-head output gate (`gate_proj`) is split by DeepSpeed in 64-row blocks, not "
-             "with the query heads (one FAIL line naming model.layers.0.self_attn; tp 2 passes)",
     "deepseek_v4": "its grouped output projection (`o_a_proj`, not a linear) stays whole while `o_b_proj` is split "
                    "(one FAIL line naming self_attn.o_b_proj)",
     "zamba2": "its hybrid layer's own `linear` is split by output rows before the whole mamba layer it feeds (one "
@@ -218,6 +216,8 @@ ZOO = {
     "lfm2_moe": lambda: _decoder("Lfm2MoeConfig", **GQA, **SMALL_MOE, num_dense_layers=1,
                                  layer_types=["conv", "full_attention"]),
     "falcon_mamba": lambda: _decoder("FalconMambaConfig", state_size=16, expand=2),
+    # a per-head output gate in its attention, split with the query heads where the table splits them (tp 4)
+    "afmoe": lambda: _decoder("AfmoeConfig", **GQA, **SMALL_MOE, num_dense_layers=1, head_dim=32),
     # derived policies: hybrids (state-space, convolution and linear-attention mixers kept whole) and pure SSMs
     "falcon_h1": lambda: _decoder("FalconH1Config", **GQA, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32,
                                   mamba_d_state=16, mamba_n_groups=1, head_dim=32),
