@@ -328,6 +328,29 @@ def save_tiny_speech2text(path: Path) -> Path:
     return path
 
 
+def save_tiny_moonshine(path: Path) -> Path:
+    """A tiny random Moonshine (raw samples in, its encoder's and decoder's head counts under names of its own: the
+    architecture zoo's config) with the embedded word-level tokenizer and wav2vec2's feature extractor, which is
+    what Moonshine's own processor uses."""
+    import torch
+    from transformers import AutoTokenizer, MoonshineForConditionalGeneration, Wav2Vec2FeatureExtractor
+
+    from ds_inference_integration.tools.architecture_zoo import ZOO
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    config = ZOO["moonshine"]()
+    config.vocab_size = len(tok)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 0, 0, 1
+    model = MoonshineForConditionalGeneration(config)
+    model.generation_config.decoder_start_token_id, model.generation_config.pad_token_id = 0, 0
+    model.generation_config.eos_token_id, model.generation_config.max_length = 1, 16
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, return_attention_mask=True).save_pretrained(path)
+    return path
+
+
 def save_tiny_wav2vec2_bart(path: Path) -> Path:
     """A tiny random SpeechEncoderDecoderModel: a wav2vec2 encoder reading the samples themselves (`input_values`)
     and a BART decoder, with the embedded word-level tokenizer and wav2vec2's feature extractor."""

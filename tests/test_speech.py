@@ -14,6 +14,7 @@ from conftest import (
     load_example,
     run_example,
     run_in_process,
+    save_tiny_moonshine,
     save_tiny_speech2text,
     save_tiny_wav2vec2_bart,
     save_tiny_whisper,
@@ -155,7 +156,7 @@ def test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process(whisper, tmp
 # Other speech encoder-decoders: what the example and the sharding's probe forward read differs by model --------
 
 SPEECH_MODELS = {"whisper": save_tiny_whisper, "speech2text": save_tiny_speech2text,
-                 "wav2vec2_bart": save_tiny_wav2vec2_bart}
+                 "wav2vec2_bart": save_tiny_wav2vec2_bart, "moonshine": save_tiny_moonshine}
 
 
 @pytest.mark.parametrize("kind", list(SPEECH_MODELS))
@@ -175,10 +176,12 @@ def test_the_probe_forward_fits_each_speech_model(kind, tmp_path):
     assert out.logits.shape[:2] == (1, 4)
 
 
-@pytest.mark.parametrize("kind", ["wav2vec2_bart", pytest.param("speech2text", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["wav2vec2_bart", pytest.param("speech2text", marks=pytest.mark.slow),
+                                  pytest.param("moonshine", marks=pytest.mark.slow)])
 def test_other_speech_encoder_decoders_at_tp2_equal_one_process(kind, tmp_path):
-    """Speech2Text (frames first, clips of any length, an attention mask) and wav2vec2 + BART (raw samples as
-    `input_values`) through the example at tp 2, against one process: line for line, the same WER."""
+    """Speech2Text (frames first, clips of any length, an attention mask), wav2vec2 + BART (raw samples as
+    `input_values`) and Moonshine (raw samples, a derived policy with head counts under its own names) through the
+    example at tp 2, against one process: line for line, the same WER."""
     model = SPEECH_MODELS[kind](tmp_path / kind)
     args = ["--model_name_or_path", str(model), *ARGS, "--max_predict_samples", "13", "--max_eval_samples", "5"]
     ref = run_in_process(args, tmp_path / "single", script=RUN_SPEECH)

@@ -96,3 +96,36 @@ def test_torchrun_launcher_gives_the_same_predictions(single, tmp_path):
     assert tp.predictions() == ref.predictions()
     assert tp.output.count("model loaded full on every rank") == 2
     assert tp.results("predict")["tp_size"] == 2
+
+
+@pytest.mark.slow  # two runs of the example (~60 s); `make test` checks T5Gemma by `policy check` (test_policies_tp)
+def test_t5gemma_with_grouped_self_and_cross_attention_translates_at_tp2_as_one_process(tmp_path):
+    """An encoder-decoder with fewer KV heads than query heads in both its self and its cross attention, its head
+    counts only in its encoder's and decoder's own configs (a derived policy, checked numerically at start), through
+    run_translation.py with 4 beams at tp 2 against one process: every predicted line the same."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from ds_inference_integration.tools.architecture_zoo import ZOO
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    config = ZOO["t5gemma"]()
+    config.vocab_size = config.encoder.vocab_size = config.decoder.vocab_size = len(tok)
+    config.pad_token_id = config.decoder_start_token_id = tok.pad_token_id
+    config.eos_token_id = tok.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(config)
+    model.generation_config.pad_token_id = model.generation_config.decoder_start_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model_dir = tmp_path / "t5gemma"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    args = [*PREDICT, "--model_name_or_path", str(model_dir), "--max_predict_samples", "21", "--num_beams", "4",
+            "--max_target_length", "12"]
+    ref = run_in_process(args, tmp_path / "single")
+    assert_ok(ref)
+    tp = run_example([*args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2)
+    assert_ok(tp)
+    assert len(ref.predictions()) == 21 and sum(map(bool, ref.predictions())) > 10  # a random model's words, not blanks
+    assert tp.predictions() == ref.predictions()
+    assert "checked numerically" in tp.output, tp.output[-2000:]
