@@ -64,6 +64,14 @@ class DeepSpeedInferenceArguments:
             "choices": list(LOADING_MODES),
         },
     )
+    reduce_dtype: str = field(
+        default="model",
+        metadata={
+            "help": "In fp16/bf16: 'fp32' keeps each row-parallel layer's partial product in fp32 and sums the ranks' "
+            "partials in fp32, rounding once as one device does; 'model' (default) sums in the model's dtype.",
+            "choices": ["model", "fp32"],
+        },
+    )
     inference_timeout: int = field(
         default=120,
         metadata={"help": "Seconds any rank waits in a collective before the run fails instead of hanging."},
@@ -76,6 +84,8 @@ class DeepSpeedInferenceArguments:
             raise InferenceSetupError(
                 f"--inference_dtype {self.inference_dtype!r} is invalid; valid: {', '.join(DTYPES)}"
             )
+        if self.reduce_dtype not in ("model", "fp32"):
+            raise InferenceSetupError(f"--reduce_dtype {self.reduce_dtype!r} is invalid; valid: model, fp32")
         if self.loading not in LOADING_MODES:
             raise InferenceSetupError(f"--loading {self.loading!r} is invalid; valid: {', '.join(LOADING_MODES)}")
         if self.replace_with_kernel_inject:

@@ -151,6 +151,28 @@ def buffers_kept_apart(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.
             if b.is_floating_point() and b.dtype != dtype and not b.is_meta}
 
 
+def parameter_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Each parameter's dtype before DeepSpeed shards, to put back after where DeepSpeed lost it
+    (`restore_parameter_dtypes`). DeepSpeed 0.19.8's `AutoTP._slice_embedding` builds the split embedding as
+    `nn.Embedding(rows, columns)`, in the default dtype, and copies the bf16 weight into it: LongT5's and
+    SwitchTransformers' `relative_attention_bias` became fp32 in a bf16 model, and their sharded forward failed
+    ("expected scalar type Float but found BFloat16", `ds-inference policy matrix --dtype bf16`, 2026-12-04)."""
+    return {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def restore_parameter_dtypes(model: nn.Module, dtypes: dict[str, torch.dtype], dtype: torch.dtype) -> list[str]:
+    """Cast back to `dtype` (the inference dtype) every parameter that was in it before DeepSpeed sharded and is not
+    now; returns their names. A parameter in another dtype before (a model's fp32 weights, which DeepSpeed casts to
+    the inference dtype on purpose) is left as DeepSpeed made it."""
+    changed = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        want = dtypes.get(name)
+        if want == dtype and p.dtype != want and p.is_floating_point():
+            p.data = p.data.to(want)
+            changed.append(name)
+    return changed
+
+
 def restore_buffers(model: nn.Module, kept: dict[str, torch.Tensor]) -> None:
     for name, value in kept.items():
         owner, _, attr = name.rpartition(".")

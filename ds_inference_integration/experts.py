@@ -91,6 +91,7 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
         if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
             setattr(module, attr, part)
     if tp_size > 1:
+        module.all_reduce_dtype = None  # the output's own; reduction.reduce_in_fp32 sets fp32
         module.register_forward_hook(_all_reduce_output(group))
 
 
@@ -98,8 +99,12 @@ def _all_reduce_output(group):
     def hook(module, args, output):
         from deepspeed import comm as dist
 
-        dist.inference_all_reduce(output, group=group)
-        return output
+        if module.all_reduce_dtype is None or output.dtype == module.all_reduce_dtype:
+            dist.inference_all_reduce(output, group=group)
+            return output
+        wide = output.to(module.all_reduce_dtype)
+        dist.inference_all_reduce(wide, group=group)
+        return wide.to(output.dtype)
 
     return hook
 

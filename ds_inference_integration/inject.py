@@ -25,8 +25,10 @@ from .deepspeed_compat import (
     kv_heads_seen_by_deepspeed,
     lm_head_reads_any_rank,
     modules_kept_apart,
+    parameter_dtypes,
     plain_subclass,
     restore_buffers,
+    restore_parameter_dtypes,
     yuan_named_apart,
 )
 from .derivation import derive_policy
@@ -34,6 +36,7 @@ from .errors import first_line, sharding_failure
 from .experts import experts_modules, split_experts
 from .mixers import split_ssm_mixer, ssm_mixers
 from .policy import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
+from .reduction import reduce_in_fp32
 from .topology import ModelParallelUnit, ProcessGroups, Topology
 from .weight_share import WeightShare, full_sizes, measure
 
@@ -328,6 +331,7 @@ def shard_model(
         loader.fill_replicated(model, device)
         kwargs["keep_module_on_host"] = True  # DeepSpeed would `.to()` the still-meta linears
     kept = buffers_kept_apart(model, dtype)
+    dtypes = parameter_dtypes(model)
     with kv_heads_seen_by_deepspeed(model.config, heads), yuan_named_apart(model), modules_kept_apart(model, apart), \
             autotp_replacements() as seen:
         try:
@@ -341,6 +345,15 @@ def shard_model(
                 f"{type(e).__name__}: {first_line(e)}; a policy can keep that module whole (`replicated`): "
                 "`ds-inference policy suggest MODEL_DIR > my.toml`") from e
     restore_buffers(engine.module, kept)
+    restore_parameter_dtypes(engine.module, dtypes, dtype)
+    if topology.tp_size > 1 and dtype in (torch.float16, torch.bfloat16):
+        if args.reduce_dtype == "fp32":
+            reduce_in_fp32(engine.module)
+        logger.warning("deepspeed_inference: %s at tp %d, row-parallel sums in %s: outputs can part from one device "
+                       "where the model's top choices are within rounding, as they part between batch sizes on one "
+                       "device (fp32: identical token ids); `ds-inference policy check MODEL_DIR --tp-size %d` checks "
+                       "this model in %s and tells rounding from a wrong split", str(dtype)[6:], topology.tp_size,
+                       "fp32" if args.reduce_dtype == "fp32" else str(dtype)[6:], topology.tp_size, str(dtype)[6:])
     lm_head_reads_any_rank(engine.module)
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)

@@ -473,6 +473,20 @@ def build_skeleton(model_cls, config, dtype: torch.dtype, model_dir: Path) -> nn
 
     with init_empty_weights(include_buffers=False):
         model = model_cls.from_config(config, dtype=dtype)
+    # Buffers as `from_pretrained` makes them: it builds the model under the checkpoint's dtype, too, then computes
+    # again every tensor the checkpoint did not fill with the model's own `_init_weights` (`initialize_weights`),
+    # which makes some buffers in fp32. Without this, GPT-J's sinusoidal positions kept the values computed under
+    # bf16 (0.011 off from one device's), and its greedy ids through shard-aware and pre-sharded loading differed
+    # from the full load (`ds-inference policy matrix --dtype bf16`, 2026-12-04). The parameters, still on meta and
+    # read from the checkpoint later, are marked as done, as from_pretrained marks the ones it loaded; the marks
+    # `from_config` left on modules and buffers (it ran the same initialisation under the checkpoint's dtype) go.
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for buffer in module.buffers(recurse=False):
+            buffer.__dict__.pop("_is_hf_initialized", None)
+    for param in model.parameters():
+        param._is_hf_initialized = True
+    model.initialize_weights()
     model.tie_weights()  # from_config skips tying when the parameters are on meta
     model.eval()
     if (Path(model_dir) / "generation_config.json").is_file():

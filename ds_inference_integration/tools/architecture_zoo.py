@@ -274,8 +274,9 @@ ZOO = {
 }
 
 
-def save_zoo(root: Path, names: list[str] | None = None) -> dict[str, Path]:
-    """Build and save the tiny models (all, or `names`); returns name -> directory."""
+def save_zoo(root: Path, names: list[str] | None = None, dtype: str = "fp32") -> dict[str, Path]:
+    """Build and save the tiny models (all, or `names`), in `dtype` (fp32, fp16, bf16: the checkpoint's own, as
+    `policy check` reads it); returns name -> directory."""
     import torch
 
     from ..loading import model_class_for
@@ -286,6 +287,10 @@ def save_zoo(root: Path, names: list[str] | None = None) -> dict[str, Path]:
         torch.manual_seed(0)
         cls = model_class_for(config)
         model = cls.from_config(config)
+        if dtype != "fp32":
+            from .rounding import DTYPES
+
+            model = model.to(DTYPES[dtype])
         if config.is_encoder_decoder:
             model.generation_config.max_length = 12
         dirs[name] = Path(root) / name
@@ -356,16 +361,20 @@ def write_readme(readme: Path, text: str) -> None:
 
 
 def run_matrix(tp_sizes: list[int], out_dir: str | None, readme: str | None, names: list[str] | None,
-               timeout: float) -> int:
+               timeout: float, dtype: str = "fp32") -> int:
     from .policy_check import run_check
 
     unknown = [n for n in names or [] if n not in ZOO]
     if unknown:
         print(f"error: --only {unknown[0]!r} is not in the zoo; valid: {', '.join(ZOO)}", file=sys.stderr)
         return 2
+    if readme and dtype != "fp32":
+        print(f"error: --readme with --dtype {dtype}: the README's table is the fp32 one; leave out --readme",
+              file=sys.stderr)
+        return 2
     reports: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ds_inference_zoo_") as tmp:
-        dirs = save_zoo(Path(tmp), names)
+        dirs = save_zoo(Path(tmp), names, dtype)
         out = Path(out_dir or tmp)
         out.mkdir(parents=True, exist_ok=True)
         for tp in tp_sizes:

@@ -3,7 +3,7 @@
     ds-inference policy list              architectures with a policy file
     ds-inference policy show MODEL_TYPE   print that policy file
     ds-inference policy suggest MODEL_DIR print a policy file for a local model (shipped, or derived)
-    ds-inference policy check MODEL_DIR [MODEL_DIR ...] --tp-size N [--policy FILE] [--json FILE]
+    ds-inference policy check MODEL_DIR [MODEL_DIR ...] --tp-size N [--policy FILE] [--json FILE] [--dtype D]
                                           shard over N ranks it starts itself, compare with the unsharded model
     ds-inference shard MODEL_DIR --tp-size N OUT_DIR
                                           write a pre-sharded copy: one safetensors file per rank + manifest
@@ -77,7 +77,8 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
 def _policy_check(ns: argparse.Namespace) -> int:
     from .policy_check import run_check
 
-    return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout, json_path=ns.json)
+    return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout, json_path=ns.json, dtype=ns.dtype,
+                     reduce_dtype=ns.reduce_dtype)
 
 
 def _policy_matrix(ns: argparse.Namespace) -> int:
@@ -87,7 +88,7 @@ def _policy_matrix(ns: argparse.Namespace) -> int:
     if not tp_sizes or any(tp < 2 for tp in tp_sizes):
         raise InferenceSetupError(f"--tp-sizes {ns.tp_sizes!r} is invalid: tp sizes of 2 or more, e.g. 2,4")
     only = [n for n in (ns.only or "").split(",") if n]
-    return run_matrix(tp_sizes, ns.json_dir, ns.readme, only or None, ns.timeout)
+    return run_matrix(tp_sizes, ns.json_dir, ns.readme, only or None, ns.timeout, ns.dtype)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -102,6 +103,14 @@ def _bench_predict(ns: argparse.Namespace) -> int:
 
     return bench_predict(ns.model, ns.test_file, _int_list(ns.scales, "--scales"), ns.repeats, ns.nprocs,
                          ns.batch_size, ns.max_examples, Path(ns.output_dir), ns.timeout)
+
+
+def _bench_parting(ns: argparse.Namespace) -> int:
+    from .bench_parting import bench_parting
+
+    if ns.repeats < 1:
+        raise InferenceSetupError(f"--repeats {ns.repeats} is invalid: at least 1")
+    return bench_parting(ns.repeats, Path(ns.output))
 
 
 def _bench_guard(ns: argparse.Namespace) -> int:
@@ -181,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--policy", default="auto", help="auto (default), autotp, derive, or a policy file")
     check.add_argument("--timeout", type=float, default=300, help="seconds before the ranks are killed")
     check.add_argument("--json", metavar="FILE", help="also write every check's result and figures to FILE")
+    check.add_argument("--dtype", default="auto", choices=("auto", "fp32", "fp16", "bf16"),
+                       help="check in the dtype the run will use; auto (default): the checkpoint's. In fp16/bf16 "
+                            "differences are judged against the unsharded model's own rounding noise")
+    check.add_argument("--reduce-dtype", default="model", choices=("model", "fp32"),
+                       help="the run's --reduce_dtype: fp32 sums the row-parallel partial products in fp32")
     check.set_defaults(func=_policy_check)
     matrix = psub.add_parser("matrix", help="policy check on tiny models of every architecture the project checks; "
                                            "the README's architecture table")
@@ -189,9 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--json-dir", default=None, help="keep the per-tp `policy check --json` reports here")
     matrix.add_argument("--readme", default=None, help="rewrite the table between this file's markers")
     matrix.add_argument("--timeout", type=float, default=1200, help="seconds per tp size before the ranks are killed")
+    matrix.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
+                        help="save the tiny checkpoints in this dtype and check in it (the README's table: fp32)")
     matrix.set_defaults(func=_policy_matrix)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
+    parting = bsub.add_parser("parting", help="bf16: how often tp 2 parts from one process, with bf16 and fp32 sums")
+    parting.add_argument("--repeats", type=int, default=3)
+    parting.add_argument("--output", default="bench_parting.json")
+    parting.set_defaults(func=_bench_parting)
     guard = bsub.add_parser("guard", help="lock-step guard on vs off, predict on the embedded default")
     guard.add_argument("--repeats", type=int, default=3)
     guard.add_argument("--nprocs", type=int, default=2)

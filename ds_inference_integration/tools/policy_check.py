@@ -2,7 +2,10 @@
 the unsharded model in the same run: logits, per-layer hidden states, greedy, beam-search and seeded
 sampling token ids, and the parameter bytes each rank holds.
 
-Exit 0 only if every check passes. Tolerance (fp32): max |logit difference| <= 1e-4 x max(1, max |logit|).
+Exit 0 only if every check passes. The check runs in the dtype the run will use (`--dtype`, default the
+checkpoint's). fp32: max |logit difference| <= 1e-4 x max(1, max |logit|), token ids identical. fp16/bf16: every
+difference judged against the unsharded model's own rounding noise (`rounding.py`): partings at near-ties pass and
+are reported, a difference beyond rounding fails naming the first layer beyond its bound.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ LOGIT_RTOL = 1e-4
 NEW_TOKENS = 8
 
 
+def checkpoint_dtype(model_dir: str) -> str:
+    """The dtype a checkpoint's config records ("dtype", or transformers 4's "torch_dtype"), as fp32/fp16/bf16;
+    fp32 where it records none."""
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    recorded = str(data.get("dtype") or data.get("torch_dtype") or "float32")
+    return {"float16": "fp16", "bfloat16": "bf16"}.get(recorded, "fp32")
+
+
 def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout: float = 300,
-              json_path: str | None = None) -> int:
+              json_path: str | None = None, dtype: str = "auto", reduce_dtype: str = "model") -> int:
     """Start `tp_size` ranks, run the checks, print one line per check and a summary; never hangs. A check
     passes only if it passes on every rank; the temporary directory (pre-sharded copies) is removed.
     `json_path`: also write the merged results there (what the tests read; see `merge_rank_results`)."""
@@ -29,9 +40,15 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
         if not (Path(d) / "config.json").is_file():
             print(f"error: {d} is not a model directory (no config.json)", file=sys.stderr)
             return 2
+    dtypes = [checkpoint_dtype(d) if dtype == "auto" else dtype for d in model_dirs]
+    if "fp16" in dtypes and not _has_gpu():
+        which = "--dtype fp16" if dtype == "fp16" else f"{model_dirs[dtypes.index('fp16')]} is float16 (its config)"
+        print(f"error: {which}: DeepSpeed's CPU accelerator supports fp32 and bf16 only; check on a GPU, or pass "
+              "--dtype bf16 or --dtype fp32", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="ds_inference_check_") as out:
-        procs = start_ranks(tp_size, "ds_inference_integration.tools.policy_check", ["--worker", out, policy, *model_dirs],
-                            log_dir=out)
+        procs = start_ranks(tp_size, "ds_inference_integration.tools.policy_check",
+                            ["--worker", out, policy, f"{dtype}:{reduce_dtype}", *model_dirs], log_dir=out)
         codes = wait_ranks(procs, timeout)
         reports = [json.loads(p.read_text()) if p.is_file() else None
                    for p in (Path(out, f"result-{r}.json") for r in range(tp_size))]
@@ -43,12 +60,20 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
     ok = passed == total and failure is None and all(r is not None for r in reports)
     if failure is not None:
         print(f"FAIL rank processes ({failure})")
-    print(f"{'PASS' if ok else 'FAIL'}: {passed} of {total} checks passed ({len(model_dirs)} model(s), tp {tp_size})")
+    shown = ", ".join(sorted(set(dtypes)))
+    print(f"{'PASS' if ok else 'FAIL'}: {passed} of {total} checks passed ({len(model_dirs)} model(s), tp {tp_size}, "
+          f"{shown})")
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(
-            {"ok": ok, "tp_size": tp_size, "models": [Path(d).name for d in model_dirs], "passed": passed,
+            {"ok": ok, "tp_size": tp_size, "dtypes": dtypes, "models": [Path(d).name for d in model_dirs], "passed": passed,
              "total": total, "rank_failure": failure, "checks": checks}, indent=1) + "\n")
     return 0 if ok else 1
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def merge_rank_results(reports: list[dict | None]) -> list[dict]:
@@ -118,9 +143,8 @@ def _inputs(config, torch, main_input: str = "input_ids"):
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _run_model(model, inputs, torch) -> dict:
-    pad = _pad_id(model.config)
-    gen = dict(max_new_tokens=NEW_TOKENS, pad_token_id=pad)
+def _forward(model, inputs, torch) -> dict:
+    """Teacher-forced logits and every hidden state (float), and how many of those are the encoder's."""
     with torch.no_grad():
         kwargs = dict(inputs, output_hidden_states=True)
         if model.config.is_encoder_decoder:
@@ -128,19 +152,79 @@ def _run_model(model, inputs, torch) -> dict:
             kwargs["decoder_input_ids"] = torch.zeros((batch, 1), dtype=torch.long) + (
                 model.config.decoder_start_token_id or 0)
         out = model(**kwargs)
-        hidden = (list(out.encoder_hidden_states or []) + list(out.decoder_hidden_states or [])
-                  if model.config.is_encoder_decoder else list(out.hidden_states))
-        # an entry can itself be a tuple (Pegasus-X: each encoder layer's token and global-token states)
-        hidden = [t for h in hidden for t in (h if isinstance(h, (tuple, list)) else (h,))]
-        greedy = model.generate(**inputs, do_sample=False, num_beams=1, **gen)
-        beam = model.generate(**inputs, do_sample=False, num_beams=3, **gen)
+    encoder = list(out.encoder_hidden_states or []) if model.config.is_encoder_decoder else []
+    hidden = encoder + list(out.decoder_hidden_states or []) if model.config.is_encoder_decoder else list(
+        out.hidden_states)
+    # an entry can itself be a tuple (Pegasus-X: each encoder layer's token and global-token states)
+    flat = [t for h in hidden for t in (h if isinstance(h, (tuple, list)) else (h,))]
+    return {"logits": out.logits.float(), "hidden": [h.float() for h in flat],
+            "encoder_states": len(encoder) if len(flat) == len(hidden) else 0}
+
+
+def _generate(model, inputs, torch, steps: bool, **settings):
+    """Token ids; with `steps`, also each row's logits at each new token, on that row's own prefix (for beam
+    search, the beam its final sequence came through), as `rounding.token_verdict` reads them."""
+    if not steps:
+        return model.generate(**inputs, **settings)
+    out = model.generate(**inputs, return_dict_in_generate=True, output_logits=True,
+                         output_scores=settings.get("num_beams", 1) > 1, **settings)
+    logits = torch.stack([step.float() for step in out.logits], 1)  # [rows (x beams), new tokens, vocab]
+    # one row per beam, to be followed through `beam_indices`; Whisper's generate gives the final sequences' own rows
+    if getattr(out, "beam_indices", None) is not None and logits.shape[0] != out.sequences.shape[0]:
+        beams = out.beam_indices[:, :logits.shape[1]].long().clamp(min=0)
+        logits = logits[beams, torch.arange(logits.shape[1])]
+    return {"ids": out.sequences, "steps": logits}
+
+
+def _run_model(model, inputs, torch, steps: bool = False) -> dict:
+    pad = _pad_id(model.config)
+    gen = dict(max_new_tokens=NEW_TOKENS, pad_token_id=pad)
+    found = _forward(model, inputs, torch)
+    with torch.no_grad():
+        found["greedy"] = _generate(model, inputs, torch, steps, do_sample=False, num_beams=1, **gen)
+        found["beam"] = _generate(model, inputs, torch, steps, do_sample=False, num_beams=3, **gen)
         torch.manual_seed(1234)
-        sample = model.generate(**inputs, do_sample=True, top_k=0, top_p=1.0, **gen)
-    return {"logits": out.logits.float(), "hidden": [h.float() for h in hidden], "greedy": greedy,
-            "beam": beam, "sample": sample}
+        found["sample"] = _generate(model, inputs, torch, steps, do_sample=True, top_k=0, top_p=1.0, **gen)
+    return found
 
 
-def _reference(cls, model_dir, inputs, topology, groups, torch) -> dict:
+def _noise_floor(exact: dict, want: dict, steps_max: float) -> dict:
+    """The unsharded half-precision model's own rounding on these inputs: its distance from the same model computed
+    in fp32 (`exact`), RMS per hidden state and for the logits, and the largest for the logits, on the check's
+    inputs and along its own generations (`steps_max`)."""
+    from .rounding import max_diff, rms_diff
+
+    return {"exact": exact, "logits_rms": rms_diff(want["logits"], exact["logits"]),
+            "logits_max": max(max_diff(want["logits"], exact["logits"]), steps_max),
+            "hidden_rms": [rms_diff(a, b) for a, b in zip(want["hidden"], exact["hidden"])]}
+
+
+def _generation_noise(model, wide_model, inputs, wide_inputs, want: dict, torch) -> float:
+    """The largest logit distance between the half-precision model and the fp32 one, both teacher-forced along the
+    half-precision model's own generated sequences (greedy, beam, sample), at the positions that chose a new token;
+    0 where a model does not take such a pass (the check's own logits then set the bound)."""
+    worst = 0.0
+    for mode in ("greedy", "beam", "sample"):
+        ids = want[mode]["ids"]
+        new = want[mode]["steps"].shape[1]
+        try:
+            with torch.no_grad():
+                found = []
+                for m, given in ((model, inputs), (wide_model, wide_inputs)):
+                    if m.config.is_encoder_decoder:
+                        logits = m(**given, decoder_input_ids=ids[:, :-1]).logits[:, -new:]
+                    else:
+                        mask = torch.cat([given["attention_mask"], torch.ones_like(ids[:, given["input_ids"].shape[1]:])], 1)
+                        logits = m(input_ids=ids, attention_mask=mask).logits[:, -new - 1:-1]
+                    found.append(logits.float())
+        except Exception:  # a model this pass does not fit: the bound falls back to the check's own logits
+            continue
+        if found[0].shape == found[1].shape:
+            worst = max(worst, (found[0] - found[1]).abs().max().item())
+    return worst
+
+
+def _reference(cls, model_dir, inputs, topology, groups, torch, dtype=None) -> dict:
     """The unsharded model's outputs, computed by the first rank of the TP group and sent to its peers: every
     rank would compute the same thing (same weights, same inputs, seeded sampling), and on CPU ranks that share
     the cores this was tp times the work (the tp-4 matrix of the tests took 70 s with it on every rank)."""
@@ -150,7 +234,19 @@ def _reference(cls, model_dir, inputs, topology, groups, torch) -> dict:
     first = dist.get_global_rank(groups.tp, 0)
     if topology.rank == first:
         try:
-            box[0] = _run_model(cls.from_pretrained(model_dir, dtype=torch.float32).eval(), inputs, torch)
+            dtype = dtype or torch.float32
+            half = dtype != torch.float32
+            model = cls.from_pretrained(model_dir, dtype=dtype).eval()
+            box[0] = _run_model(model, inputs, torch, steps=half)
+            if half:
+                wide = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+                wide_model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+                exact = _forward(wide_model, wide, torch)
+                steps = _generation_noise(model, wide_model, inputs, wide, box[0], torch)
+                box[0]["floor"] = _noise_floor(exact, box[0], steps)
+                from .rounding import hidden_state_names
+
+                box[0]["names"] = hidden_state_names(model, box[0]["encoder_states"], len(box[0]["hidden"]))
         except Exception as e:  # its peers wait in the broadcast below: send them the failure, not nothing
             box[0] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     if topology.tp_size > 1:
@@ -171,7 +267,7 @@ class ReferenceFailed(Exception):
     next model."""
 
 
-def _run_model_naming_failures(model, inputs, torch) -> dict:
+def _run_model_naming_failures(model, inputs, torch, steps: bool = False) -> dict:
     """`_run_model`, but an exception of any type the model raises names the module it happened in (the
     innermost one, `verify_policy.track_modules`)."""
     from ..errors import first_line, sharding_failure
@@ -180,7 +276,7 @@ def _run_model_naming_failures(model, inputs, torch) -> dict:
     inside = track_modules(model)
     try:
         with inside:
-            return _run_model(model, inputs, torch)
+            return _run_model(model, inputs, torch, steps)
     except Exception as e:
         if not sharding_failure(e):
             raise
@@ -202,7 +298,7 @@ def _policy_name(policy) -> str:
 
 
 def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list[dict],
-               work_dir: Path | None = None) -> tuple[int, int]:
+               work_dir: Path | None = None, dtype_spec: str = "auto", reduce_dtype: str = "model") -> tuple[int, int]:
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig
@@ -212,20 +308,25 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from ..loading import model_class_for
     from ..policy import check_head_counts, resolve_policy
     from ..verify_policy import main_input_name
+    from .rounding import DTYPES, HALF
 
     name = Path(model_dir).name
     config = AutoConfig.from_pretrained(model_dir)
     cls = model_class_for(config)
-    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = DTYPES[checkpoint_dtype(model_dir) if dtype_spec == "auto" else dtype_spec]
+    half = dtype in HALF
+    model = cls.from_pretrained(model_dir, dtype=dtype).eval()
     inputs = _inputs(config, torch, main_input_name(model))  # first: no known probe input is refused before any work
+    # audio features in the model's dtype, as a feature extractor's output is cast for a half-precision model
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     policy = resolve_policy(policy_spec, config)
     check_head_counts(policy, config, topology.tp_size)
-    want = _reference(cls, model_dir, inputs, topology, groups, torch)
-    args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
+    want = _reference(cls, model_dir, inputs, topology, groups, torch, dtype)
+    args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size, reduce_dtype=reduce_dtype)
     # verify=False: this command's own comparisons below are the numerical check, in more detail
-    model, report = shard_model(model, args, topology, groups, policy, torch.float32, verify=False)
+    model, report = shard_model(model, args, topology, groups, policy, dtype, verify=False)
     policy = report.policy_object
-    got = _run_model_naming_failures(model, inputs, torch)
+    got = _run_model_naming_failures(model, inputs, torch, steps=half)
 
     passed = total = 0
 
@@ -235,28 +336,22 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
         passed += bool(ok)
         records.append(check_record(name, topology.tp_size, kind, ok, text, **data))
 
-    scale = max(1.0, want["logits"].abs().max().item())
-    diff = (got["logits"] - want["logits"]).abs().max().item()
-    check(diff <= LOGIT_RTOL * scale, "logits", f"logits: max |diff| {diff:.2e} (tolerance {LOGIT_RTOL * scale:.2e})",
-          max_diff=diff, tolerance=LOGIT_RTOL * scale)
-    first_bad = next((i for i, (a, b) in enumerate(zip(got["hidden"], want["hidden"]))
-                      if (a - b).abs().max().item() > LOGIT_RTOL * max(1.0, b.abs().max().item())), None)
-    check(first_bad is None, "hidden_states", "hidden states: every layer within tolerance" if first_bad is None
-          else f"hidden states: first diverging layer is hidden_states[{first_bad}] of {len(want['hidden'])}",
-          first_diverging=first_bad, layers=len(want["hidden"]))
+    agree = {}  # every rank of the group generated the same ids (a split can be right on one rank only)
     for mode in ("greedy", "beam", "sample"):
-        a, b = got[mode], want[mode]
-        same_shape = a.shape == b.shape
-        mism = None if same_shape and torch.equal(a, b) else (
-            "shape" if not same_shape else tuple(int(x) for x in (a != b).nonzero()[0]))
+        a = got[mode]["ids"] if half else got[mode]
         peers = [torch.empty_like(a) for _ in range(topology.tp_size)]
         dist.all_gather(peers, a.contiguous(), group=groups.tp)
-        ranks_agree = all(torch.equal(p, a) for p in peers)
-        check(mism is None and ranks_agree, mode,
-              f"{mode} token ids: " + ("identical to unsharded" if mism is None else
-                                       f"first different token at (row, position) {mism}")
-              + ("" if ranks_agree else "; ranks of the TP group disagree"),
-              identical=mism is None, first_different=mism, ranks_agree=ranks_agree)
+        agree[mode] = all(torch.equal(p, a) for p in peers)
+
+    def check_tokens(ok: bool, mode: str, text: str, **data) -> None:
+        check(ok and agree[mode], mode, text + ("" if agree[mode] else "; ranks of the TP group disagree"),
+              ranks_agree=agree[mode], **data)
+
+    if half:
+        _half_precision_checks(got, want, dtype, check, check_tokens)
+    else:
+        _fp32_checks(got, want, check, check_tokens, torch)
+
     share = report.weight_share  # what inject.shard_model measured against the policy's target (weight_share.py)
     mine = torch.tensor([share.held, share.full, round(share.target_elements)], dtype=torch.long)
     every = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
@@ -273,13 +368,62 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
           by_design=share.by_design, not_placed=share.not_placed, model_type=config.model_type,
           policy=_policy_name(policy))
     if work_dir is not None:
-        for ok, kind, text, data in _check_loading(model_dir, cls, config, model, got["greedy"], inputs, args, topology,
-                                                   groups, resolve_policy(policy_spec, config), work_dir):
+        greedy = got["greedy"]["ids"] if half else got["greedy"]
+        for ok, kind, text, data in _check_loading(model_dir, cls, config, model, greedy, inputs, args, topology,
+                                                   groups, resolve_policy(policy_spec, config), work_dir, dtype):
             check(ok, kind, text, **data)
     return passed, total
 
 
-def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, topology, groups, policy, work_dir):
+def _fp32_checks(got: dict, want: dict, check, check_tokens, torch) -> None:
+    scale = max(1.0, want["logits"].abs().max().item())
+    diff = (got["logits"] - want["logits"]).abs().max().item()
+    check(diff <= LOGIT_RTOL * scale, "logits", f"logits: max |diff| {diff:.2e} (tolerance {LOGIT_RTOL * scale:.2e})",
+          max_diff=diff, tolerance=LOGIT_RTOL * scale)
+    first_bad = next((i for i, (a, b) in enumerate(zip(got["hidden"], want["hidden"]))
+                      if (a - b).abs().max().item() > LOGIT_RTOL * max(1.0, b.abs().max().item())), None)
+    check(first_bad is None, "hidden_states", "hidden states: every layer within tolerance" if first_bad is None
+          else f"hidden states: first diverging layer is hidden_states[{first_bad}] of {len(want['hidden'])}",
+          first_diverging=first_bad, layers=len(want["hidden"]))
+    for mode in ("greedy", "beam", "sample"):
+        a, b = got[mode], want[mode]
+        same_shape = a.shape == b.shape
+        mism = None if same_shape and torch.equal(a, b) else (
+            "shape" if not same_shape else tuple(int(x) for x in (a != b).nonzero()[0]))
+        check_tokens(mism is None, mode, f"{mode} token ids: " + ("identical to unsharded" if mism is None else
+                                                           f"first different token at (row, position) {mism}"),
+              identical=mism is None, first_different=mism)
+
+
+def _half_precision_checks(got: dict, want: dict, dtype, check, check_tokens) -> None:
+    """Logits, hidden states and token ids judged against the unsharded model's own rounding (`rounding.py`)."""
+    from .rounding import FACTOR, dtype_name, first_beyond, rms_bound, rms_diff, step_bound, token_verdict
+
+    floor, names, exact, kind = want["floor"], want["names"], want["floor"]["exact"], dtype_name(dtype)
+    beyond = first_beyond(got["hidden"], exact["hidden"], floor["hidden_rms"], dtype)
+    where = "" if beyond is None else f"; first beyond rounding: {names[beyond[0]]}"
+    limit = rms_bound(floor["logits_rms"], exact["logits"], dtype)
+    distance = rms_diff(got["logits"], exact["logits"])
+    ratios = [rms_diff(a, b) / max(n, 1e-30) for a, b, n in zip(got["hidden"], exact["hidden"], floor["hidden_rms"])]
+    check(distance <= limit, "logits", f"logits ({kind}): RMS distance from fp32 {distance:.3g}, the unsharded "
+          f"{kind} model's {floor['logits_rms']:.3g} (bound {limit:.3g}: {FACTOR:g} x it)" + (
+              "" if distance <= limit else where),
+          distance=distance, noise=floor["logits_rms"], bound=limit,
+          ratio=distance / max(floor["logits_rms"], 1e-30), hidden_ratios=ratios)
+    check(beyond is None, "hidden_states", f"hidden states ({kind}): every layer within {FACTOR:g} x the unsharded "
+          f"model's own distance from fp32" if beyond is None else f"hidden states ({kind}): first beyond rounding "
+          f"at {names[beyond[0]]} (hidden_states[{beyond[0]}] of {len(names)}): RMS distance from fp32 "
+          f"{beyond[1]:.3g}, bound {beyond[2]:.3g}",
+          first_diverging=None if beyond is None else beyond[0], layer=None if beyond is None else names[beyond[0]],
+          layers=len(names))
+    steps = step_bound(floor["logits_max"], exact["logits"], dtype)
+    for mode in ("greedy", "beam", "sample"):
+        ok, text, data = token_verdict(mode, got[mode], want[mode], steps)
+        check_tokens(ok, mode, text + ("" if ok else where), **data)
+
+
+def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, topology, groups, policy, work_dir,
+                   dtype=None):
     """The shard-aware and pre-sharded loading paths against the naive one (full load, then split):
     every tensor of this rank's shard bitwise equal, and greedy token ids equal."""
     import torch
@@ -296,9 +440,10 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
     out = Path(work_dir) / f"presharded_{Path(model_dir).name}"
     for mode in ("shard-aware", "pre-sharded"):
         source = out if mode == "pre-sharded" else model_dir
-        model = load_model(cls, source, mode=mode, inference_args=args, dtype=torch.float32)
+        dtype = dtype or torch.float32
+        model = load_model(cls, source, mode=mode, inference_args=args, dtype=dtype)
         metas = sum(p.is_meta for p in model.parameters())
-        model, report = shard_model(model, args, topology, groups, policy, torch.float32, verify=False)
+        model, report = shard_model(model, args, topology, groups, policy, dtype, verify=False)
         mine = dict(model.named_parameters(remove_duplicate=False))
         bad = [n for n in want if n not in mine or mine[n].shape != want[n].shape or not torch.equal(mine[n], want[n])]
         bad += [n for n in mine if n not in want]
@@ -307,7 +452,11 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         bad += [f"{a} (no longer tied to {b})" for a, b in ties if a in mine and b in mine and mine[a] is not mine[b]]
         with torch.no_grad():
             pad = _pad_id(config)
-            greedy = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS, pad_token_id=pad)
+            # as the naive path's ids were made (Whisper's generate takes another path where it returns a dict)
+            half = dtype != torch.float32
+            greedy = _generate(model, inputs, torch, half, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS,
+                               pad_token_id=pad)
+            greedy = greedy["ids"] if half else greedy
         same = greedy.shape == naive_greedy.shape and torch.equal(greedy, naive_greedy)
         yield (not bad and same and metas > 0, f"loading_{mode}",
                f"loading {mode}: {len(mine) - len(bad)}/{len(mine)} tensors bitwise equal to the naive path"
@@ -320,10 +469,10 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
             if topology.rank == 0:
                 start_writing(out)
             write_presharded(model, Path(model_dir), out, topology, groups, policy_id(report.policy_object or policy),
-                             torch.float32)
+                             dtype)
 
 
-def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
+def _worker(out_dir: str, policy_spec: str, dtypes: str, model_dirs: list[str]) -> int:
     import torch.distributed as dist
 
     from ..deepspeed_compat import init_deepspeed_comm
@@ -342,7 +491,8 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
     try:
         for d in model_dirs:
             try:
-                _check_one(d, policy_spec, topology, groups, checks, Path(out_dir))
+                dtype_spec, _, reduce_dtype = dtypes.partition(":")
+                _check_one(d, policy_spec, topology, groups, checks, Path(out_dir), dtype_spec, reduce_dtype or "model")
             except InferenceSetupError as e:
                 checks.append(check_record(Path(d).name, topology.tp_size, "setup", False, f"setup: {e}"))
             except ReferenceFailed as e:
@@ -362,11 +512,11 @@ def _worker(out_dir: str, policy_spec: str, model_dirs: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == "--worker":
+    if len(sys.argv) > 4 and sys.argv[1] == "--worker":
         # Run the worker from the imported module, not from __main__: one copy of its functions, the same
         # ones a test's fault hook (tests/faults) patches on import.
         from ds_inference_integration.tools import policy_check
 
-        sys.exit(policy_check._worker(sys.argv[2], sys.argv[3], sys.argv[4:]))
+        sys.exit(policy_check._worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]))
     print("usage: ds-inference policy check MODEL_DIR --tp-size N", file=sys.stderr)
     sys.exit(2)

@@ -13,6 +13,10 @@ package when that module is first imported.
                                           every check first)
     DS_INFERENCE_FAULT=shard_raise:TYPE   DeepSpeed's AutoTP raises the builtin exception TYPE on every rank when it
                                           replaces its first linear (an exception from inside init_inference)
+    DS_INFERENCE_FAULT=half_scale:RANK:NAME:F
+                                          a split wrong only in half precision: after sharding in fp16 or bf16, that
+                                          rank's part of the module NAME (a path suffix) is scaled by F, as a
+                                          scale applied twice on one rank would
 """
 
 import importlib.abc
@@ -106,6 +110,24 @@ def _patch_check(module):
     module._run_model_naming_failures = run
 
 
+def _patch_half_scale(module):
+    rank, name, factor = ARG.split(":")
+    original = module.shard_model
+
+    def shard_model(model, args, topology, groups, policy, dtype, *rest, **kwargs):
+        import torch
+
+        model, report = original(model, args, topology, groups, policy, dtype, *rest, **kwargs)
+        if dtype in (torch.float16, torch.bfloat16) and topology.rank == int(rank):
+            for path, sub in model.named_modules():
+                if path.endswith(name):
+                    with torch.no_grad():
+                        sub.weight.mul_(float(factor))
+        return model, report
+
+    module.shard_model = shard_model
+
+
 def _patch_autotp(module):
     import builtins
 
@@ -127,6 +149,7 @@ if KIND == "slow_start":
 PATCHES = {"ds_inference_integration.files": _patch_files} if KIND == "fail_write" else (
     {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
     {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else
+    {"ds_inference_integration.inject": _patch_half_scale} if KIND == "half_scale" else
     {"ds_inference_integration.trainer": _patch_trainer} if KIND else {})
 
 
