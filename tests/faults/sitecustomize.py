@@ -101,8 +101,8 @@ def _patch_check(module):
     rank = int(ARG)
     original = module._run_model_naming_failures
 
-    def run(model, inputs, torch):
-        out = original(model, inputs, torch)
+    def run(model, inputs, torch, *args, **kwargs):
+        out = original(model, inputs, torch, *args, **kwargs)
         if int(os.environ.get("RANK", "0")) == rank:
             out["logits"] = out["logits"] + 1.0
         return out
