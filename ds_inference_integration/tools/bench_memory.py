@@ -96,6 +96,13 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     from .ranks import init_rank
 
     importlib.import_module("deepspeed")  # every mode imports the same libraries
+    # and the model class's own module, before any clock starts: importing transformers' modeling_llama (and what
+    # it pulls in: torch._dynamo, generation, the loss modules, scipy) took 1.6 of the 2.25 s that a pre-sharded
+    # rank's load_model + shard_model took under cProfile (6.3 GB Llama, tp 2, 2026-12-04), and one process's
+    # from_pretrained paid the same inside its clock: the ratios measured Python's imports, not the loading.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
 
     device, dtype = torch.device(device_name), DTYPES[dtype_name]
     cuda = device.type == "cuda"
