@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InferenceSetupError  # noqa: F401  (also importable from here, as before)
+from .reduction import REDUCE_DTYPES
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POLICY_MODES = ("auto", "autotp", "derive")
@@ -69,7 +70,7 @@ class DeepSpeedInferenceArguments:
         metadata={
             "help": "In fp16/bf16: 'fp32' keeps each row-parallel layer's partial product in fp32 and sums the ranks' "
             "partials in fp32, rounding once as one device does; 'model' (default) sums in the model's dtype.",
-            "choices": ["model", "fp32"],
+            "choices": list(REDUCE_DTYPES),
         },
     )
     inference_timeout: int = field(
@@ -84,8 +85,10 @@ class DeepSpeedInferenceArguments:
             raise InferenceSetupError(
                 f"--inference_dtype {self.inference_dtype!r} is invalid; valid: {', '.join(DTYPES)}"
             )
-        if self.reduce_dtype not in ("model", "fp32"):
-            raise InferenceSetupError(f"--reduce_dtype {self.reduce_dtype!r} is invalid; valid: model, fp32")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise InferenceSetupError(
+                f"--reduce_dtype {self.reduce_dtype!r} is invalid; valid: {', '.join(REDUCE_DTYPES)}"
+            )
         if self.loading not in LOADING_MODES:
             raise InferenceSetupError(f"--loading {self.loading!r} is invalid; valid: {', '.join(LOADING_MODES)}")
         if self.replace_with_kernel_inject:

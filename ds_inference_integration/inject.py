@@ -347,13 +347,14 @@ def shard_model(
     restore_buffers(engine.module, kept)
     restore_parameter_dtypes(engine.module, dtypes, dtype)
     if topology.tp_size > 1 and dtype in (torch.float16, torch.bfloat16):
+        half = str(dtype).removeprefix("torch.")
         if args.reduce_dtype == "fp32":
             reduce_in_fp32(engine.module)
         logger.warning("deepspeed_inference: %s at tp %d, row-parallel sums in %s: outputs can part from one device "
                        "where the model's top choices are within rounding, as they part between batch sizes on one "
                        "device (fp32: identical token ids); `ds-inference policy check MODEL_DIR --tp-size %d` checks "
-                       "this model in %s and tells rounding from a wrong split", str(dtype)[6:], topology.tp_size,
-                       "fp32" if args.reduce_dtype == "fp32" else str(dtype)[6:], topology.tp_size, str(dtype)[6:])
+                       "this model in %s and tells rounding from a wrong split", half, topology.tp_size,
+                       "fp32" if args.reduce_dtype == "fp32" else half, topology.tp_size, half)
     lm_head_reads_any_rank(engine.module)
     for attention, head_dim in attentions:
         _set_local_attributes(attention, policy, heads, head_dim)

@@ -208,3 +208,12 @@ def test_fp32_sums_through_deepspeeds_row_parallel_layers_pass_the_verdict(tmp_p
     assert proc.returncode == 0 and report["ok"], proc.stdout[-3000:]
     ratios = [c["data"]["ratio"] for c in report["checks"] if c["check"] == "logits"]
     assert len(ratios) == 2 and max(ratios) <= 1.1, ratios
+
+
+def test_an_embedding_deepspeed_splits_keeps_the_models_dtype(tmp_path):
+    """DeepSpeed 0.19.8 builds the embedding it splits (SwitchTransformers' `relative_attention_bias`) in the default
+    dtype, fp32, inside a bf16 model, and the sharded forward failed ("expected m1 and m2 to have the same dtype");
+    `deepspeed_compat.restore_parameter_dtypes` gives it back its dtype: every check passes in bf16 at tp 2."""
+    model = save_zoo(tmp_path / "zoo", ["switch_transformers"], "bf16")["switch_transformers"]
+    proc, report = policy_check([model], 2, tmp_path)
+    assert proc.returncode == 0 and report["ok"], proc.stdout[-3000:]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..errors import InferenceSetupError
 from ..policy import available_policies, shipped_policies
+from ..reduction import REDUCE_DTYPES
 
 
 def _policy_list(_: argparse.Namespace) -> int:
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", default="auto", choices=("auto", "fp32", "fp16", "bf16"),
                        help="check in the dtype the run will use; auto (default): the checkpoint's. In fp16/bf16 "
                             "differences are judged against the unsharded model's own rounding noise")
-    check.add_argument("--reduce-dtype", default="model", choices=("model", "fp32"),
+    check.add_argument("--reduce-dtype", default="model", choices=REDUCE_DTYPES,
                        help="the run's --reduce_dtype: fp32 sums the row-parallel partial products in fp32")
     check.set_defaults(func=_policy_check)
     matrix = psub.add_parser("matrix", help="policy check on tiny models of every architecture the project checks; "

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..arguments import DTYPES
+
 # Measured with `ds-inference policy matrix --tp-sizes 2,4 --dtype bf16` (the 107 tiny random models of the zoo saved in
 # bf16, 2026-12-04): the largest ratio of a passing split's RMS distance from fp32 to the unsharded bf16 model's, over
 # every model, hidden state and the logits, was 1.58 at tp 2 (LED) and 1.76 at tp 4 (Blenderbot); a wrong split that
@@ -36,7 +38,6 @@ from torch import nn
 # (tests/test_half_precision.py).
 FACTOR = 2.0
 HALF = (torch.float16, torch.bfloat16)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
