@@ -11,6 +11,7 @@ DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review 
 * its AutoTP parser refuses some models by class name before parsing them, and parses only the first layer of
   each class (`autotp_row_parallel`);
 * it routes any module whose printed name holds "Yuan" (HunYuan) to Yuan-specific code (`yuan_named_apart`);
+* it prints whole layers again for every linear it replaces (`modules_printed_once`);
 * it splits every subclass of nn.Linear, a router with its own forward too (`modules_kept_apart`);
 * an exception inside its sharding names no module (`autotp_replacements`: the last linear it was replacing);
 * its `deepspeed` command dies alone on SIGTERM, leaving every rank running (`end_ranks_with_the_runner`).
@@ -315,6 +316,31 @@ def yuan_named_apart(model: nn.Module):
     finally:
         for module in renamed:
             module.__dict__.pop("_get_name", None)
+
+
+# DeepSpeed 0.19 prints modules to decide (`'Yuan' in str(self.module)` for every linear it replaces,
+# `"Yuan" in str(child)` for every child whose attributes it updates, regexes over `str(model)`): each print walks
+# the whole layer again, DeepSpeed's own layers' `extra_repr` included. For a 32-layer Llama at tp 2 that was 1,476
+# prints and 0.17 of the 0.71 s `shard_model` took on a pre-sharded rank (cProfile, 2026-12-04). While it shards,
+# each module is printed once: the text a test reads is fixed when first printed. What DeepSpeed decides from it
+# does not change, because every test reads class names ("Yuan", "GLM", "Arctic", "...Model"), and the modules it
+# puts in place hold none that the original did not (Yuan_LinearLayer only where "Yuan" was already there).
+@contextlib.contextmanager
+def modules_printed_once():
+    original = nn.Module.__repr__
+    printed: dict[int, tuple[nn.Module, str]] = {}
+
+    def once(self: nn.Module) -> str:
+        hit = printed.get(id(self))
+        if hit is None or hit[0] is not self:  # the module is held, so its id is not reused while this runs
+            hit = printed[id(self)] = (self, original(self))
+        return hit[1]
+
+    nn.Module.__repr__ = once
+    try:
+        yield
+    finally:
+        nn.Module.__repr__ = original
 
 
 # DeepSpeed 0.19's AutoTP splits CodeGen's fused qkv_proj as CodeGen's own attention lays it out, in

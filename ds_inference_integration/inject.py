@@ -25,6 +25,7 @@ from .deepspeed_compat import (
     kv_heads_seen_by_deepspeed,
     lm_head_reads_any_rank,
     modules_kept_apart,
+    modules_printed_once,
     parameter_dtypes,
     plain_subclass,
     restore_buffers,
@@ -333,7 +334,7 @@ def shard_model(
     kept = buffers_kept_apart(model, dtype)
     dtypes = parameter_dtypes(model)
     with kv_heads_seen_by_deepspeed(model.config, heads), yuan_named_apart(model), modules_kept_apart(model, apart), \
-            autotp_replacements() as seen:
+            modules_printed_once(), autotp_replacements() as seen:
         try:
             engine = deepspeed.init_inference(model, **kwargs)
         except Exception as e:

@@ -9,6 +9,20 @@ Sections, in this order (the most important first, so a time-out loses the least
   fp16, run twice: plain (upstream's path: `--bf16_full_eval`/`--fp16_full_eval`, the Trainer's own
   `generate`) and with `--deepspeed_inference --inference_dtype DT` under the `deepspeed` launcher
   (tp 1). Predictions compared line for line, BLEU side by side.
+* tp2_one_gpu: tensor parallelism's GPU path on a one-GPU machine: two ranks share the GPU (NCCL refuses two
+  ranks on one device; gloo carries the CUDA tensors: `--ddp_backend gloo`, and `tools/ranks.py` picks gloo
+  itself where local ranks outnumber GPUs). `run_translation.py` and `run_generation.py` at tp 2 under
+  `torchrun` (fp32) against one plain process on the same GPU, line for line; `ds-inference policy check
+  --tp-size 2 --dtype bf16` on both embedded models (the half-precision verdict, on CUDA).
+* verdict_1b: a model of real shape (Llama-3.2-1B's config, random weights, ~1.2B parameters) saved in bf16,
+  through `policy check --tp-size 2 --dtype bf16` (both ranks on the one GPU): partings at near-ties
+  reported, anything else failed.
+* decode: greedy decode speed against its limit, a ~1.1B Llama in bf16 at batch 1, 8 and 64: plain
+  `generate`, the plugin at tp 1 (`shard_model`), and the plugin with a static cache and `torch.compile`
+  (CUDA graphs: transformers' CompileConfig, mode reduce-overhead); each with tokens/s and its fraction of
+  the memory-bandwidth bound (every decode step reads every weight once: batch x bandwidth / weight bytes,
+  bandwidth measured by a device copy and, where known, the GPU's nominal figure); the compiled tokens
+  against eager's; a profile of batch 1 (the top operators, and how much of the wall time the device is busy).
 * loading: `ds-inference bench memory --device cuda --dtype bf16 --tp-size 1` on a ~0.9B Llama built
   from a config: peak GPU memory and time to a ready model for from_pretrained, full, shard-aware and
   pre-sharded loading onto the GPU; tokens compared across the paths.
@@ -16,6 +30,10 @@ Sections, in this order (the most important first, so a time-out loses the least
   embedded GPT-2; DeepSpeed JIT-builds its inference kernels first) against the plain fp16 run.
 * engine: a ~1.1B Llama under a bare `deepspeed.init_inference`, fp16/bf16 x kernel injection on/off,
   greedy tokens/s and peak GPU memory per batch size.
+
+The smoke mode (`--smoke`, CPU) runs every section's code on tiny inputs: two CPU ranks for tp2_one_gpu,
+a tiny model of the same config family for verdict_1b and decode (compiled with torch.compile's `eager`
+backend there: the static cache and compile plumbing, not the kernels).
 
     launch/gpu_check.sh [OUT.json]                    # on the GPU machine
     python launch/gpu_check.py --smoke --out x.json   # CPU smoke run of the same code (tests use it)
@@ -44,7 +62,14 @@ TRANSLATE = ["--predict_with_generate", "--source_lang", "en", "--target_lang", 
              "--per_device_eval_batch_size", "16", "--report_to", "none"]
 GENERATE = ["--per_device_eval_batch_size", "8", "--report_to", "none"]
 LOADING_CONFIG = "2048,16,16,5504,32000"  # ~0.9B parameters, 1.75 GB in bf16
-SECTIONS = ("examples", "loading", "kernel_inject", "engine")
+SECTIONS = ("examples", "tp2_one_gpu", "decode", "verdict_1b", "loading", "kernel_inject", "engine")
+# Llama-3.2-1B's shape (its config.json, without downloading anything): 1.24B parameters, 2.5 GB in bf16
+REAL_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+               rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+# nominal memory bandwidth, bytes/s, by the name torch gives the GPU (vendors' data sheets)
+NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.04e12,
+                     "A100-SXM4-40GB": 1.56e12, "L40S": 0.864e12, "A10G": 0.6e12}
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
@@ -138,6 +163,100 @@ def examples_section(work: Path, dtypes: list[str], smoke: bool, deadline: float
                 row.get("bleu_plain") == row.get("bleu_plugin")
             rows.append(row)
     return {"rows": rows, "ok": all(r["ok"] for r in rows)}
+
+
+def torchrun(script: Path, args: list[str], nproc: int = 2) -> list[str]:
+    """`torchrun --nproc_per_node N script ...`: two ranks on a one-GPU machine (the deepspeed launcher gives
+    each rank its own GPU, and refuses more ranks than GPUs)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+
+
+def tp2_one_gpu_section(work: Path, smoke: bool, deadline: float) -> dict:
+    """Both examples at tp 2, two ranks on the one GPU (gloo), against one plain process on it; then `policy check`
+    at tp 2 in bf16 on the embedded models."""
+    limit_t = ["--max_predict_samples", "12" if smoke else "64"]
+    limit_g = ["--max_prompts", "8" if smoke else "32", "--max_new_tokens", "8" if smoke else "24"]
+    env = {"OMP_NUM_THREADS": "1"} if smoke else {}
+    jobs = {}
+    for name, script, args in (("translation", EXAMPLES / "run_translation.py", [*TRANSLATE, *limit_t]),
+                               ("generation", EXAMPLES / "run_generation.py", [*GENERATE, *limit_g])):
+        plain, plugin = work / f"tp2_{name}_plain", work / f"tp2_{name}_plugin"
+        jobs[(name, "plain")] = (plain, [sys.executable, str(script), "--output_dir", str(plain), *args])
+        jobs[(name, "plugin")] = (plugin, torchrun(script, ["--output_dir", str(plugin), *args, "--deepspeed_inference",
+                                                            "--tp_size", "2", "--ddp_backend", "gloo"]))
+    with ThreadPoolExecutor(2) as pool:  # a plain run beside a tp 2 run: three processes on the GPU at most
+        futures = {k: pool.submit(run, cmd, deadline - time.monotonic(), env) for k, (_, cmd) in jobs.items()}
+        done = {k: f.result() for k, f in futures.items()}
+    rows = []
+    for name in ("translation", "generation"):
+        p, q = done[(name, "plain")], done[(name, "plugin")]
+        row = {"script": name, "dtype": "fp32", "tp": 2, "plain": _public(p), "plugin": _public(q),
+               **compare(jobs[(name, "plain")][0], jobs[(name, "plugin")][0])}
+        row["ok"] = p["exit"] == 0 and q["exit"] == 0 and row["identical"]
+        rows.append(row)
+    check = policy_check_run(work / "tp2_policy_check.json", [str(EXAMPLES / "models" / m) for m in
+                                                               ("gpt2-num2words-en-ro", "t5-num2words-en-ro")],
+                             deadline, env)
+    return {"rows": rows, "policy_check": check, "ok": all(r["ok"] for r in rows) and check["ok"]}
+
+
+def policy_check_run(report: Path, model_dirs: list[str], deadline: float, env: dict | None = None) -> dict:
+    """`ds-inference policy check MODEL... --tp-size 2 --dtype bf16`; its verdict per check, from its json."""
+    r = run([sys.executable, "-m", "ds_inference_integration.tools.cli", "policy", "check", *model_dirs,
+             "--tp-size", "2", "--dtype", "bf16", "--json", str(report),
+             "--timeout", str(int(max(30, deadline - time.monotonic() - 10)))], deadline - time.monotonic(), env)
+    result = {"run": _public(r)}
+    if report.is_file():
+        data = json.loads(report.read_text())
+        result.update(passed=data["passed"], total=data["total"],
+                      checks=[{k: c.get(k) for k in ("model", "check", "passed", "line")} for c in data["checks"]],
+                      partings_at_near_ties=sum("near-tie" in (c.get("line") or "") for c in data["checks"]))
+    result["ok"] = r["exit"] == 0 and result.get("passed") == result.get("total", -1)
+    return result
+
+
+def verdict_1b_section(work: Path, smoke: bool, deadline: float) -> dict:
+    """A real-shape ~1B Llama (random weights) saved in bf16, through the half-precision verdict at tp 2."""
+    model_dir = work / "llama_1b_bf16"
+    build = run([sys.executable, str(Path(__file__).resolve()), "--build-1b", str(model_dir),
+                 *(["--smoke"] if smoke else [])], deadline - time.monotonic())
+    result = {"build": _public(build), "config": "tiny (smoke)" if smoke else "Llama-3.2-1B shape"}
+    if build["exit"] != 0:
+        result["ok"] = False
+        return result
+    result["parameters"] = json.loads((model_dir / "parameters.json").read_text())["parameters"]
+    result.update(policy_check_run(work / "verdict_1b.json", [str(model_dir)], deadline,
+                                   {"OMP_NUM_THREADS": "1"} if smoke else {}))
+    shutil.rmtree(model_dir, ignore_errors=True)  # 2.5 GB
+    return result
+
+
+def build_1b(out: Path, smoke: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(REAL_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512) if smoke else REAL_1B
+    config = LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu"):  # seconds on the GPU
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    write_json(out / "parameters.json", {"parameters": sum(p.numel() for p in model.parameters())})
+
+
+def decode_section(work: Path, smoke: bool, deadline: float) -> dict:
+    out = work / "decode.json"
+    r = run([sys.executable, str(Path(__file__).resolve()), "--decode-worker", str(out),
+             *(["--smoke"] if smoke else [])], deadline - time.monotonic(), {"OMP_NUM_THREADS": "1"} if smoke else {})
+    result = {"run": _public(r)}
+    if out.is_file():
+        result.update(json.loads(out.read_text()))
+    rows = result.get("rows", [])
+    result["ok"] = r["exit"] == 0 and bool(rows) and all("error" not in x for x in rows) and \
+        all(x.get("tokens_equal_eager", True) for x in rows)
+    return result
 
 
 def loading_section(work: Path, smoke: bool, deadline: float) -> dict:
@@ -278,6 +397,138 @@ def inject_matrix_worker(out: Path) -> None:
         write_json(out, {"rows": rows})
 
 
+# --- decode worker: speed against the memory-bandwidth bound, in its own process -----------------------------
+
+def decode_worker(out: Path, smoke: bool) -> None:
+    """Plain generate, the plugin at tp 1, the plugin with a static cache compiled (CUDA graphs), per batch size:
+    tokens/s and the fraction of the bound; then where batch 1's time goes."""
+    import torch
+    from transformers import CompileConfig, LlamaForCausalLM
+
+    from ds_inference_integration.arguments import DeepSpeedInferenceArguments
+    from ds_inference_integration.deepspeed_compat import init_deepspeed_comm
+    from ds_inference_integration.inject import shard_model
+    from ds_inference_integration.policy import policy_for_run
+    from ds_inference_integration.topology import ProcessGroups, Topology
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    world_of_one()
+    cfg = engine_config(smoke)
+    batch_sizes, prompt_len, new_tokens = ([1, 2], 8, 4) if smoke else ([1, 8, 64], 64, 64)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    measured = copy_bandwidth(device)
+    nominal = next((v for k, v in NOMINAL_BANDWIDTH.items() if k in name), None)
+    bound_bw = nominal or measured
+    report = {"device": name, "dtype": str(dtype).removeprefix("torch."), "weight_bytes": weight_bytes,
+              "prompt_len": prompt_len, "new_tokens": new_tokens, "bandwidth_measured_bytes_s": measured,
+              "bandwidth_nominal_bytes_s": nominal, "rows": []}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed_generate(m, ids, **kw):
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
+        with torch.no_grad():
+            m.generate(input_ids=ids, **kw)  # warm-up: the same lengths, so a static cache compiles once, here
+            sync()
+            start = time.perf_counter()
+            tokens = m.generate(input_ids=ids, **kw)
+            sync()
+        return tokens, time.perf_counter() - start
+
+    prompts = {bs: torch.randint(3, cfg.vocab_size, (bs, prompt_len), device=device) for bs in batch_sizes}
+    eager = {}
+    for bs in batch_sizes:  # plain transformers first, before the plugin touches the model
+        tokens, seconds = timed_generate(model, prompts[bs])
+        report["rows"].append(decode_row("plain generate", bs, new_tokens, seconds, weight_bytes, bound_bw))
+        eager[bs] = tokens
+    write_json(out, report)
+    init_deepspeed_comm(Topology(world_size=1, rank=0, tp_size=1))
+    args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=1)
+    model, _ = shard_model(model, args, Topology(world_size=1, rank=0, tp_size=1), ProcessGroups(None, None, None),
+                           policy_for_run("auto", model.config, 1), dtype, device=device)
+    compile_config = CompileConfig(backend="eager" if smoke else "inductor", mode=None if smoke else "reduce-overhead")
+    compile_config._compile_all_devices = smoke  # transformers compiles on GPUs only unless told
+    for label, kw in (("plugin tp 1", {}),
+                      ("plugin tp 1, static cache + torch.compile",
+                       {"cache_implementation": "static", "compile_config": compile_config})):
+        for bs in batch_sizes:
+            entry = {"path": label, "batch_size": bs}
+            try:
+                tokens, seconds = timed_generate(model, prompts[bs], **kw)
+                entry = decode_row(label, bs, new_tokens, seconds, weight_bytes, bound_bw)
+                entry["tokens_equal_eager"] = bool(torch.equal(tokens, eager[bs]))
+            except Exception as e:  # record and go on: one failing path must not lose the others
+                entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            report["rows"].append(entry)
+            print(json.dumps(entry), flush=True)
+            write_json(out, report)
+    report["compiled_faster_at"] = [
+        r["batch_size"] for r in report["rows"] if "compile" in r["path"] and "tokens_per_s" in r and any(
+            e["path"] == "plugin tp 1" and e["batch_size"] == r["batch_size"] and e.get("tokens_per_s", 1e30)
+            < r["tokens_per_s"] for e in report["rows"])]
+    report["profile_batch_1"] = profile_decode(model, prompts[batch_sizes[0]], cuda)
+    write_json(out, report)
+
+
+def decode_row(path: str, batch: int, new_tokens: int, seconds: float, weight_bytes: int, bandwidth: float) -> dict:
+    """Tokens/s and its fraction of the bound: a decode step reads every weight once, so steps/s is at most
+    bandwidth / weight bytes, and tokens/s at most batch x that (the KV cache's reads left out: a bound)."""
+    tps = batch * new_tokens / seconds
+    bound = batch * bandwidth / weight_bytes
+    return {"path": path, "batch_size": batch, "seconds": round(seconds, 4), "tokens_per_s": round(tps, 1),
+            "bound_tokens_per_s": round(bound, 1), "fraction_of_bound": round(tps / bound, 4)}
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a device-to-device copy (read + write), best of 5: what the bound is measured against where the
+    GPU's nominal figure is unknown."""
+    import torch
+
+    n = (1 << 28) if device.type == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n / best
+
+
+def profile_decode(model, ids, cuda: bool, steps: int = 8) -> dict:
+    """Where batch 1's decode time goes: the operators with the most self time (device time on a GPU), and the
+    share of the wall time the device is busy (the rest is Python and kernel launches)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        start = time.perf_counter()
+        model.generate(input_ids=ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:8]
+    busy = sum(getattr(e, key, 0) for e in events) / 1e6
+    return {"steps": steps, "wall_s": round(wall, 4), "per_step_ms": round(1e3 * wall / steps, 2),
+            "device_busy_fraction": round(busy / wall, 3) if cuda else None,
+            "top_ops": [{"op": e.key, "self_ms": round(getattr(e, key, 0) / 1e3, 2), "calls": e.count} for e in top]}
+
+
 # --- engine worker: the bare DeepSpeed engine, in its own process --------------------------------------------
 
 def engine_worker(out: Path, smoke: bool, no_inject: bool) -> None:
@@ -395,7 +646,15 @@ def main() -> int:
     parser.add_argument("--engine-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--no-inject", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--inject-matrix-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--decode-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--build-1b", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.decode_worker:
+        decode_worker(Path(args.decode_worker), args.smoke)
+        return 0
+    if args.build_1b:
+        build_1b(Path(args.build_1b), args.smoke)
+        return 0
     if args.inject_matrix_worker:
         inject_matrix_worker(Path(args.inject_matrix_worker))
         return 0
@@ -416,7 +675,8 @@ def main() -> int:
     start = time.monotonic()
     end = start + args.budget
     # seconds each section may take at most, from what is left (the last gets the rest)
-    shares = {"examples": 0.3, "loading": 0.35, "kernel_inject": 0.6, "engine": 1.0}
+    shares = {"examples": 0.2, "tp2_one_gpu": 0.2, "decode": 0.3, "verdict_1b": 0.3, "loading": 0.35,
+              "kernel_inject": 0.6, "engine": 1.0}
     dtypes = ["bf16"] if args.smoke else ["bf16", "fp16"]
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -435,6 +695,12 @@ def main() -> int:
             try:
                 if name == "examples":
                     result = examples_section(work, dtypes, args.smoke, deadline)
+                elif name == "tp2_one_gpu":
+                    result = tp2_one_gpu_section(work, args.smoke, deadline)
+                elif name == "decode":
+                    result = decode_section(work, args.smoke, deadline)
+                elif name == "verdict_1b":
+                    result = verdict_1b_section(work, args.smoke, deadline)
                 elif name == "loading":
                     result = loading_section(work, args.smoke, deadline)
                 elif name == "kernel_inject":

@@ -55,3 +55,53 @@ def test_smoke_loading_and_engine(tmp_path):
     assert {r["mode"] for r in loading["rows"]} == {"single", "full", "shard-aware", "shard-aware-get-slice",
                                                    "pre-sharded"}
     assert all(r["logits_max_abs_diff_vs_single"] == 0.0 for r in loading["rows"])
+
+
+def test_smoke_decode_and_real_shape_verdict(tmp_path):
+    """In `make test` (~25 s): the decode section (plain generate, the plugin at tp 1, the plugin with a static cache
+    compiled, each with its fraction of the bandwidth bound; batch 1 profiled) and the real-shape verdict (a model
+    of Llama-3.2-1B's config family saved in bf16, through `policy check --dtype bf16` at tp 2), on CPU."""
+    sections = gpu_check(tmp_path, "decode,verdict_1b")["sections"]
+    decode = sections["decode"]
+    assert decode["ok"], json.dumps(decode, indent=1)[:4000]
+    paths = {(r["path"], r["batch_size"]) for r in decode["rows"]}
+    assert paths == {(p, b) for p in ("plain generate", "plugin tp 1", "plugin tp 1, static cache + torch.compile")
+                     for b in (1, 2)}
+    for row in decode["rows"]:
+        assert 0 < row["fraction_of_bound"] < 1 and row["bound_tokens_per_s"] > row["tokens_per_s"] > 0
+        assert row.get("tokens_equal_eager", True)  # the plugin's and the compiled tokens against plain generate's
+    assert decode["bandwidth_measured_bytes_s"] > 1e8 and decode["profile_batch_1"]["top_ops"]
+    verdict = sections["verdict_1b"]
+    assert verdict["ok"] and verdict["passed"] == verdict["total"] == 8, json.dumps(verdict, indent=1)[:4000]
+    assert "bf16" in next(c["line"] for c in verdict["checks"] if c["check"] == "logits")
+
+
+@pytest.mark.slow
+def test_smoke_tp2_on_one_device(tmp_path):
+    """In `make test-all` (~30 s): both examples at tp 2 under torchrun with `--ddp_backend gloo` (on the GPU
+    machine, two ranks share its one GPU) against one plain process, line for line, and `policy check` at tp 2 in
+    bf16 on the embedded models. The same comparisons run in `make test` through test_translation_tp.py,
+    test_generation.py and test_half_precision.py; this one keeps the GPU check's own code for them running."""
+    section = gpu_check(tmp_path, "tp2_one_gpu")["sections"]["tp2_one_gpu"]
+    assert section["ok"], json.dumps(section, indent=1)[:4000]
+    rows = {r["script"]: r for r in section["rows"]}
+    assert rows["translation"]["lines_compared"] == 12 and rows["translation"]["identical"]
+    assert rows["generation"]["lines_compared"] == 8 and rows["generation"]["identical"]
+    assert "--ddp_backend gloo" in rows["generation"]["plugin"]["cmd"]
+    check = section["policy_check"]
+    assert check["passed"] == check["total"] == 16
+
+
+def test_ranks_sharing_a_gpu_use_gloo(monkeypatch):
+    """NCCL refuses two ranks on one device: where local ranks outnumber GPUs (tp 2 on a one-GPU machine) the
+    tools' ranks start gloo, which carries CUDA tensors; one rank per GPU keeps NCCL; CPU is gloo."""
+    import torch
+
+    from ds_inference_integration.tools.ranks import process_group_backend
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert process_group_backend(True, {"LOCAL_SIZE": "2"}) == "gloo"
+    assert process_group_backend(True, {"LOCAL_WORLD_SIZE": "1"}) == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert process_group_backend(True, {"LOCAL_SIZE": "8"}) == "nccl"
+    assert process_group_backend(False, {"LOCAL_SIZE": "1"}) == "gloo"

@@ -103,6 +103,12 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+    # and what the sharding imports on first use, once per process: DeepSpeed's expert-parallel and Triton modules
+    # (`init_inference`), transformers' GPT-2 (DeepSpeed's AutoTP compares every layer class with GPT2Block), our
+    # policy verifier: 0.05 s of a pre-sharded rank's 0.34 s (a 32-layer Llama, tp 2, cProfile, 2026-12-04)
+    for module in ("deepspeed.inference.engine", "deepspeed.module_inject.auto_ep_layer",
+                   "transformers.models.gpt2.modeling_gpt2", "ds_inference_integration.verify_policy"):
+        importlib.import_module(module)
 
     device, dtype = torch.device(device_name), DTYPES[dtype_name]
     cuda = device.type == "cuda"
@@ -182,9 +188,11 @@ def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float, d
     return [json.loads(p.read_text()) for p in outs]
 
 
-def _ratios(rows: list[dict]) -> dict:
-    """One repeat's ratios: the worst rank of each path over the single process (or over the full load)."""
+def _ratios(rows: list[dict], modes: tuple[str, ...] = MODES) -> dict:
+    """One repeat's ratios: the worst rank of each path over the single process (and over the full load, where
+    it ran)."""
     single = next(r for r in rows if r["mode"] == "single")
+    paths = [m for m in modes if m != "single"]
 
     def worst(mode, key):
         return max(r[key] for r in rows if r["mode"] == mode)
@@ -192,35 +200,40 @@ def _ratios(rows: list[dict]) -> dict:
     def both(r):
         return r["ready_s"] + r["generate_s"]
 
-    full_both = max(both(r) for r in rows if r["mode"] == "full")
     ratios = {
-        "peak_rss_per_rank_over_single": {m: worst(m, "peak_rss_mb") / single["peak_rss_mb"] for m in MODES[1:]},
+        "peak_rss_per_rank_over_single": {m: worst(m, "peak_rss_mb") / single["peak_rss_mb"] for m in paths},
         # the same without what the interpreter and libraries hold before loading starts
         "model_rss_per_rank_over_single": {
             m: max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in rows if r["mode"] == m)
-            / (single["peak_rss_mb"] - single["baseline_rss_mb"]) for m in MODES[1:]},
-        "ready_time_over_full": {m: worst(m, "ready_s") / worst("full", "ready_s") for m in MODES[1:]},
-        "ready_time_over_single": {m: worst(m, "ready_s") / single["ready_s"] for m in MODES[1:]},
-        "ready_plus_first_generate_over_full": {
-            m: max(both(r) for r in rows if r["mode"] == m) / full_both for m in MODES[1:]},
+            / (single["peak_rss_mb"] - single["baseline_rss_mb"]) for m in paths},
+        "ready_time_over_single": {m: worst(m, "ready_s") / single["ready_s"] for m in paths},
+        "ready_plus_first_generate_over_single": {
+            m: max(both(r) for r in rows if r["mode"] == m) / both(single) for m in paths},
     }
+    if "full" in paths:
+        full_both = max(both(r) for r in rows if r["mode"] == "full")
+        ratios["ready_time_over_full"] = {m: worst(m, "ready_s") / worst("full", "ready_s") for m in paths}
+        ratios["ready_plus_first_generate_over_full"] = {
+            m: max(both(r) for r in rows if r["mode"] == m) / full_both for m in paths}
     if "peak_gpu_mb" in single:
-        ratios["peak_gpu_per_rank_over_single"] = {m: worst(m, "peak_gpu_mb") / single["peak_gpu_mb"]
-                                                   for m in MODES[1:]}
+        ratios["peak_gpu_per_rank_over_single"] = {m: worst(m, "peak_gpu_mb") / single["peak_gpu_mb"] for m in paths}
     return ratios
 
 
 def bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None = None,
-                 timeout: float = 1200, device: str = "cpu", dtype: str = "fp32", repeats: int = 3) -> int:
+                 timeout: float = 1200, device: str = "cpu", dtype: str = "fp32", repeats: int = 3,
+                 modes: tuple[str, ...] = MODES) -> int:
     """`device` cuda puts each rank's model on its GPU (NCCL) and adds peak GPU memory (allocated by torch) to
-    every row; `dtype` is the dtype of the built checkpoint and of every loaded model."""
+    every row; `dtype` is the dtype of the built checkpoint and of every loaded model; `modes` the paths run
+    (single, the reference, always)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    modes = ("single", *(m for m in MODES[1:] if m in modes))
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as work:  # the model and its copies: gigabytes
-        return _bench_memory(config_spec, tp, out_dir, model_dir, timeout, Path(work), device, dtype, repeats)
+        return _bench_memory(config_spec, tp, out_dir, model_dir, timeout, Path(work), device, dtype, repeats, modes)
 
 
 def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | None, timeout: float, work: Path,
-                  device: str = "cpu", dtype: str = "fp32", repeats: int = 3) -> int:
+                  device: str = "cpu", dtype: str = "fp32", repeats: int = 3, modes: tuple[str, ...] = MODES) -> int:
     from .shard_command import run_shard
 
     t0 = time.perf_counter()
@@ -232,14 +245,14 @@ def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | Non
     print(f"model: {src} ({size / 2**20:.0f} MiB of safetensors; built in {time.perf_counter() - t0:.0f} s)", flush=True)
     presharded = work / f"presharded_tp{tp}"
     t0 = time.perf_counter()
-    if run_shard(str(src), tp, str(presharded), dtype=dtype, timeout=timeout) != 0:
+    if "pre-sharded" in modes and run_shard(str(src), tp, str(presharded), dtype=dtype, timeout=timeout) != 0:
         return 1
     shard_seconds = time.perf_counter() - t0
     rows = []
     import torch
 
     for repeat in range(repeats):  # every path once per repeat: each ratio per repeat, then their spread
-        for mode in MODES:
+        for mode in modes:
             for r in _run_mode(mode, presharded if mode == "pre-sharded" else src, tp, work, timeout, device, dtype):
                 r["repeat"] = repeat
                 rows.append(r)
@@ -253,7 +266,7 @@ def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | Non
                 r["logits_max_abs_diff_vs_single"] = float((logits - reference).abs().max())
     single = next(r for r in rows if r["mode"] == "single")
     tokens_same = all(r["tokens"] == single["tokens"] for r in rows)
-    per_repeat = [_ratios([r for r in rows if r["repeat"] == i]) for i in range(repeats)]
+    per_repeat = [_ratios([r for r in rows if r["repeat"] == i], modes) for i in range(repeats)]
     ratios = {name: {m: spread(rs[name][m] for rs in per_repeat) for m in per_repeat[0][name]}
               for name in per_repeat[0]}
     result = {"model_dir": str(src), "checkpoint_mb": round(size / 2**20, 1), "config": config_spec, "tp": tp,
@@ -270,7 +283,7 @@ def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | Non
                      f"| {r['ready_s']:.2f} | {r['generate_s']:.2f} |")
     lines += ["", f"Greedy tokens identical across all paths and repeats: {tokens_same}", "",
               f"Ratios, worst rank of each path, median (min, max) over {repeats} repeats:", "",
-              "| ratio | " + " | ".join(MODES[1:]) + " |", "|---|" + "---|" * len(MODES[1:])]
+              "| ratio | " + " | ".join(modes[1:]) + " |", "|---|" + "---|" * len(modes[1:])]
     for name, by_mode in ratios.items():
         lines.append(f"| {name} | " + " | ".join(
             f"{v['median']:.2f} ({v['min']:.2f}, {v['max']:.2f})" for v in by_mode.values()) + " |")

@@ -138,10 +138,15 @@ def _shard(ns: argparse.Namespace) -> int:
 
 
 def _bench_memory(ns: argparse.Namespace) -> int:
-    from .bench_memory import bench_memory
+    from .bench_memory import MODES, bench_memory
 
+    modes = tuple(m for m in ns.modes.split(",") if m)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"error: --modes {bad[0]!r} is not a loading path; valid: {', '.join(MODES)}", file=sys.stderr)
+        return 2
     return bench_memory(ns.config, ns.tp_size, Path(ns.output_dir), ns.model, ns.timeout, ns.device, ns.dtype,
-                        ns.repeats)
+                        ns.repeats, modes)
 
 
 def _summary(ns: argparse.Namespace) -> int:
@@ -253,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--timeout", type=float, default=1200)
     mem.add_argument("--repeats", type=int, default=3, help="every path this many times; ratios with their spread")
     mem.add_argument("--output-dir", default="bench_out")
+    mem.add_argument("--modes", default="single,full,shard-aware,shard-aware-get-slice,pre-sharded",
+                     help="the loading paths to run, comma-separated (single, the reference, always runs)")
     mem.set_defaults(func=_bench_memory)
     shard = sub.add_parser("shard", help="write a pre-sharded copy of a model directory (one file per rank)")
     shard.add_argument("model_dir")

@@ -71,8 +71,20 @@ def init_rank(timeout: float, device_type: str | None = None):
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", topology.rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(process_group_backend(cuda), timeout=datetime.timedelta(seconds=timeout))
     return topology, device
+
+
+def process_group_backend(cuda: bool, environ=os.environ) -> str:
+    """NCCL with one GPU per rank; gloo on CPU, and where local ranks share GPUs (tp 2 on a one-GPU machine, the
+    GPU check's way to run the GPU path of tensor parallelism there): NCCL refuses two ranks on one device, gloo
+    carries CUDA tensors."""
+    import torch
+
+    if not cuda:
+        return "gloo"
+    local = int(environ.get("LOCAL_SIZE") or environ.get("LOCAL_WORLD_SIZE") or environ.get("WORLD_SIZE") or 1)
+    return "nccl" if local <= torch.cuda.device_count() else "gloo"
 
 
 def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[int]:
