@@ -80,9 +80,9 @@ class CorpusBleu(_SummedStatistics):
     def __init__(self):
         import logging
 
-        from sacrebleu.metrics import BLEU
+        from .extras import optional_import
 
-        self.bleu = BLEU()
+        self.bleu = optional_import("sacrebleu.metrics", "BLEU").BLEU()
         logging.getLogger(__name__).info("BLEU is computed with sacrebleu (what evaluate's sacrebleu script wraps) "
                                          "from per-example n-gram statistics")
 
@@ -125,8 +125,9 @@ class Rouge(_SummedStatistics):
     def __init__(self, use_stemmer: bool = True, seed: int = 42, split_sentences: bool = True):
         import logging
 
-        from rouge_score import rouge_scorer
+        from .extras import optional_import
 
+        rouge_scorer = optional_import("rouge_score.rouge_scorer", "ROUGE")
         self.scorer = rouge_scorer.RougeScorer(list(self.KEYS), use_stemmer=use_stemmer)
         self.seed = seed
         log = logging.getLogger(__name__)
@@ -137,8 +138,7 @@ class Rouge(_SummedStatistics):
         # (upstream fetches it at start); without it a text's own lines are its sentences, said in one line.
         self.sentences = None
         if split_sentences:
-            import nltk
-
+            nltk = optional_import("nltk", "ROUGE-Lsum")
             try:
                 nltk.data.find("tokenizers/punkt_tab")
                 self.sentences = nltk.sent_tokenize
@@ -170,7 +170,10 @@ class Rouge(_SummedStatistics):
 
     def _score(self, every: list[dict], n: int) -> dict:
         import numpy as np
-        from rouge_score import scoring
+
+        from .extras import optional_import
+
+        scoring = optional_import("rouge_score.scoring", "ROUGE")
 
         aggregator = scoring.BootstrapAggregator()
         for example in every:
@@ -221,7 +224,7 @@ class WordErrorRate(_SummedStatistics):
 
 def word_errors(prediction: str, reference: str) -> tuple[int, int]:
     """(substitutions + deletions + insertions, reference words) of one pair, by jiwer's minimal alignment."""
-    import jiwer
+    from .extras import optional_import
 
-    out = jiwer.process_words(reference, prediction)
+    out = optional_import("jiwer", "WER").process_words(reference, prediction)
     return out.substitutions + out.deletions + out.insertions, out.substitutions + out.deletions + out.hits

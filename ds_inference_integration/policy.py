@@ -27,10 +27,10 @@ import fnmatch
 import functools
 import inspect
 import os
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
 from torch import nn
 
 from .attention import FUSED_LAYOUTS

@@ -81,3 +81,58 @@ def test_tools_that_need_the_repository_examples_say_so_in_one_line(tmp_path, mo
     # called in a script's (here the tests') own process, the bench functions leave its logging alone: the
     # benches quiet repeated warnings in their own processes only (a test that ran after this one lost its logs)
     assert logging.getLogger("ds_inference_integration").level == level
+
+
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
+    """Without an extra's package the library says, in one line, which extra installs it: BLEU without sacrebleu
+    ([metrics]), the examples' data files without datasets ([examples]), `ds-inference bench generation` without
+    matplotlib ([bench], before any measurement), and the command line prints it as one `error:` line."""
+    import pytest
+
+    from ds_inference_integration import data_files, metrics
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.tools import cli
+
+    for module in ("sacrebleu", "sacrebleu.metrics", "datasets", "matplotlib"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import` raises ImportError, as for a package not installed
+    with pytest.raises(InferenceSetupError, match=r"^BLEU needs sacrebleu, which is not installed; valid: pip install "
+                                                  r"'ds-inference-integration\[metrics\]'$"):
+        metrics.CorpusBleu()
+    data = tmp_path / "test.json"
+    data.write_text('{"a": 1}\n')
+    with pytest.raises(InferenceSetupError, match=r"needs datasets, .*\[examples\]'$"):
+        data_files.load_data_files({"test": str(data)})
+    code = cli.main(["bench", "generation", "--output-dir", str(tmp_path / "bench")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["error: ds-inference bench generation needs datasets, which is not installed; valid: "
+                                 "pip install 'ds-inference-integration[examples]'"], err
+
+
+def test_the_wheel_requires_only_what_the_library_imports(tmp_path):
+    """The built wheel's unconditional requirements are the core (torch, transformers, deepspeed, accelerate,
+    safetensors, numpy); everything else is behind an extra, each extra installing the packages that
+    `extras.EXTRAS` says it adds."""
+    import re
+    import zipfile
+
+    from ds_inference_integration.extras import EXTRAS
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(REPO)], check=True, timeout=180, cwd=tmp_path, capture_output=True)
+    wheel = next(tmp_path.glob("ds_inference_integration-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+
+    def name(req):
+        return re.split(r"[\s\[<>=;!~]", req, maxsplit=1)[0].lower().replace("-", "_")
+
+    core = {name(r) for r in requires if "extra ==" not in r}
+    assert core == {"torch", "transformers", "deepspeed", "accelerate", "safetensors", "numpy"}, core
+    by_extra = {}
+    for r in requires:
+        if m := re.search(r'extra == "(\w+)"', r):
+            by_extra.setdefault(m.group(1), set()).add(name(r))
+    for extra, packages in EXTRAS.items():
+        assert set(packages) <= by_extra[extra], (extra, by_extra.get(extra))
+    assert "ds_inference_integration" in by_extra["examples"]  # [examples] brings [metrics] with it

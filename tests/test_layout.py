@@ -72,3 +72,24 @@ def test_no_import_cycle():
         if module not in state:
             visit(module, [module])
     assert len(graph) > 20
+
+
+def test_extras_packages_are_imported_only_through_optional_import():
+    """The package's core dependencies are what it imports; an extra's package (metrics, examples, bench) is
+    imported only by `extras.optional_import`, so that an install without the extra imports none of it, and a
+    command that needs it says which extra in one line (issue #29: `pip install` pulled matplotlib, scipy,
+    soundfile, nltk, jiwer, rouge_score, datasets into every training environment)."""
+    from ds_inference_integration.extras import EXTRAS
+
+    optional = {p for packages in EXTRAS.values() for p in packages}
+    offenders = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{_module_name(path)}:{node.lineno} {n}" for n in names if n.split(".")[0] in optional]
+    assert not offenders, offenders

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..errors import InferenceSetupError
+from ..extras import optional_import
 from ..memory import PeakRss
 from ..topology import threads_per_rank
 
@@ -59,6 +60,7 @@ def _predict(nprocs: int, extra: list[str], out: Path) -> dict:
 
 def bench_guard(repeats: int, nprocs: int, output: Path) -> int:
     example_path(RUN_TRANSLATION, "ds-inference bench guard")
+    optional_import("datasets", "ds-inference bench guard (it runs examples/run_translation.py)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
@@ -141,11 +143,12 @@ def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: 
     import time
 
     import torch
-    from datasets import Dataset
     from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
 
     from ..metrics import GeneratedTokens
     from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
+
+    Dataset = optional_import("datasets", "ds-inference bench generation").Dataset
 
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     with tempfile.TemporaryDirectory(prefix="bench_trainer_") as output_dir:
@@ -221,7 +224,6 @@ def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_token
     runs on the Trainer's sharded model and `predict_to_file` through the Trainer, alternating."""
     import torch
     import torch.distributed as dist
-    from datasets import Dataset, disable_progress_bars
     from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
 
     from ..arguments import DeepSpeedInferenceArguments
@@ -231,7 +233,9 @@ def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_token
     from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
 
     quiet_repeated_warnings()
-    disable_progress_bars()
+    datasets = optional_import("datasets", "ds-inference bench generation")
+    Dataset = datasets.Dataset
+    datasets.disable_progress_bars()
     topology = Topology.from_env()
     model, tokenizer = _decoder_for_batches(model_dir)
     prompts = read_prompts(prompts_file, max_prompts)
@@ -372,6 +376,8 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
                      max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3) -> int:
     from transformers import AutoTokenizer
 
+    for module in ("datasets", "matplotlib"):  # before any measurement: the plot comes last
+        optional_import(module, "ds-inference bench generation")
     if not Path(prompts_file).is_file():
         if Path(prompts_file) == DEFAULT_PROMPTS:
             example_path(DEFAULT_PROMPTS, "ds-inference bench generation", "--prompts FILE")
@@ -489,9 +495,8 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
     (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    optional_import("matplotlib", "ds-inference bench generation's plot").use("Agg")
+    plt = optional_import("matplotlib.pyplot", "ds-inference bench generation's plot")
 
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):

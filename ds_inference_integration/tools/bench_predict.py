@@ -40,6 +40,10 @@ def bench_predict(model: str | None, test_file: str | None, scales: list[int], r
     if not scales or min(scales) < 1 or repeats < 1 or nprocs < 1 or batch_size < 1:
         raise InferenceSetupError(f"--scales {scales}, --repeats {repeats}, --nprocs {nprocs}, --batch-size "
                                   f"{batch_size}: each must be at least 1")
+    from ..extras import optional_import
+
+    for module in ("datasets", "sacrebleu"):  # the ranks import them: said here once, before any rank starts
+        optional_import(module, "ds-inference bench predict")
     rows = [line for line in test_file.read_text(encoding="utf-8").splitlines() if line.strip()][:max_examples]
     out_dir.mkdir(parents=True, exist_ok=True)
     import torch
@@ -119,9 +123,7 @@ def _worker(work: str, path: str, model_dir: str, test_file: str, batch_size: in
     import hashlib
 
     import numpy as np
-    import sacrebleu
     import torch
-    from datasets import disable_progress_bars, load_dataset
     from transformers import (
         AutoModelForSeq2SeqLM,
         AutoTokenizer,
@@ -138,7 +140,12 @@ def _worker(work: str, path: str, model_dir: str, test_file: str, batch_size: in
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    disable_progress_bars()
+    from ..extras import optional_import
+
+    sacrebleu = optional_import("sacrebleu", "ds-inference bench predict")
+    datasets = optional_import("datasets", "ds-inference bench predict")
+    datasets.disable_progress_bars()
+    load_dataset = datasets.load_dataset
     quiet_repeated_warnings()
     topology = Topology.from_env()
     tok = AutoTokenizer.from_pretrained(model_dir)
