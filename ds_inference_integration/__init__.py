@@ -1,20 +1,20 @@
 """DeepSpeed tensor-parallel inference for Hugging Face `Trainer.predict`/`evaluate`.
 
-The flow, one module per step:
-    arguments  -> DeepSpeedInferenceArguments (the --deepspeed_inference flag family);
-                  argument_parser: InferenceArgumentParser, upstream's parser with them prepared
+The flow, one folder per step (each folder's __init__ says what is in it):
+    arguments, argument_parser -> the --deepspeed_inference flag family, upstream's parser with it
     topology   -> Topology (world = tp x dp), process groups, the mesh accelerate reads
-    policy     -> policies/*.toml, validated against the real model
-    loading    -> the model built on meta; each rank reads only its shard (checkpoint: the reader,
+    policy/    -> 1. which linears are row-parallel, how heads are laid out: policies/*.toml checked
+                  against the real model (schema), derived where no file exists (derive), checked
+                  numerically where nobody has (verify)
+    load/      -> 2. the model built on meta; each rank reads only its shard (loaders, checkpoint,
                   presharded: the directory format of `ds-inference shard`)
-    inference_setup -> setup_inference: all of the above for one rank, with or without a Trainer
-    inject     -> deepspeed.init_inference, in place (attention: head splits DeepSpeed cannot do;
-                  verify_policy: a policy nobody checked, checked)
-    trainer    -> same batches per TP group, gather once per replica, rows in input order
-                  (lockstep: the guard; length_grouping: --group_by_length in predict)
-                  (files: atomic outputs; watchdog: a rank that stops answering ends the run;
-                  lifecycle: how a rank exits)
-    errors     -> the one-line errors; deepspeed_compat: every DeepSpeed-version workaround
+    shard/     -> 3. deepspeed.init_inference in place (setup: setup_inference for one rank; inject;
+                  attention, experts, mixers: the splits DeepSpeed cannot do)
+    predict/   -> 4. the Trainer mixin: same batches per TP group, gather once per replica, rows in
+                  input order; lockstep guard, length grouping, streaming and resume, metrics
+    run/       -> around every step: how a rank exits, the watchdog, atomic files, the output lock
+    errors     -> the one-line errors; deepspeed_compat: every DeepSpeed-version workaround;
+                  extras: the optional packages and the extra that installs each
 
 Our tools (the `ds-inference` commands, the policy checker, the benchmarks, rank launching) are in
 `ds_inference_integration.tools`, apart from this library.
@@ -27,7 +27,7 @@ from .arguments import (
     translate_legacy_args,
 )
 from .errors import InferenceSetupError
-from .policy import (
+from .policy.schema import (
     Policy,
     available_policies,
     build_injection_policy,
@@ -44,13 +44,13 @@ __version__ = "0.1.0"
 # command line (`ds-inference policy list`, ...) does not pay for them.
 _LAZY = {
     "InferenceArgumentParser": "argument_parser",
-    "load_model": "loading",
-    "setup_inference": "inference_setup",
-    "InferenceSetup": "inference_setup",
+    "load_model": "load.loaders",
+    "setup_inference": "shard.setup",
+    "InferenceSetup": "shard.setup",
     "LockstepError": "errors",
-    "DeepSpeedInferenceMixin": "trainer",
-    "DeepSpeedInferenceSeq2SeqTrainer": "trainer",
-    "DeepSpeedInferenceTrainer": "trainer",
+    "DeepSpeedInferenceMixin": "predict.trainer",
+    "DeepSpeedInferenceSeq2SeqTrainer": "predict.trainer",
+    "DeepSpeedInferenceTrainer": "predict.trainer",
 }
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from . import output_dir
 from .arguments import DeepSpeedInferenceArguments, prepare_argv, run_defaults, world_size_from_env
 from .errors import InferenceSetupError
+from .run import output_dir
 
 
 class InferenceArgumentParser(HfArgumentParser):

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InferenceSetupError  # noqa: F401  (also importable from here, as before)
-from .reduction import REDUCE_DTYPES
+
+REDUCE_DTYPES = ("model", "fp32")  # --reduce_dtype: the row-parallel sums in the model's dtype, or in fp32
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POLICY_MODES = ("auto", "autotp", "derive")

@@ -16,7 +16,7 @@ DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review 
 * an exception inside its sharding names no module (`autotp_replacements`: the last linear it was replacing);
 * its `deepspeed` command dies alone on SIGTERM, leaving every rank running (`end_ranks_with_the_runner`).
 
-Elsewhere, because it is the substance of a module rather than a patch: `attention.py` splits the
+Elsewhere, because it is the substance of a module rather than a patch: `shard/attention.py` splits the
 projections DeepSpeed 0.19.8 splits wrongly (fused QKV, fewer KV heads than ranks). Not worked around:
 DeepSpeed treats any linear named `down_proj` as row-parallel whatever a policy says, which every shipped
 policy agrees with (the policy checker would show a disagreement).
@@ -371,7 +371,7 @@ def autotp_row_parallel(model: nn.Module) -> list[tuple[type, list[str]]]:
 
     from deepspeed.module_inject.auto_tp import AutoTP
 
-    from .policy import layer_kind
+    from .policy.schema import layer_kind
 
     kinds: dict[int, tuple] = {}  # each layer's kind, computed once for the whole parse
 

@@ -36,12 +36,12 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
-from ds_inference_integration.data_files import check_data_file
-from ds_inference_integration.files import atomic_path
-from ds_inference_integration.lifecycle import run_main
-from ds_inference_integration.loading import load_model
-from ds_inference_integration.memory import memory_mb
-from ds_inference_integration.metrics import GeneratedTokens
+from ds_inference_integration.load.loaders import load_model
+from ds_inference_integration.predict.data_files import check_data_file
+from ds_inference_integration.predict.metrics import GeneratedTokens
+from ds_inference_integration.run.files import atomic_path
+from ds_inference_integration.run.lifecycle import run_main
+from ds_inference_integration.run.memory import memory_mb
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)

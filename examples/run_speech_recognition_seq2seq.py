@@ -8,7 +8,7 @@ relative to the manifest, and a `text` column), read with soundfile, mixed down 
 feature extractor's rate, then turned into what the model reads by the model's own feature extractor, as upstream
 does. Every clip is checked before the model loads: a missing or unreadable file, an empty clip, or a sampling
 rate that cannot be resampled ends in one `error:` line naming the file. Metric: WER x 100
-(`ds_inference_integration.metrics.WordErrorRate`) and the mean generated length. With no data or model
+(`ds_inference_integration.predict.metrics.WordErrorRate`) and the mean generated length. With no data or model
 arguments it uses the embedded clips (`examples/data/numspeech`, numbers read by espeak-ng, made by
 `make_speech_data.py`) and the embedded model trained on such clips (`train_default_speech.py`). Single process:
 
@@ -45,11 +45,11 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
-from ds_inference_integration.data_files import load_data_files
-from ds_inference_integration.lifecycle import run_main
-from ds_inference_integration.loading import check_model_kind, load_model
-from ds_inference_integration.metrics import WordErrorRate
-from ds_inference_integration.positions import check_lengths_fit
+from ds_inference_integration.load.loaders import check_model_kind, load_model
+from ds_inference_integration.predict.data_files import load_data_files
+from ds_inference_integration.predict.metrics import WordErrorRate
+from ds_inference_integration.predict.positions import check_lengths_fit
+from ds_inference_integration.run.lifecycle import run_main
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
 Data: json-lines files with a text and a summary column (`--text_column`, `--summary_column`; by default
 `document` and `summary`, as XSum). With no data arguments it uses the embedded synthetic set
 (`examples/data/numsum`, made by `make_summarization_data.py`). Metrics: ROUGE-1/2/L/Lsum and the mean
-generated length, as upstream reports them (`ds_inference_integration.metrics.Rouge`). Single process:
+generated length, as upstream reports them (`ds_inference_integration.predict.metrics.Rouge`). Single process:
 
     python examples/run_summarization.py --model_name_or_path MODEL_DIR --output_dir out --do_predict \
         --predict_with_generate --source_prefix 'summarize: '
@@ -40,11 +40,11 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
-from ds_inference_integration.data_files import check_texts, load_data_files
-from ds_inference_integration.lifecycle import run_main
-from ds_inference_integration.loading import check_model_kind, load_model
-from ds_inference_integration.metrics import Rouge
-from ds_inference_integration.positions import check_lengths_fit
+from ds_inference_integration.load.loaders import check_model_kind, load_model
+from ds_inference_integration.predict.data_files import check_texts, load_data_files
+from ds_inference_integration.predict.metrics import Rouge
+from ds_inference_integration.predict.positions import check_lengths_fit
+from ds_inference_integration.run.lifecycle import run_main
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)

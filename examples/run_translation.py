@@ -40,11 +40,11 @@ from ds_inference_integration import (
     parse_args_into_dataclasses,
     policy_for_run,
 )
-from ds_inference_integration.data_files import check_texts, load_data_files
-from ds_inference_integration.lifecycle import run_main
-from ds_inference_integration.loading import check_model_kind, load_model
-from ds_inference_integration.metrics import CorpusBleu
-from ds_inference_integration.positions import check_lengths_fit, check_sources_fit
+from ds_inference_integration.load.loaders import check_model_kind, load_model
+from ds_inference_integration.predict.data_files import check_texts, load_data_files
+from ds_inference_integration.predict.metrics import CorpusBleu
+from ds_inference_integration.predict.positions import check_lengths_fit, check_sources_fit
+from ds_inference_integration.run.lifecycle import run_main
 from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
-from ds_inference_integration.metrics import WordErrorRate
+from ds_inference_integration.predict.metrics import WordErrorRate
 
 HERE = Path(__file__).parent
 VOICES = [(s, p) for s in (150, 200, 250) for p in (35, 50, 65)]  # espeak-ng's speed (words/min) and pitch

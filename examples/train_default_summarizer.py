@@ -40,7 +40,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from ds_inference_integration.metrics import Rouge
+from ds_inference_integration.predict.metrics import Rouge
 
 HERE = Path(__file__).parent
 PREFIX = "summarize: "

@@ -52,7 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ds_inference_integration.files import write_text_atomic
+from ds_inference_integration.run.files import write_text_atomic
 from ds_inference_integration.tools.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -407,8 +407,8 @@ def decode_worker(out: Path, smoke: bool) -> None:
 
     from ds_inference_integration.arguments import DeepSpeedInferenceArguments
     from ds_inference_integration.deepspeed_compat import init_deepspeed_comm
-    from ds_inference_integration.inject import shard_model
-    from ds_inference_integration.policy import policy_for_run
+    from ds_inference_integration.policy.schema import policy_for_run
+    from ds_inference_integration.shard.inject import shard_model
     from ds_inference_integration.topology import ProcessGroups, Topology
 
     cuda = torch.cuda.is_available() and not smoke

@@ -129,7 +129,7 @@ def run_in_process(args: list[str], output_dir: Path, script: Path = RUN_TRANSLA
     name = script.stem
     if name not in _EXAMPLES:
         _EXAMPLES[name] = load_example(name)
-    from ds_inference_integration import output_dir as locks
+    from ds_inference_integration.run import output_dir as locks
 
     start = time.monotonic()
     try:
@@ -260,7 +260,7 @@ def _output_locks_end_with_the_test():
     this process is that run's whole process, so the lock ends with the test (a later launched run into the same
     directory is then another run that follows it, not one beside it)."""
     yield
-    from ds_inference_integration import output_dir
+    from ds_inference_integration.run import output_dir
 
     output_dir.release_all()
 

@@ -161,7 +161,7 @@ def test_help_returns_zero(capsys):
     """In this process, through the scripts' own exit rules (`run_main`): --help prints the flag family and
     returns 0. (How a process ends on a bad argument, below, needs a process.)"""
     from conftest import load_example
-    from ds_inference_integration.lifecycle import run_main
+    from ds_inference_integration.run.lifecycle import run_main
 
     assert run_main(load_example("run_generation").main, ["--help"]) == 0
     out, err = capsys.readouterr()

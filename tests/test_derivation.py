@@ -8,8 +8,8 @@ import torch
 import transformers as tr
 
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.derivation import derive_policy
-from ds_inference_integration.policy import load_policy, policy_to_toml
+from ds_inference_integration.policy.derive import derive_policy
+from ds_inference_integration.policy.schema import load_policy, policy_to_toml
 
 COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, vocab_size=96,
               pad_token_id=0, bos_token_id=1, eos_token_id=1)
@@ -82,7 +82,7 @@ def test_an_attention_no_rank_can_compute_from_its_own_heads_is_kept_whole(caplo
 
 
 def test_replicated_modules_are_read_written_and_refused_when_they_name_nothing(tmp_path):
-    from ds_inference_integration.inject import replicate_modules
+    from ds_inference_integration.shard.inject import replicate_modules
 
     path = tmp_path / "p.toml"
     path.write_text('model_types = ["x"]\n[layers.LlamaDecoderLayer]\nrow_parallel = ["mlp.down_proj"]\n'

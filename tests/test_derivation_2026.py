@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.derivation import derive_policy
-from ds_inference_integration.loading import model_class_for
+from ds_inference_integration.load.loaders import model_class_for
+from ds_inference_integration.policy.derive import derive_policy
 from ds_inference_integration.tools.architecture_zoo import ZOO
 
 
@@ -28,7 +28,7 @@ def zoo_model(name):
 def test_a_dense_first_moe_splits_the_experts_of_its_later_layers(name, layer):
     """Layer 0 is dense (`first_k_dense_replace`), layers 1-2 hold experts: the first instance alone has none, and
     the run held 75% of the weights per rank at tp 2 (issue #27). Both kinds are checked numerically, too."""
-    from ds_inference_integration.verify_policy import first_layers
+    from ds_inference_integration.policy.verify import first_layers
 
     model = zoo_model(name)
     policy = derive_policy(model)
@@ -37,7 +37,7 @@ def test_a_dense_first_moe_splits_the_experts_of_its_later_layers(name, layer):
 
 
 @pytest.mark.parametrize("name, whole, mixers", [
-    # state-space, convolution and linear-attention mixers: split by their heads or channels (`mixers.py`)
+    # state-space, convolution and linear-attention mixers: split by their heads or channels (`shard/mixers.py`)
     ("mamba2", set(), {"mixer"}), ("mamba", set(), {"mixer"}), ("falcon_h1", set(), {"mamba"}),
     ("lfm2", set(), {"conv"}), ("jamba", set(), {"mamba"}), ("bamba", set(), {"mamba"}),
     ("nemotron_h", set(), {"mixer@NemotronHMamba2Mixer"}),  # its attention layers' mixer is split by the table
@@ -97,7 +97,7 @@ def test_deepspeed_sees_no_yuan_in_hunyuan_and_the_class_is_untouched():
                                    AttributeError("no attribute 'num_heads'"), RuntimeError("shape '[3, 2]' is invalid")])
 def test_any_exception_of_a_sharded_forward_is_one_line_naming_the_innermost_module(error, monkeypatch):
     """ProphetNet's ValueError escaped the run's check (which caught RuntimeError only) as a traceback."""
-    from ds_inference_integration.verify_policy import verify_sharded_layers
+    from ds_inference_integration.policy.verify import verify_sharded_layers
 
     model = zoo_model("llama")
 
@@ -114,7 +114,7 @@ def test_any_exception_of_a_sharded_forward_is_one_line_naming_the_innermost_mod
 
 def test_a_rank_holding_what_should_be_split_is_warned_naming_the_modules():
     """The share against the target: split linears count 1/tp, routers and replicated modules whole."""
-    from ds_inference_integration.weight_share import full_sizes, measure
+    from ds_inference_integration.shard.weight_share import full_sizes, measure
 
     model = zoo_model("mixtral")
     patterns = ["MixtralDecoderLayer"]
@@ -143,8 +143,9 @@ def test_each_packed_expert_layout_splits_into_partial_sums_that_add_up_to_the_w
     hidden]")."""
     import copy
 
-    from ds_inference_integration import experts as experts_module
-    from ds_inference_integration.experts import is_packed_experts, split_experts
+    from ds_inference_integration.policy.kinds import is_packed_experts
+    from ds_inference_integration.shard import experts as experts_module
+    from ds_inference_integration.shard.experts import split_experts
 
     monkeypatch.setattr(experts_module, "_all_reduce_output", lambda group: lambda m, a, out: None)  # no group
     model = zoo_model(name)
@@ -173,7 +174,7 @@ def test_each_packed_expert_layout_splits_into_partial_sums_that_add_up_to_the_w
 
 
 def test_a_layout_still_unknown_is_refused_naming_the_tensors_and_the_layouts_known():
-    from ds_inference_integration.experts import split_experts
+    from ds_inference_integration.shard.experts import split_experts
 
     odd = nn.Module()
     odd.gate_up_proj = nn.Parameter(torch.zeros(4, 96, 64))
@@ -188,8 +189,8 @@ def test_a_replicated_path_naming_a_linear_keeps_that_linear_whole():
     replicated path were kept whole, so DeepSpeed split the router by rows and the logits were 7.7 off at tp 2.
     A linear subclass with a forward of its own (Llama 4's router returns scores and logits) is set apart
     instead, to be hidden from DeepSpeed while it splits."""
-    from ds_inference_integration.attention import ColumnShard
-    from ds_inference_integration.inject import replicate_modules
+    from ds_inference_integration.shard.attention import ColumnShard
+    from ds_inference_integration.shard.inject import replicate_modules
 
     model = zoo_model("hunyuan_v1_moe")
     policy = derive_policy(model)
@@ -222,7 +223,7 @@ def test_a_cross_attention_with_the_same_heads_is_split_by_the_same_table_writte
     same, and a table without `also` keeps the identity it had before the key existed."""
     import dataclasses
 
-    from ds_inference_integration.policy import load_policy, policy_identity, policy_to_toml
+    from ds_inference_integration.policy.schema import load_policy, policy_identity, policy_to_toml
 
     policy = derive_policy(zoo_model("t5gemma"))
     assert policy.attention.also == ("cross_attn",) and not policy.replicated
@@ -234,7 +235,7 @@ def test_a_cross_attention_with_the_same_heads_is_split_by_the_same_table_writte
     assert policy_identity(plain) != policy_identity(policy)
     # the shipped llama.toml's identity as the code before `also` computed it (ec1ca83): pre-sharded
     # directories written then still match
-    from ds_inference_integration.policy import POLICY_DIR
+    from ds_inference_integration.policy.schema import POLICY_DIR
 
     assert policy_identity(load_policy(POLICY_DIR / "llama.toml")) == "930d13df0ce29ce8"
 
@@ -280,8 +281,8 @@ def test_a_per_head_output_gate_keeps_the_query_heads_where_the_table_splits_the
     against 32 query rows each at tp 4: "The size of tensor a (32) must match the size of tensor b (64)"). It keeps
     this rank's heads now; the output projection (the query's width in, as the gate's out when they are square) is
     left to DeepSpeed's row split."""
-    from ds_inference_integration.attention import ColumnShard, HeadLayout
-    from ds_inference_integration.inject import split_attention
+    from ds_inference_integration.shard.attention import ColumnShard, HeadLayout
+    from ds_inference_integration.shard.inject import split_attention
 
     model = zoo_model("afmoe")
     policy = derive_policy(model)

@@ -9,8 +9,8 @@ import torch
 import transformers as tr
 
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.derivation import derive_policy
-from ds_inference_integration.experts import split_experts
+from ds_inference_integration.policy.derive import derive_policy
+from ds_inference_integration.shard.experts import split_experts
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=1)
@@ -60,8 +60,8 @@ def test_an_inner_size_that_does_not_divide_is_refused_with_the_valid_sizes():
 def test_shard_aware_loading_reads_only_this_ranks_slices_of_each_expert(name, tmp_path):
     """The checkpoint holds one tensor per expert and projection (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj);
     each rank's packed tensors come out bitwise equal to the full load's, split."""
-    from ds_inference_integration.checkpoint import SafetensorsCheckpoint, checkpoint_files
-    from ds_inference_integration.loading import ShardAwareLoader, build_skeleton, plan_keys
+    from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files
+    from ds_inference_integration.load.loaders import ShardAwareLoader, build_skeleton, plan_keys
 
     full = model_of(name)
     full.save_pretrained(tmp_path)

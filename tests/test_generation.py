@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES, assert_ok, run_example, run_in_process
-from ds_inference_integration.length_grouping import padding_fraction, unsort
+from ds_inference_integration.predict.length_grouping import padding_fraction, unsort
 
 RUN_GENERATION = EXAMPLES / "run_generation.py"
 PROMPTS = EXAMPLES / "data" / "prompts.txt"
@@ -128,7 +128,7 @@ def test_the_2026_families_predict_at_tp2_as_one_process_through_the_example(nam
 
     import torch
 
-    from ds_inference_integration.loading import model_class_for
+    from ds_inference_integration.load.loaders import model_class_for
     from ds_inference_integration.tools.architecture_zoo import ZOO
 
     default = EXAMPLES / "models" / "gpt2-num2words-en-ro"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_policies_tp import KINDS, policy_check, policy_cli
 
-from ds_inference_integration.policy import POLICY_DIR, resolve_policy
+from ds_inference_integration.policy.schema import POLICY_DIR, resolve_policy
 from ds_inference_integration.tools import rounding
 from ds_inference_integration.tools.architecture_zoo import ZOO, save_zoo
 
@@ -139,7 +139,7 @@ def test_the_skeleton_makes_every_buffer_as_from_pretrained_does(dtype, tmp_path
     the full load."""
     from transformers import AutoConfig
 
-    from ds_inference_integration.loading import build_skeleton, model_class_for
+    from ds_inference_integration.load.loaders import build_skeleton, model_class_for
 
     different = []
     for name in ZOO:
@@ -170,8 +170,8 @@ def test_fp32_sums_round_a_row_parallel_layer_once_as_one_device_does(monkeypatc
     from torch import nn
     from torch.nn import functional as F
 
-    from ds_inference_integration.mixers import RowShard
-    from ds_inference_integration.reduction import reduce_in_fp32
+    from ds_inference_integration.shard.mixers import RowShard
+    from ds_inference_integration.shard.reduction import reduce_in_fp32
 
     torch.manual_seed(0)
     weight = torch.randn(64, 512).to(torch.bfloat16)

@@ -83,15 +83,14 @@ def test_tools_that_need_the_repository_examples_say_so_in_one_line(tmp_path, mo
     assert logging.getLogger("ds_inference_integration").level == level
 
 
-def test_a_missing_extra_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, tmp_path):
     """Without an extra's package the library says, in one line, which extra installs it: BLEU without sacrebleu
     ([metrics]), the examples' data files without datasets ([examples]), `ds-inference bench generation` without
     matplotlib ([bench], before any measurement), and the command line prints it as one `error:` line."""
     import pytest
 
-    from ds_inference_integration import data_files, metrics
     from ds_inference_integration.errors import InferenceSetupError
-    from ds_inference_integration.tools import cli
+    from ds_inference_integration.predict import data_files, metrics
 
     for module in ("sacrebleu", "sacrebleu.metrics", "datasets", "matplotlib"):
         monkeypatch.setitem(sys.modules, module, None)  # `import` raises ImportError, as for a package not installed
@@ -102,10 +101,14 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch, tmp_path, capsys):
     data.write_text('{"a": 1}\n')
     with pytest.raises(InferenceSetupError, match=r"needs datasets, .*\[examples\]'$"):
         data_files.load_data_files({"test": str(data)})
-    code = cli.main(["bench", "generation", "--output-dir", str(tmp_path / "bench")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == ["error: ds-inference bench generation needs datasets, which is not installed; valid: "
-                                 "pip install 'ds-inference-integration[examples]'"], err
+    # the command line, in its own process (the bench commands quiet the process's logging)
+    blocked = "import sys; sys.modules.update(datasets=None, matplotlib=None); "
+    proc = subprocess.run([sys.executable, "-c", blocked + "from ds_inference_integration.tools.cli import main; "
+                           f"sys.exit(main(['bench', 'generation', '--output-dir', {str(tmp_path / 'bench')!r}]))"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: ds-inference bench generation needs datasets, which is not installed; valid: "
+        "pip install 'ds-inference-integration[examples]'"], proc.stderr[-2000:]
 
 
 def test_the_wheel_requires_only_what_the_library_imports(tmp_path):

@@ -1,6 +1,6 @@
-"""The package's shape, read from its source (no import): the library a user's script imports never imports the
-tools, and no two modules import each other at import time (a cycle, such as the one arguments <-> topology had
-for one exception class)."""
+"""The package's shape, read from its source (no import): one folder per step of the flow, none importing a later
+step; the library a user's script imports never imports the tools; no two modules import each other at import
+time (a cycle, such as the one arguments <-> topology had for one exception class)."""
 
 import ast
 from pathlib import Path
@@ -48,6 +48,37 @@ def test_the_library_never_imports_the_tools():
     offenders = {_module_name(p): sorted(i for i in _imports(p, top_level_only=False) if ".tools" in i)
                  for p in library}
     assert not {m: i for m, i in offenders.items() if i}, offenders
+
+
+# The flow's folders, in order: a step imports the steps before it, never one after it (a module may still import
+# one of a later step lazily, inside a function, only where this table allows it: none does). `run` (how a rank
+# exits, the watchdog, atomic files) is beside the flow: every step may use it, it uses none of them.
+FLOW = ("policy", "load", "shard", "predict")
+NEVER = {step: set(FLOW[i + 1:]) for i, step in enumerate(FLOW)}
+NEVER["run"] = set(FLOW)
+
+
+def _folder(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else "top"
+
+
+def test_each_step_of_the_flow_is_a_folder_that_never_imports_a_later_one():
+    """policy/ -> load/ -> shard/ -> predict/, with run/ beside them: every import (at import time or inside a
+    function) goes back along the flow, never forward; each folder's __init__ says what its step is."""
+    for step in (*FLOW, "run"):
+        init = PACKAGE / step / "__init__.py"
+        assert init.is_file() and ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))), step
+    offenders = []
+    for path in _modules():
+        name = _module_name(path)
+        for imported in _imports(path, top_level_only=False):
+            if _folder(imported) in NEVER.get(_folder(name), ()):
+                offenders.append(f"{name} imports {imported}")
+    assert not offenders, offenders
+    assert not list(PACKAGE.glob("[a-z]*.py")) or {p.stem for p in PACKAGE.glob("*.py")} <= {
+        "__init__", "arguments", "argument_parser", "errors", "topology", "deepspeed_compat", "extras"}, \
+        "at the top: the flags, the topology, the errors, DeepSpeed's workarounds, the extras; the rest in a step's folder"
 
 
 def test_no_import_cycle():

@@ -377,10 +377,10 @@ def test_the_lock_is_held_by_one_process_and_ends_with_it(tmp_path):
     """Another process cannot take a held directory; the lock goes with the process that held it (no stale lock)."""
     import sys
 
-    from ds_inference_integration import output_dir
     from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.run import output_dir
 
-    code = ("import sys; from ds_inference_integration import output_dir; output_dir.claim(sys.argv[1]); "
+    code = ("import sys; from ds_inference_integration.run import output_dir; output_dir.claim(sys.argv[1]); "
             "print('held', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

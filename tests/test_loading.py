@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
-from ds_inference_integration.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
-from ds_inference_integration.loading import is_skeleton, load_model
+from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
+from ds_inference_integration.load.loaders import is_skeleton, load_model
 from ds_inference_integration.tools.ranks import free_port
 from tiny_models import save_decoder
 
@@ -37,7 +37,7 @@ def cli(*args, timeout=300, env=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reader_returns_exactly_the_selected_rows_and_columns(tmp_path, dtype, monkeypatch):
-    import ds_inference_integration.checkpoint as ckpt_module
+    import ds_inference_integration.load.checkpoint as ckpt_module
 
     monkeypatch.setattr(ckpt_module, "CHUNK_BYTES", 50_000)  # force several chunks per read
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def presharded(tmp_path_factory):
 
 
 def test_shard_command_writes_one_file_per_rank_and_a_manifest(presharded):
-    from ds_inference_integration.presharded import read_manifest
+    from ds_inference_integration.load.presharded import read_manifest
 
     src, out, stdout = presharded
     manifest = read_manifest(out)
@@ -162,13 +162,13 @@ def _copy(presharded, tmp_path):
 
 
 def _problem(out, manifest, rank):
-    from ds_inference_integration.presharded import verify_rank_files
+    from ds_inference_integration.load.presharded import verify_rank_files
 
     return verify_rank_files(manifest, out, rank)
 
 
 def test_presharded_directory_that_does_not_fit_the_run_is_refused(presharded, tmp_path):
-    from ds_inference_integration.presharded import check_manifest
+    from ds_inference_integration.load.presharded import check_manifest
 
     src, out, manifest = _copy(presharded, tmp_path)
     policy, f32 = manifest["policy"], torch.float32

@@ -1,6 +1,6 @@
-"""The one host-memory meter (ds_inference_integration.memory): a block's own peak, not the process's."""
+"""The one host-memory meter (ds_inference_integration.run.memory): a block's own peak, not the process's."""
 
-from ds_inference_integration.memory import PeakRss, memory_mb
+from ds_inference_integration.run.memory import PeakRss, memory_mb
 
 
 def test_peak_of_a_block_is_its_own():

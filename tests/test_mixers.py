@@ -1,4 +1,4 @@
-"""State-space, linear-attention and convolution mixers split by their heads or channels (`mixers.py`), in this process:
+"""State-space, linear-attention and convolution mixers split by their heads or channels (`shard/mixers.py`), in this process:
 each rank a thread holding its own split copy of one zoo model's mixer, DeepSpeed's inference all-reduce replaced by
 one that sums the threads' tensors in rank order. Every rank's output must be the whole mixer's. Through real ranks,
 both loading paths and generation with the cache, the same layouts are `policy check`'s (`test_policies_tp.py`,
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.loading import model_class_for
-from ds_inference_integration.mixers import is_ssm_mixer, split_ssm_mixer, ssm_layout, ssm_mixers
+from ds_inference_integration.load.loaders import model_class_for
+from ds_inference_integration.policy.kinds import is_ssm_mixer, ssm_layout
+from ds_inference_integration.shard.mixers import split_ssm_mixer, ssm_mixers
 from ds_inference_integration.tools.architecture_zoo import ZOO
 
 
@@ -119,7 +120,7 @@ def test_every_rank_of_a_split_mixer_gives_the_whole_mixers_output(name, tp, lay
 def test_a_wrong_norm_split_is_caught(monkeypatch):
     """The check above can fail: a norm that divides each rank's sum of squares by its own width (what the mixer's
     norm would do with its weight merely sliced) parts from the whole mixer."""
-    from ds_inference_integration import mixers
+    from ds_inference_integration.shard import mixers
 
     mixer, hidden = first_mixer("mamba2")
     x = torch.randn(2, 7, hidden)
@@ -154,8 +155,8 @@ def test_a_derived_policy_with_mixers_is_written_and_read_back_with_its_own_iden
     mixers keeps the identity it had before the key existed (pre-sharded directories name it)."""
     import dataclasses
 
-    from ds_inference_integration.derivation import derive_policy
-    from ds_inference_integration.policy import load_policy, policy_identity, policy_to_toml
+    from ds_inference_integration.policy.derive import derive_policy
+    from ds_inference_integration.policy.schema import load_policy, policy_identity, policy_to_toml
 
     config = ZOO["nemotron_h"]()
     policy = derive_policy(model_class_for(config).from_config(config))

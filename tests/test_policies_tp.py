@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import BIN, save_tiny_model
-from ds_inference_integration.attention import HeadLayout, split_fused_qkv
-from ds_inference_integration.policy import load_policy, policy_to_toml
+from ds_inference_integration.policy.schema import load_policy, policy_to_toml
+from ds_inference_integration.shard.attention import HeadLayout, split_fused_qkv
 from tiny_models import DECODERS, KEPT_WHOLE, save_decoder, save_kept_whole
 
 SEQ2SEQ = ("t5", "mt5", "bart", "mbart", "marian")
@@ -204,7 +204,7 @@ def test_policy_cli_list_show_suggest(model_dirs, capsys):
 
 
 def test_policy_to_toml_round_trips_every_shipped_policy(tmp_path):
-    from ds_inference_integration.policy import policy_identity, shipped_policies
+    from ds_inference_integration.policy.schema import policy_identity, shipped_policies
 
     policies = shipped_policies()
     assert sum(p.attention is not None for p in policies) >= 4  # fused QKV and KV-replicating files are in the set
@@ -221,8 +221,8 @@ def test_policy_id_covers_the_attention_table(tmp_path):
     """A directory pre-sharded under one head layout must not load under another: the id hashes [attention]."""
     import dataclasses
 
-    from ds_inference_integration.loading import policy_id
-    from ds_inference_integration.policy import POLICY_DIR
+    from ds_inference_integration.load.loaders import policy_id
+    from ds_inference_integration.policy.schema import POLICY_DIR
 
     gpt2 = load_policy(POLICY_DIR / "gpt2.toml")
     variants = [

@@ -12,7 +12,7 @@ from ds_inference_integration import (
     load_policy,
     resolve_policy,
 )
-from ds_inference_integration.policy import DERIVE
+from ds_inference_integration.policy.schema import DERIVE
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""positions.py: sources and targets longer than an encoder-decoder's learned positions end in one line naming the
+"""predict/positions.py: sources and targets longer than an encoder-decoder's learned positions end in one line naming the
 flag and the limit (they were an IndexError in the forward: LED's decoder, found by the summarization example)."""
 
 import pytest
 import transformers as tr
 
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.positions import check_lengths_fit, check_sources_fit, decoder_positions
+from ds_inference_integration.predict.positions import check_lengths_fit, check_sources_fit, decoder_positions
 
 
 def test_each_family_s_decoder_positions():

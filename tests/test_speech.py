@@ -20,7 +20,7 @@ from conftest import (
     save_tiny_whisper,
 )
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.metrics import WordErrorRate, word_errors
+from ds_inference_integration.predict.metrics import WordErrorRate, word_errors
 
 RUN_SPEECH = EXAMPLES / "run_speech_recognition_seq2seq.py"
 DATA = EXAMPLES / "data" / "numspeech"
@@ -168,7 +168,7 @@ def test_the_probe_forward_fits_each_speech_model(kind, tmp_path):
     import torch
     from transformers import AutoModelForSpeechSeq2Seq
 
-    from ds_inference_integration.verify_policy import _probe_inputs
+    from ds_inference_integration.policy.verify import _probe_inputs
 
     model = AutoModelForSpeechSeq2Seq.from_pretrained(SPEECH_MODELS[kind](tmp_path / kind)).eval()
     with torch.no_grad():

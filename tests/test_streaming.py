@@ -1,4 +1,4 @@
-"""Streamed, resumable predict (streaming.py, metrics.py, `predict_to_file`) in one process: the same
+"""Streamed, resumable predict (predict/streaming.py, predict/metrics.py, `predict_to_file`) in one process: the same
 predictions and metrics as the in-memory path, a crash resumed without generating anything twice, a resume
 of a different run refused, data without references. The multi-rank kills are in test_resume_tp.py."""
 
@@ -12,8 +12,8 @@ import torch
 
 from conftest import save_tiny_model
 from ds_inference_integration.errors import InferenceSetupError
-from ds_inference_integration.metrics import CorpusBleu
-from ds_inference_integration.streaming import (
+from ds_inference_integration.predict.metrics import CorpusBleu
+from ds_inference_integration.predict.streaming import (
     PartWriter,
     complete_length,
     merge_parts,
@@ -167,9 +167,9 @@ def test_a_crash_is_resumed_without_generating_anything_twice(tiny_t5, tmp_path,
     monkeypatch.setattr(type(trainer), "prediction_step", original)
     calls.clear()
     trainer, data, _ = make_trainer(tiny_t5, tmp_path / "crash")  # the same command again
-    monkeypatch.setattr("ds_inference_integration.streaming.PROGRESS_EVERY_SECONDS", 0.0)  # a line per batch
+    monkeypatch.setattr("ds_inference_integration.predict.streaming.PROGRESS_EVERY_SECONDS", 0.0)  # a line per batch
     caplog.clear()
-    with caplog.at_level("INFO", logger="ds_inference_integration.streaming"):
+    with caplog.at_level("INFO", logger="ds_inference_integration.predict.streaming"):
         got = trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
     assert f"resumed: 8 of {len(WORDS)} examples already done" in caplog.text
     # one progress line for the whole job, counting from what was already done
@@ -190,7 +190,7 @@ def test_a_crash_during_the_merge_loses_nothing_and_generates_nothing_again(tiny
     import contextlib
     import os
 
-    from ds_inference_integration import streaming
+    from ds_inference_integration.predict import streaming
 
     trainer, data, _ = make_trainer(tiny_t5, tmp_path / "whole")
     want = trainer.predict_to_file(data, metric=CorpusBleu(), max_new_tokens=6)
@@ -234,7 +234,7 @@ def identity_before_generating(trainer, data, monkeypatch, **gen):
         identity = ident
         raise RuntimeError("stop before generating")
 
-    monkeypatch.setattr("ds_inference_integration.streaming.open_run", keep)
+    monkeypatch.setattr("ds_inference_integration.predict.streaming.open_run", keep)
     with pytest.raises(RuntimeError, match="stop before generating"):
         trainer.predict_to_file(data, metric=CorpusBleu(), **gen)
     monkeypatch.undo()
@@ -244,7 +244,7 @@ def identity_before_generating(trainer, data, monkeypatch, **gen):
 def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(tiny_t5, tmp_path, monkeypatch):
     trainer, data, _ = make_trainer(tiny_t5, tmp_path)
     (tmp_path / "predict_parts").mkdir()
-    from ds_inference_integration.streaming import open_run
+    from ds_inference_integration.predict.streaming import open_run
 
     identity = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
     open_run(tmp_path / "predict_parts", identity, fresh=True)
@@ -263,7 +263,7 @@ def test_a_resume_with_another_model_or_layout_is_refused_naming_what_differs(ti
     another path), another batch size, or another tp / dp layout is refused in one line naming the field."""
     import dataclasses
 
-    from ds_inference_integration.streaming import open_run
+    from ds_inference_integration.predict.streaming import open_run
 
     trainer, data, _ = make_trainer(tiny_t5, tmp_path)
     identity = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
@@ -363,7 +363,7 @@ def _swap_indices(lines):
 
 
 def _line(record) -> bytes:
-    from ds_inference_integration.streaming import encode_record
+    from ds_inference_integration.predict.streaming import encode_record
 
     return encode_record(record)
 
@@ -425,7 +425,7 @@ def test_a_checkpoint_replaced_by_another_of_the_same_size_is_not_resumed(tiny_t
 
 
 def test_a_large_weight_file_is_fingerprinted_by_samples_of_its_contents(tmp_path, monkeypatch):
-    from ds_inference_integration import streaming
+    from ds_inference_integration.predict import streaming
 
     monkeypatch.setattr(streaming, "SAMPLED_ABOVE", 1000)
     monkeypatch.setattr(streaming, "SAMPLE_BYTES", 16)

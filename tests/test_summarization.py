@@ -8,7 +8,7 @@ import pytest
 
 from conftest import EXAMPLES, assert_ok, load_example, run_example, run_in_process, save_tiny_model
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.metrics import Rouge
+from ds_inference_integration.predict.metrics import Rouge
 
 RUN_SUMMARIZATION = EXAMPLES / "run_summarization.py"
 
@@ -66,7 +66,7 @@ def test_rouge_equals_evaluates_rouge_where_it_loads():
 def test_streamed_rouge_equals_the_corpus_and_merges_in_input_order(tmp_path):
     """Per-example statistics through JSON and two replicas' part files give the in-memory numbers: the merge adds
     them in input order, which the bootstrap needs (in another order its resamples differ)."""
-    from ds_inference_integration.streaming import PartWriter, merge_parts, part_path
+    from ds_inference_integration.predict.streaming import PartWriter, merge_parts, part_path
 
     rouge = Rouge()
     whole = rouge.corpus(PREDICTIONS, REFERENCES, LENS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DEFAULT_MODEL, TRANSLATE_ARGS, run_example, run_in_process, save_tiny_model
-from ds_inference_integration.length_grouping import unsort
+from ds_inference_integration.predict.length_grouping import unsort
 
 SOURCES = ["one hundred", "seven", "twenty two", "nine thousand", "forty", "three", "eleven", "sixty five", "two"]
 
@@ -124,7 +124,7 @@ def test_replica_loader_refuses_iterable_data_across_replicas_and_never_dispatch
     from torch.utils.data import IterableDataset
 
     from ds_inference_integration import InferenceSetupError, Topology
-    from ds_inference_integration.trainer import DeepSpeedInferenceMixin
+    from ds_inference_integration.predict.trainer import DeepSpeedInferenceMixin
 
     class Stream(IterableDataset):
         def __iter__(self):

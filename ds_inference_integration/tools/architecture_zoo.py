@@ -279,7 +279,7 @@ def save_zoo(root: Path, names: list[str] | None = None, dtype: str = "fp32") ->
     `policy check` reads it); returns name -> directory."""
     import torch
 
-    from ..loading import model_class_for
+    from ..load.loaders import model_class_for
 
     dirs = {}
     for name in names or list(ZOO):
@@ -301,7 +301,7 @@ def save_zoo(root: Path, names: list[str] | None = None, dtype: str = "fp32") ->
 def fits(name: str, tp: int) -> str | None:
     """Why the tiny `name` cannot run at `tp` (its head counts), or None."""
     from ..errors import InferenceSetupError
-    from ..policy import check_head_counts, resolve_policy
+    from ..policy.schema import check_head_counts, resolve_policy
 
     config = ZOO[name]()
     try:
@@ -349,7 +349,7 @@ def table(reports: dict[int, dict]) -> str:
 
 
 def write_readme(readme: Path, text: str) -> None:
-    from ..files import write_text_atomic
+    from ..run.files import write_text_atomic
 
     content = readme.read_text(encoding="utf-8")
     if TABLE_START not in content or TABLE_END not in content:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import InferenceSetupError
 from ..extras import optional_import
-from ..memory import PeakRss
+from ..run.memory import PeakRss
 from ..topology import threads_per_rank
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: ds_inference_integration/tools/bench.py
@@ -145,8 +145,8 @@ def _trainer(model, tokenizer, prompts: list[str], batch_size: int, new_tokens: 
     import torch
     from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
 
-    from ..metrics import GeneratedTokens
-    from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
+    from ..predict.metrics import GeneratedTokens
+    from ..predict.trainer import DeepSpeedInferenceSeq2SeqTrainer
 
     Dataset = optional_import("datasets", "ds-inference bench generation").Dataset
 
@@ -227,10 +227,10 @@ def _paired_worker(model_dir: str, prompts_file: str, batch_size: int, new_token
     from transformers import DataCollatorWithPadding, Seq2SeqTrainingArguments
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..memory import memory_mb
-    from ..metrics import GeneratedTokens
+    from ..predict.metrics import GeneratedTokens
+    from ..predict.trainer import DeepSpeedInferenceSeq2SeqTrainer
+    from ..run.memory import memory_mb
     from ..topology import Topology
-    from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
 
     quiet_repeated_warnings()
     datasets = optional_import("datasets", "ds-inference bench generation")
@@ -297,7 +297,7 @@ def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tok
     import torch.distributed as dist
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..inference_setup import setup_inference
+    from ..shard.setup import setup_inference
     from .ranks import init_rank
 
     quiet_repeated_warnings()
@@ -310,7 +310,7 @@ def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tok
     start = time.perf_counter()
     count = _generate_loop(model, tokenizer, prompts, batch_size, gen)
     seconds = time.perf_counter() - start
-    from ..memory import memory_mb
+    from ..run.memory import memory_mb
 
     peaks = [None] * topology.world_size
     dist.all_gather_object(peaks, round(memory_mb("VmHWM"), 1))

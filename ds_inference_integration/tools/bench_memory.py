@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..memory import memory_mb
+from ..run.memory import memory_mb
 from .bench import spread
 from .ranks import failure_text, start_ranks, wait_ranks
 
@@ -38,7 +38,7 @@ GET_SLICE = "shard-aware-get-slice"  # shard-aware, every read through safetenso
 def _read_with_get_slice(self, name, rows=None, cols=None, dtype=None, view=False):
     """`SafetensorsCheckpoint.read` done with safetensors' `get_slice` alone (what the reader would be without
     its own positioned reads): the side-by-side measurement behind keeping them for column selections and
-    dtype changes (checkpoint.py's docstring)."""
+    dtype changes (load/checkpoint.py's docstring)."""
     import torch
 
     e = self.entries[name]
@@ -89,9 +89,9 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments
     from ..deepspeed_compat import init_deepspeed_comm
-    from ..inject import shard_model
-    from ..loading import load_model
-    from ..policy import policy_for_run
+    from ..load.loaders import load_model
+    from ..policy.schema import policy_for_run
+    from ..shard.inject import shard_model
     from ..topology import Topology, init_process_groups
     from .ranks import init_rank
 
@@ -107,7 +107,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     # (`init_inference`), transformers' GPT-2 (DeepSpeed's AutoTP compares every layer class with GPT2Block), our
     # policy verifier: 0.05 s of a pre-sharded rank's 0.34 s (a 32-layer Llama, tp 2, cProfile, 2026-12-04)
     for module in ("deepspeed.inference.engine", "deepspeed.module_inject.auto_ep_layer",
-                   "transformers.models.gpt2.modeling_gpt2", "ds_inference_integration.verify_policy"):
+                   "transformers.models.gpt2.modeling_gpt2", "ds_inference_integration.policy.verify"):
         importlib.import_module(module)
 
     device, dtype = torch.device(device_name), DTYPES[dtype_name]
@@ -139,7 +139,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size)
         policy = policy_for_run("auto", config, topology.tp_size)
         if mode == GET_SLICE:
-            from ..checkpoint import SafetensorsCheckpoint
+            from ..load.checkpoint import SafetensorsCheckpoint
 
             SafetensorsCheckpoint.read = _read_with_get_slice
         model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=dtype,

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..files import write_text_atomic
+from ..run.files import write_text_atomic
 from ..topology import threads_per_rank
 from .bench import REPO, example_path, spread
 

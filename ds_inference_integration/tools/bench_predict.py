@@ -133,10 +133,10 @@ def _worker(work: str, path: str, model_dir: str, test_file: str, batch_size: in
     )
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..memory import PeakRss, memory_mb
-    from ..metrics import CorpusBleu
+    from ..predict.metrics import CorpusBleu
+    from ..predict.trainer import DeepSpeedInferenceSeq2SeqTrainer
+    from ..run.memory import PeakRss, memory_mb
     from ..topology import Topology
-    from ..trainer import DeepSpeedInferenceSeq2SeqTrainer
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()

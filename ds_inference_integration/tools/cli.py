@@ -27,9 +27,9 @@ import json
 import sys
 from pathlib import Path
 
+from ..arguments import REDUCE_DTYPES
 from ..errors import InferenceSetupError
-from ..policy import available_policies, shipped_policies
-from ..reduction import REDUCE_DTYPES
+from ..policy.schema import available_policies, shipped_policies
 
 
 def _policy_list(_: argparse.Namespace) -> int:
@@ -56,8 +56,8 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # library log lines must not mix into the TOML
         from transformers import AutoConfig
 
-        from ..derivation import derive_policy
-        from ..policy import policy_for_config, policy_to_toml
+        from ..policy.derive import derive_policy
+        from ..policy.schema import policy_for_config, policy_to_toml
 
         config = AutoConfig.from_pretrained(ns.model_dir)
         shipped = policy_for_config(config)

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..files import write_text_atomic
-from ..weight_share import TOLERANCE
+from ..run.files import write_text_atomic
+from ..shard.weight_share import TOLERANCE
 from .ranks import failure_text, start_ranks, wait_ranks
 
 LOGIT_RTOL = 1e-4
@@ -123,7 +123,7 @@ def _pad_id(config) -> int:
 def _inputs(config, torch, main_input: str = "input_ids"):
     """Three prompts of different lengths; decoder-only prompts are left-padded. A speech model gets three
     random audio inputs of the shape it reads (`verify_policy.random_speech_inputs`)."""
-    from ..verify_policy import SPEECH_INPUTS, random_speech_inputs
+    from ..policy.verify import SPEECH_INPUTS, random_speech_inputs
 
     g = torch.Generator().manual_seed(0)
     if main_input in SPEECH_INPUTS:
@@ -271,7 +271,7 @@ def _run_model_naming_failures(model, inputs, torch, steps: bool = False) -> dic
     """`_run_model`, but an exception of any type the model raises names the module it happened in (the
     innermost one, `verify_policy.track_modules`)."""
     from ..errors import first_line, sharding_failure
-    from ..verify_policy import track_modules
+    from ..policy.verify import track_modules
 
     inside = track_modules(model)
     try:
@@ -286,7 +286,7 @@ def _run_model_naming_failures(model, inputs, torch, steps: bool = False) -> dic
 
 def _policy_name(policy) -> str:
     """How the report names the policy: a shipped file's name, "derived", "autotp", or the file's path."""
-    from ..policy import POLICY_DIR
+    from ..policy.schema import POLICY_DIR
 
     if policy is None:
         return "autotp"
@@ -304,10 +304,10 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from transformers import AutoConfig
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..inject import shard_model
-    from ..loading import model_class_for
-    from ..policy import check_head_counts, resolve_policy
-    from ..verify_policy import main_input_name
+    from ..load.loaders import model_class_for
+    from ..policy.schema import check_head_counts, resolve_policy
+    from ..policy.verify import main_input_name
+    from ..shard.inject import shard_model
     from .rounding import DTYPES, HALF
 
     name = Path(model_dir).name
@@ -352,7 +352,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     else:
         _fp32_checks(got, want, check, check_tokens, torch)
 
-    share = report.weight_share  # what inject.shard_model measured against the policy's target (weight_share.py)
+    share = report.weight_share  # what inject.shard_model measured against the policy's target (shard/weight_share.py)
     mine = torch.tensor([share.held, share.full, round(share.target_elements)], dtype=torch.long)
     every = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
     dist.all_gather(every, mine, group=groups.tp)
@@ -428,10 +428,10 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
     every tensor of this rank's shard bitwise equal, and greedy token ids equal."""
     import torch
 
-    from ..checkpoint import checkpoint_files
-    from ..inject import shard_model
-    from ..loading import load_model, policy_id
-    from ..presharded import start_writing, write_presharded
+    from ..load.checkpoint import checkpoint_files
+    from ..load.loaders import load_model, policy_id
+    from ..load.presharded import start_writing, write_presharded
+    from ..shard.inject import shard_model
 
     if checkpoint_files(Path(model_dir)) is None:
         yield False, "loading_shard-aware", "loading: no safetensors weights, shard-aware loading not checked", {}

@@ -21,8 +21,8 @@ from .ranks import failure_text, start_ranks, wait_ranks
 def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", dtype: str = "fp32",
               timeout: float = 1800) -> int:
     from ..arguments import DTYPES
-    from ..checkpoint import checkpoint_files
-    from ..presharded import start_writing
+    from ..load.checkpoint import checkpoint_files
+    from ..load.presharded import start_writing
 
     src, out = Path(model_dir), Path(out_dir)
     if not (src / "config.json").is_file():
@@ -39,7 +39,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
         print(f"error: --dtype {dtype!r} is invalid; valid: {', '.join(DTYPES)}", file=sys.stderr)
         return 2
     if policy not in ("auto", "autotp", "derive"):
-        from ..policy import load_policy
+        from ..policy.schema import load_policy
 
         load_policy(policy)  # a missing or malformed policy file: one line now, before any rank starts
     if out.resolve() == src.resolve():
@@ -68,7 +68,7 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
 
 def _presharded_before(out: Path) -> bool:
     """A directory `shard` wrote before, completely or not (a manifest, rank files, or their temporary files)."""
-    from ..presharded import MANIFEST, RANK_FILE
+    from ..load.presharded import MANIFEST, RANK_FILE
 
     return any(p.name == MANIFEST or RANK_FILE.fullmatch(p.name) or (p.name.startswith(".rank-") and
                                                                       p.name.endswith(".tmp"))
@@ -80,10 +80,10 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
     from ..deepspeed_compat import init_deepspeed_comm
-    from ..inject import shard_model
-    from ..loading import load_model, model_class_for, policy_id
-    from ..policy import policy_for_run
-    from ..presharded import write_presharded
+    from ..load.loaders import load_model, model_class_for, policy_id
+    from ..load.presharded import write_presharded
+    from ..policy.schema import policy_for_run
+    from ..shard.inject import shard_model
     from ..topology import init_process_groups
     from .ranks import init_rank
 

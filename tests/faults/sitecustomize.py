@@ -146,11 +146,11 @@ if KIND == "slow_start":
 
         time.sleep(float(_seconds))
 
-PATCHES = {"ds_inference_integration.files": _patch_files} if KIND == "fail_write" else (
+PATCHES = {"ds_inference_integration.run.files": _patch_files} if KIND == "fail_write" else (
     {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
     {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else
-    {"ds_inference_integration.inject": _patch_half_scale} if KIND == "half_scale" else
-    {"ds_inference_integration.trainer": _patch_trainer} if KIND else {})
+    {"ds_inference_integration.shard.inject": _patch_half_scale} if KIND == "half_scale" else
+    {"ds_inference_integration.predict.trainer": _patch_trainer} if KIND else {})
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_inference_integration import setup_inference
 from ds_inference_integration.arguments import DTYPES, DeepSpeedInferenceArguments
-from ds_inference_integration.loading import load_model
+from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.topology import Topology
 
 model_dir, dtype = sys.argv[1], DTYPES[sys.argv[2]]

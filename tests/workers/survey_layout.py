@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ds_inference_integration import output_dir
 from ds_inference_integration.errors import InferenceSetupError
+from ds_inference_integration.run import output_dir
 from ds_inference_integration.topology import Topology
 
 dist.init_process_group("gloo")

@@ -10,8 +10,8 @@ Its parts, each from the best source there is:
   attention, where at tp > KV heads each rank must keep a copy of its KV head);
 * the attention module's per-rank attributes (`[attention.local]`): the head counts its own code reads, on
   itself or on its config (`self.config.num_attention_heads` in Phi-3);
-* the packed experts (`experts.py`), and the state-space, linear-attention and convolution mixers split by their
-  heads or channels (`mixers.py`, recognised by their shapes).
+* the packed experts (`shard/experts.py`), and the state-space, linear-attention and convolution mixers split by their
+  heads or channels (`shard/mixers.py`, recognised by their shapes).
 
 An attention no rank can compute from its own heads is kept whole on every rank (`replicated`), with a warning
 naming the module: a norm over the whole query projection (OLMo-2's `q_norm`) mixes every head. The rest of
@@ -27,11 +27,10 @@ from pathlib import Path
 
 from torch import nn
 
-from .deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
-from .errors import InferenceSetupError
-from .experts import is_packed_experts
-from .mixers import is_ssm_mixer
-from .policy import (
+from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
+from ..errors import InferenceSetupError
+from .kinds import is_packed_experts, is_router, is_ssm_mixer
+from .schema import (
     AttentionSpec,
     Policy,
     class_source,
@@ -42,7 +41,6 @@ from .policy import (
     outermost_layer_classes,
     under_replicated,
 )
-from .weight_share import is_router
 
 # Config attributes holding the query and key/value head counts, in the order they are looked for.
 QUERY_HEAD_ATTRIBUTES = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads")
@@ -381,7 +379,7 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
                   heads: tuple[int, int] | None) -> str | None:
     """Why a child module of a layer (at `path` in it) must be kept whole on every rank, or None where AutoTP's
     split (rows named in `rows`, every other linear by output rows) computes it right. (A mixer of a layout
-    `mixers.py` knows is split there by its heads or channels, and never asked here.)
+    `shard/mixers.py` knows is split there by its heads or channels, and never asked here.)
 
     * a mixer with a depthwise convolution of a layout not known: its input projection packs several streams of
       different widths (Mamba2's [z | x | B | C | dt]), which a split by output rows cuts across, and its forward
@@ -461,7 +459,7 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
     """{layer class: {path: why}} of the modules to keep whole on every rank: mixers AutoTP cannot split
     (`_whole_reason`), and mixture-of-experts routers and gates (each rank must route every token alike:
     a linear of the block, outside its experts, with one output per expert or a single one); and {layer class:
-    paths} of the Mamba2-style mixers split by their heads instead (`mixers.py`)."""
+    paths} of the Mamba2-style mixers split by their heads instead (`shard/mixers.py`)."""
     found: dict[str, dict[str, str]] = {}
     text = _text_config(model.config)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", None)

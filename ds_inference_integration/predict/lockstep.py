@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import LockstepError
-from .topology import Topology
+from ..errors import LockstepError
+from ..topology import Topology
 
 
 def fingerprint(inputs: dict) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-REDUCE_DTYPES = ("model", "fp32")
+from ..arguments import REDUCE_DTYPES  # noqa: F401  (the flag's values, with the flags)
 
 
 def partial_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

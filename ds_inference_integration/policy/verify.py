@@ -28,7 +28,7 @@ import time
 import torch
 from torch import nn
 
-from .errors import InferenceSetupError, first_line, sharding_failure
+from ..errors import InferenceSetupError, first_line, sharding_failure
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ PROBE_TOKENS = 8
 def first_layers(model: nn.Module, patterns) -> dict[str, nn.Module]:
     """Path -> module of the first layer of each kind (`policy.layer_kind`: a dense-first MoE's dense and expert
     layers, a hybrid's attention and mixer layers) of each class matching `patterns`, in each ModuleList."""
-    from .policy import layer_kind
+    from .schema import layer_kind
 
     chosen: dict[str, nn.Module] = {}
     seen = set()

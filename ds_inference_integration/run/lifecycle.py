@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from ..errors import InferenceSetupError, LockstepError, RunFailure
 from . import output_dir, watchdog
-from .errors import InferenceSetupError, LockstepError, RunFailure
 
 # A setup error is the same on every rank, but a launcher ends all ranks as soon as one exits non-zero (the
 # deepspeed launcher polls every second and SIGKILLs the rest; torchrun stops them too). So a rank that has

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InferenceSetupError
+from ..errors import InferenceSetupError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -17,16 +17,16 @@ import torch.distributed as dist
 from accelerate.utils import recursively_apply
 from transformers import Seq2SeqTrainer, Trainer
 
-from .arguments import DeepSpeedInferenceArguments, world_size_from_env
-from .errors import InferenceSetupError
-from .files import write_text_atomic
-from .inference_setup import setup_inference
-from .inject import ShardReport
+from ..arguments import DeepSpeedInferenceArguments, world_size_from_env
+from ..errors import InferenceSetupError
+from ..load.loaders import is_skeleton
+from ..policy.schema import Policy
+from ..run.files import write_text_atomic
+from ..shard.inject import ShardReport
+from ..shard.setup import setup_inference
+from ..topology import ProcessGroups, Topology
 from .length_grouping import input_lengths, length_order, padding_fraction, unsort
-from .loading import is_skeleton
 from .lockstep import check_lockstep
-from .policy import Policy
-from .topology import ProcessGroups, Topology
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ class DeepSpeedInferenceMixin:
         continues where a crash stopped it (`fresh=True` starts afresh), and the parts are merged into
         `<output_dir>/<predictions_file>` in input order. `metric` (e.g. `metrics.CorpusBleu()`) is computed
         from statistics stored with each prediction. Host memory does not grow with the data set; returns the
-        metrics (on every rank). See `streaming.py`."""
+        metrics (on every rank). See `predict/streaming.py`."""
         from .streaming import streamed_predict
 
         if not getattr(self.args, "predict_with_generate", False):

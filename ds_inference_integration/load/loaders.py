@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import InferenceSetupError
 from .checkpoint import SafetensorsCheckpoint, ranges_of
-from .errors import InferenceSetupError
 from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
 from .slices import take
 
@@ -157,7 +157,7 @@ class Loader:
         before = self.ckpt.bytes_read
         t = self.ckpt.read(key, dtype=buf.dtype)
         self.bytes_read += self.ckpt.bytes_read - before
-        slices = getattr(buf, "tensor_slices", None)  # a per-head buffer split here (MiniMax's decays: mixers.py)
+        slices = getattr(buf, "tensor_slices", None)  # a per-head buffer split here (MiniMax's decays: shard/mixers.py)
         if slices is not None and tuple(t.shape) == slices.full_shape:
             t = take(t, slices.dim, slices.ranges)
         return t
@@ -195,7 +195,7 @@ class ShardAwareLoader(Loader):
         before = self.ckpt.bytes_read
         key = self._key(names)
         slices = getattr(p, "tensor_slices", None)
-        if slices is not None and not slices.ranges:  # a down bias this rank adds nothing of (experts.py)
+        if slices is not None and not slices.ranges:  # a down bias this rank adds nothing of (shard/experts.py)
             t = torch.zeros(tuple(p.shape), dtype=self.dtype)
         elif key in self.packed:
             t = self._read_packed(self.packed[key], slices)
@@ -525,7 +525,7 @@ def check_model_kind(config, model_cls, model_dir) -> None:
 
 def policy_id(policy) -> str:
     """A stable name for the policy a run resolves: autotp, or the policy's name and content hash."""
-    from .policy import Policy, policy_identity
+    from ..policy.schema import Policy, policy_identity
 
     if not isinstance(policy, Policy):
         return "autotp" if policy in (None, "autotp") else str(policy)

@@ -1,9 +1,9 @@
 """Inject tensor parallelism: shard a Hugging Face model in place with `deepspeed.init_inference`.
 
 Before DeepSpeed runs, the model is prepared: Conv1D layers become nn.Linear (GPT-2); fused QKV and
-fewer-KV-heads-than-ranks projections are split here (`attention.py`); what DeepSpeed 0.19 itself gets
+fewer-KV-heads-than-ranks projections are split here (`shard/attention.py`); what DeepSpeed 0.19 itself gets
 wrong is worked around in `deepspeed_compat.py`. After it, attention attributes are set to this rank's
-values and a skeleton's weights are read (`loading.py`).
+values and a skeleton's weights are read (`load/loaders.py`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .arguments import DeepSpeedInferenceArguments, InferenceSetupError
-from .attention import HeadLayout, split_fused_qkv, split_heads, whole
-from .deepspeed_compat import (
+from ..arguments import DeepSpeedInferenceArguments, InferenceSetupError
+from ..deepspeed_compat import (
     autotp_replacements,
     buffers_kept_apart,
     kv_heads_seen_by_deepspeed,
@@ -32,13 +31,14 @@ from .deepspeed_compat import (
     restore_parameter_dtypes,
     yuan_named_apart,
 )
-from .derivation import derive_policy
-from .errors import first_line, sharding_failure
+from ..errors import first_line, sharding_failure
+from ..policy.derive import derive_policy
+from ..policy.schema import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
+from ..topology import ModelParallelUnit, ProcessGroups, Topology
+from .attention import HeadLayout, split_fused_qkv, split_heads, whole
 from .experts import experts_modules, split_experts
 from .mixers import split_ssm_mixer, ssm_mixers
-from .policy import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
 from .reduction import reduce_in_fp32
-from .topology import ModelParallelUnit, ProcessGroups, Topology
 from .weight_share import WeightShare, full_sizes, measure
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ def split_per_head_parameters(attention: nn.Module, heads: HeadLayout) -> None:
 def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
     """How to name `policy` if nobody has checked it on this architecture, else None: shipped files are checked
     by the project's architecture matrix; a derived policy, DeepSpeed's automatic mode and a user's file are not."""
-    from .policy import POLICY_DIR
+    from ..policy.schema import POLICY_DIR
 
     model_type = getattr(model.config, "model_type", "?")
     if policy is None:
@@ -285,8 +285,8 @@ def shard_model(
     unless `verify` is False (`policy check` compares the whole model itself)."""
     import deepspeed
 
-    from .loading import PreShardedLoader, open_loader, policy_id
-    from .verify_policy import reference_copies, verify_sharded_layers
+    from ..load.loaders import PreShardedLoader, open_loader, policy_id
+    from ..policy.verify import reference_copies, verify_sharded_layers
 
     if policy == DERIVE and topology.tp_size > 1:  # before the loader: a pre-sharded directory names the derived policy
         policy = derive_policy(model)

@@ -58,147 +58,14 @@ derived split is.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..errors import InferenceSetupError
+from ..load.slices import TensorSlices, take
+from ..policy.kinds import LIGHTNING_DECAYS, PER_HEAD, delta_net_sizes, is_ssm_mixer, packed_mlp_names, ssm_layout, ssm_sizes
 from .attention import take_rows
-from .errors import InferenceSetupError
-from .slices import TensorSlices, take
-
-SIZES = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
-PER_HEAD = ("A_log", "D", "dt_bias")
-
-
-def _sizes(module: nn.Module) -> tuple[int, ...] | None:
-    values = tuple(getattr(module, a, None) for a in SIZES)
-    return values if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) else None
-
-
-def ssm_layout(module: nn.Module) -> str | None:
-    """"mamba2", "mamba", "delta_net" or "short_conv" for a mixer of that layout (see the module docstring), else
-    None."""
-    return ("mamba2" if _is_mamba2(module) else "mamba" if _is_mamba(module) else
-            "delta_net" if _delta_net_sizes(module) else "short_conv" if _is_short_conv(module) else
-            "lightning" if _is_lightning(module) else "packed_mlp" if _packed_mlp(module) else None)
-
-
-_CHUNKED_HALVES = re.compile(r"\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)")
-
-
-def _packed_mlp(module: nn.Module) -> tuple[str, str] | None:
-    """(the [gate | up] linear's name, the output linear's name) of an MLP of two linears whose first packs gate and
-    up as halves (its forward chunks that output in two), else None."""
-    from .policy import class_source
-
-    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
-    if len(linears) != 2 or module._parameters or any(p is not None for n, c in module.named_children()
-                                                        if n not in linears for p in c.parameters()):
-        return None
-    (a, first), (b, second) = linears.items()
-    if first.weight.shape[0] != 2 * second.weight.shape[1]:
-        (a, first), (b, second) = (b, second), (a, first)
-    if (first.weight.shape[0] != 2 * second.weight.shape[1] or second.weight.shape[0] != first.weight.shape[1]
-            or "gate_up_proj" in a or not _CHUNKED_HALVES.search(class_source(type(module)))):
-        return None
-    return a, b
-
-
-LIGHTNING_DECAYS = {"slope_rate": 0, "query_decay": 0, "key_decay": 0, "diagonal_decay": 1}  # buffer: its head axis
-
-
-def _is_lightning(module: nn.Module) -> bool:
-    heads, head_dim = getattr(module, "num_attention_heads", None), getattr(module, "head_dim", None)
-    if not (isinstance(heads, int) and isinstance(head_dim, int) and heads > 0 and head_dim > 0):
-        return False
-    parts = [getattr(module, n, None) for n in ("qkv_proj", "output_gate", "out_proj")]
-    norm = getattr(module, "norm", None)
-    if not all(isinstance(m, nn.Linear) for m in parts) or not isinstance(getattr(norm, "weight", None), torch.Tensor):
-        return False
-    width = heads * head_dim
-    qkv, gate, out = parts
-    decays = [module._buffers.get(n) for n in LIGHTNING_DECAYS]
-    return (qkv.weight.shape[0] == 3 * width and gate.weight.shape[0] == width and out.weight.shape[1] == width
-            and tuple(norm.weight.shape) == (width,)
-            and all(isinstance(b, torch.Tensor) and b.shape[axis] == heads for b, axis in zip(decays, LIGHTNING_DECAYS.values())))
-
-
-DELTA_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
-# each layout's input projections and their widths, as functions of (Kh, Vh, dk, dv)
-DELTA_PROJECTIONS = {
-    "grouped": {"in_proj_qkvz": lambda kh, vh, dk, dv: 2 * kh * dk + 2 * vh * dv, "in_proj_ba": lambda kh, vh, dk, dv: 2 * vh},
-    "separate": {"in_proj_qkv": lambda kh, vh, dk, dv: 2 * kh * dk + vh * dv, "in_proj_z": lambda kh, vh, dk, dv: vh * dv,
-                 "in_proj_b": lambda kh, vh, dk, dv: vh, "in_proj_a": lambda kh, vh, dk, dv: vh},
-}
-
-
-def _delta_net_sizes(module: nn.Module) -> tuple[str, tuple[int, ...]] | None:
-    """(projection layout, sizes) of a gated delta net, else None."""
-    sizes = tuple(getattr(module, a, None) for a in DELTA_SIZES)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
-        return None
-    kh, vh, dk, dv, key_dim, value_dim, conv_dim = sizes
-    conv, out = getattr(module, "conv1d", None), getattr(module, "out_proj", None)
-    if (vh % kh or key_dim != kh * dk or value_dim != vh * dv or conv_dim != 2 * key_dim + value_dim
-            or not isinstance(conv, nn.Conv1d) or conv.weight.shape[0] != conv_dim or not isinstance(out, nn.Linear)
-            or out.weight.shape[1] != value_dim):
-        return None
-    if not all(isinstance(module._parameters.get(n), torch.Tensor) and tuple(module._parameters[n].shape) == (vh,)
-               for n in ("A_log", "dt_bias")):
-        return None
-    for layout, projections in DELTA_PROJECTIONS.items():
-        linears = [getattr(module, n, None) for n in projections]
-        if all(isinstance(m, nn.Linear) and m.weight.shape[0] == width(kh, vh, dk, dv)
-               for m, width in zip(linears, projections.values())):
-            return layout, sizes
-    return None
-
-
-def _is_short_conv(module: nn.Module) -> bool:
-    children = dict(module.named_children())
-    in_proj, conv, out_proj = (children.get(n) for n in ("in_proj", "conv", "out_proj"))
-    if set(children) != {"in_proj", "conv", "out_proj"} or module._parameters:
-        return False
-    if not (isinstance(in_proj, nn.Linear) and isinstance(conv, nn.Conv1d) and isinstance(out_proj, nn.Linear)):
-        return False
-    width = conv.weight.shape[0]
-    return conv.groups == width and in_proj.weight.shape[0] == 3 * width and out_proj.weight.shape[1] == width
-
-
-def is_ssm_mixer(module: nn.Module) -> bool:
-    return ssm_layout(module) is not None
-
-
-def _is_mamba(module: nn.Module) -> bool:
-    inner, state, rank = (getattr(module, a, None) for a in ("intermediate_size", "ssm_state_size", "time_step_rank"))
-    if not all(isinstance(v, int) and v > 0 for v in (inner, state, rank)):
-        return False
-    parts = [getattr(module, n, None) for n in ("in_proj", "x_proj", "dt_proj", "out_proj")]
-    conv, a_log, d = getattr(module, "conv1d", None), module._parameters.get("A_log"), module._parameters.get("D")
-    if not all(isinstance(m, nn.Linear) for m in parts) or not isinstance(conv, nn.Conv1d):
-        return False
-    in_proj, x_proj, dt_proj, out_proj = parts
-    return (tuple(in_proj.weight.shape)[0] == 2 * inner and tuple(x_proj.weight.shape) == (rank + 2 * state, inner)
-            and tuple(dt_proj.weight.shape) == (inner, rank) and out_proj.weight.shape[1] == inner
-            and conv.weight.shape[0] == inner and conv.groups == inner and isinstance(a_log, torch.Tensor)
-            and tuple(a_log.shape) == (inner, state) and isinstance(d, torch.Tensor) and tuple(d.shape) == (inner,))
-
-
-def _is_mamba2(module: nn.Module) -> bool:
-    sizes = _sizes(module)
-    if sizes is None:
-        return False
-    heads, head_dim, groups, state, inner, conv_dim = sizes
-    in_proj, conv, out_proj = (getattr(module, n, None) for n in ("in_proj", "conv1d", "out_proj"))
-    if not (isinstance(in_proj, nn.Linear) and isinstance(conv, nn.Conv1d) and isinstance(out_proj, nn.Linear)):
-        return False
-    per_head = [module._parameters.get(n) for n in PER_HEAD]
-    return (inner == heads * head_dim and conv_dim == inner + 2 * groups * state
-            and in_proj.weight.shape[0] == inner + conv_dim + heads and out_proj.weight.shape[1] == inner
-            and conv.weight.shape[0] == conv_dim and conv.groups == conv_dim
-            and all(isinstance(p, torch.Tensor) and tuple(p.shape) == (heads,) for p in per_head))
 
 
 def check_divisible(module: nn.Module, tp_size: int) -> None:
@@ -206,18 +73,18 @@ def check_divisible(module: nn.Module, tp_size: int) -> None:
     layout = ssm_layout(module)
     if layout in ("mamba", "short_conv", "packed_mlp"):
         inner = (module.conv1d.weight.shape[0] if layout == "mamba" else module.conv.weight.shape[0]
-                 if layout == "short_conv" else getattr(module, _packed_mlp(module)[1]).weight.shape[1])
+                 if layout == "short_conv" else getattr(module, packed_mlp_names(module)[1]).weight.shape[1])
         if inner % tp_size:
             valid = [t for t in range(1, 65) if inner % t == 0]
             raise InferenceSetupError(f"{type(module).__name__}: {inner} channels do not split over --tp_size "
                                       f"{tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
         return
     if ssm_layout(module) == "delta_net":
-        _, (groups, heads, *_) = _delta_net_sizes(module)
+        _, (groups, heads, *_) = delta_net_sizes(module)
     elif ssm_layout(module) == "lightning":
         heads, groups = module.num_attention_heads, 1
     else:
-        heads, _, groups, *_ = _sizes(module)
+        heads, _, groups, *_ = ssm_sizes(module)
     if heads % tp_size == 0 and (groups % tp_size == 0 or tp_size % groups == 0):
         return
     valid = [t for t in range(1, heads + 1) if heads % t == 0 and (groups % t == 0 or t % groups == 0)]
@@ -301,7 +168,7 @@ def split_ssm_mixer(module: nn.Module, tp_size: int, tp_rank: int, group) -> Non
 
 
 def _split_mamba2(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
-    heads, head_dim, groups, state, inner, conv_dim = _sizes(module)
+    heads, head_dim, groups, state, inner, conv_dim = ssm_sizes(module)
     local_heads = heads // tp_size
     h0, h1 = tp_rank * local_heads, (tp_rank + 1) * local_heads
     if groups % tp_size == 0:
@@ -352,7 +219,7 @@ def _split_mamba(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
 
 
 def _split_delta_net(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
-    layout, (kh, vh, dk, dv, key_dim, value_dim, _) = _delta_net_sizes(module)
+    layout, (kh, vh, dk, dv, key_dim, value_dim, _) = delta_net_sizes(module)
     r = vh // kh  # value heads per key head
     v0, v1 = tp_rank * vh // tp_size, (tp_rank + 1) * vh // tp_size
     keys = range(v0 // r, (v1 - 1) // r + 1)  # the key heads this rank's value heads read
@@ -412,7 +279,7 @@ def _split_lightning(module: nn.Module, tp_size: int, tp_rank: int, group) -> No
 
 
 def _split_packed_mlp(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
-    packed, out = _packed_mlp(module)
+    packed, out = packed_mlp_names(module)
     inner = getattr(module, out).weight.shape[1]
     part = inner // tp_size
     a = tp_rank * part
@@ -457,7 +324,7 @@ SPLITS = {"mamba2": _split_mamba2, "mamba": _split_mamba, "delta_net": _split_de
 def ssm_mixers(layer: nn.Module, paths: tuple[str, ...], skip: set[int] = frozenset()) -> list[nn.Module]:
     """The mixers a policy's `mixers` entries ("PATH" or "PATH@Class") name inside `layer`; one line where an entry
     names a module that is not a mixer of a known layout. Modules whose ids are in `skip` (kept whole) are left."""
-    from .policy import replicated_match
+    from ..policy.schema import replicated_match
 
     found, where = [], []
     for name, module in layer.named_modules():  # parents first: an entry "conv" names LFM2's mixer, not its `conv.conv`

@@ -21,15 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import InferenceSetupError
-from .slices import TensorSlices, take
-
-PACKED = ("gate_up_proj", "down_proj")
-
-
-def is_packed_experts(module: nn.Module) -> bool:
-    params = module._parameters
-    return all(isinstance(params.get(n), torch.Tensor) and params[n].ndim == 3 for n in PACKED)
+from ..errors import InferenceSetupError
+from ..load.slices import TensorSlices, take
+from ..policy.kinds import is_packed_experts
 
 
 def expert_layout(module: nn.Module) -> tuple[bool, bool]:
@@ -110,7 +104,7 @@ def _all_reduce_output(group):
 
 
 def experts_modules(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
-    from .policy import names_module
+    from ..policy.schema import names_module
 
     found = []
     for name, module in layer.named_modules():

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import InferenceSetupError
+from ..run.files import write_text_atomic
 from .checkpoint import checkpoint_files, inside_dir, open_safetensors
-from .errors import InferenceSetupError
-from .files import write_text_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "ds-inference-presharded/2"

@@ -16,8 +16,8 @@ module paths relative to the layer, matched as whole-component suffixes ("fc2",
 entry "PATH@Class" only where the module there is of that class, for a layer class of several kinds; no
 split, no all-reduce): for an attention no rank can compute from its own heads (FSMT views its output at the
 input's width; OLMo-2 normalises the whole query projection), while the rest of the layer is split.
-`experts = ["mlp.experts"]` names packed mixture-of-experts modules, each expert's MLP split (`experts.py`).
-`mixers = ["mixer"]` names Mamba2-style state-space mixers (also "PATH@Class"), each split by its heads (`mixers.py`).
+`experts = ["mlp.experts"]` names packed mixture-of-experts modules, each expert's MLP split (`shard/experts.py`).
+`mixers = ["mixer"]` names Mamba2-style state-space mixers (also "PATH@Class"), each split by its heads (`shard/mixers.py`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from pathlib import Path
 
 from torch import nn
 
-from .attention import FUSED_LAYOUTS
-from .deepspeed_compat import head_grain
-from .errors import InferenceSetupError
+from ..deepspeed_compat import head_grain
+from ..errors import InferenceSetupError
+
+# how a fused QKV projection orders its rows (shard/attention.py splits each)
+FUSED_LAYOUTS = ("qkv", "per_head", "grouped")
 
 
 def _shipped_policy_dir() -> Path:
@@ -63,7 +65,7 @@ _GENERIC_HEAD_ATTRIBUTES = ("num_attention_heads", "num_heads", "n_head", "encod
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Fused-QKV and multi-/grouped-query attention, split by `attention.py` rather than DeepSpeed.
+    """Fused-QKV and multi-/grouped-query attention, split by `shard/attention.py` rather than DeepSpeed.
 
     `fused_qkv` (+ `layout` "qkv", "per_head" or "grouped") names a fused projection; `query`/`key`/`value` name
     separate ones (split here only when there are fewer KV heads than ranks). `local` maps attributes

@@ -13,7 +13,7 @@ import io
 import json
 from pathlib import Path
 
-from .errors import InferenceSetupError
+from ..errors import InferenceSetupError
 
 KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv"}
 
@@ -84,7 +84,7 @@ def _check_csv(text: str, path: str, flag: str) -> None:
 def load_data_files(data_files: dict[str, str], cache_dir: str | None = None, what: str = "examples"):
     """`datasets.load_dataset` of a script's `--{split}_file`s, after `check_data_file` on each (the flag of a split
     is `--{split}_file`)."""
-    from .extras import optional_import
+    from ..extras import optional_import
 
     load_dataset = optional_import("datasets", f"reading the {what}' data files").load_dataset
     kinds = {kind_of(p) for p in data_files.values()}

@@ -80,7 +80,7 @@ class CorpusBleu(_SummedStatistics):
     def __init__(self):
         import logging
 
-        from .extras import optional_import
+        from ..extras import optional_import
 
         self.bleu = optional_import("sacrebleu.metrics", "BLEU").BLEU()
         logging.getLogger(__name__).info("BLEU is computed with sacrebleu (what evaluate's sacrebleu script wraps) "
@@ -125,7 +125,7 @@ class Rouge(_SummedStatistics):
     def __init__(self, use_stemmer: bool = True, seed: int = 42, split_sentences: bool = True):
         import logging
 
-        from .extras import optional_import
+        from ..extras import optional_import
 
         rouge_scorer = optional_import("rouge_score.rouge_scorer", "ROUGE")
         self.scorer = rouge_scorer.RougeScorer(list(self.KEYS), use_stemmer=use_stemmer)
@@ -171,7 +171,7 @@ class Rouge(_SummedStatistics):
     def _score(self, every: list[dict], n: int) -> dict:
         import numpy as np
 
-        from .extras import optional_import
+        from ..extras import optional_import
 
         scoring = optional_import("rouge_score.scoring", "ROUGE")
 
@@ -224,7 +224,7 @@ class WordErrorRate(_SummedStatistics):
 
 def word_errors(prediction: str, reference: str) -> tuple[int, int]:
     """(substitutions + deletions + insertions, reference words) of one pair, by jiwer's minimal alignment."""
-    from .extras import optional_import
+    from ..extras import optional_import
 
     out = optional_import("jiwer", "WER").process_words(reference, prediction)
     return out.substitutions + out.deletions + out.insertions, out.substitutions + out.deletions + out.hits

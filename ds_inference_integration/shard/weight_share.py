@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..policy.kinds import is_router
+
 TOLERANCE = 0.05  # of the target: DeepSpeed splits some linears in blocks of 64, which can leave ranks uneven
 
 
@@ -56,17 +58,6 @@ class WeightShare:
                 "; a policy can declare a module whole (`replicated`) or split it (`ds-inference policy suggest`)")
 
 
-ROUTER_NAMES = ("gate", "router", "shared_expert_gate", "shared_experts_gate", "expert_bias")
-
-
-def is_router(path: str, module: nn.Module) -> bool:
-    """A mixture-of-experts router or gate (kept whole: each rank must route every token to the same experts),
-    by its name in the layer (`mlp.gate`, `block_sparse_moe.router.layer`) or its class (`...TopkRouter`)."""
-    parts = path.split(".")
-    return (any(p in ROUTER_NAMES for p in parts[-2:]) or "Router" in type(module).__name__
-            or type(module).__name__.endswith("Gate"))
-
-
 def layer_modules(model: nn.Module, patterns) -> list[tuple[str, nn.Module]]:
     """(path, module) of every module whose class matches one of the policy's layer patterns."""
     return [(path, m) for path, m in model.named_modules()
@@ -86,8 +77,8 @@ def full_sizes(model: nn.Module, patterns) -> dict[str, int]:
 
 def measure(model: nn.Module, patterns, before: dict[str, int], tp_size: int, policy=None) -> WeightShare:
     """This rank's WeightShare after sharding, against `before` (`full_sizes` of the same model)."""
-    from .deepspeed_compat import autotp_keeps_whole
-    from .policy import under_replicated
+    from ..deepspeed_compat import autotp_keeps_whole
+    from ..policy.schema import under_replicated
 
     held = full = 0
     target = 0.0

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .errors import InferenceSetupError
+from ..errors import InferenceSetupError
+from ..policy.schema import FUSED_LAYOUTS
 
 
 class ColumnShard(nn.Module):
@@ -87,9 +88,6 @@ class HeadLayout:
             "q_heads": self.local_q, "kv_heads": self.local_kv, "q_width": self.local_q * head_dim,
             "kv_width": self.local_kv * head_dim, "q_per_kv": self.local_q // self.local_kv, "head_dim": head_dim,
         }
-
-
-FUSED_LAYOUTS = ("qkv", "per_head", "grouped")
 
 
 def _rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:

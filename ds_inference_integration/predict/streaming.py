@@ -5,7 +5,7 @@ from the per-example statistics stored beside each prediction, and removes the p
 
 Rank 0 writes every part, on its own disk: after each batch the first rank of every other replica sends it its
 records over the process group (one `gather_object` per step, with more than one replica). So a run needs no
-shared file system, and nodes with disks of their own merge as one node does (`output_dir.py` says where things
+shared file system, and nodes with disks of their own merge as one node does (`run/output_dir.py` says where things
 live in each layout). After each step rank 0 tells every rank whether the write went through, so a full disk
 ends every rank with the same one line, and nothing is claimed.
 
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from . import output_dir
-from .errors import InferenceSetupError, RunFailure
-from .files import atomic_path, write_text_atomic
+from ..errors import InferenceSetupError, RunFailure
+from ..run import output_dir
+from ..run.files import atomic_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def model_identity(model, dtype) -> dict:
     source = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", ""))
     files = {}
     if source and Path(source).is_dir():
-        from .presharded import WEIGHT_SUFFIXES
+        from ..load.presharded import WEIGHT_SUFFIXES
 
         files = {p.name: weights_fingerprint(p) for p in sorted(Path(source).iterdir())
                  if p.suffix in WEIGHT_SUFFIXES and p.is_file()}

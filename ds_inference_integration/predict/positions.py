@@ -5,7 +5,7 @@ the data is tokenized, in one line naming the flag and the limit. Relative posit
 
 from __future__ import annotations
 
-from .errors import InferenceSetupError
+from ..errors import InferenceSetupError
 
 # attribute names, most specific first: LED's own, Whisper's and Speech2Text's, then the shared one of BART,
 # mBART, Pegasus and Marian (whose encoder and decoder have as many positions each)

@@ -3,7 +3,7 @@ start of a streamed predict for whether every rank sees the one rank 0 writes to
 
 Where things live, in every layout (one shared disk, a disk per node, only rank 0's disk kept): rank 0 writes
 every file of a run, the parts of a streamed predict included (the other replicas send their records to it
-over the process group, `streaming.py`), in its own `--output_dir`. So nothing is read from another node's
+over the process group, `predict/streaming.py`), in its own `--output_dir`. So nothing is read from another node's
 disk, and a resume works wherever rank 0 starts again with the same `--output_dir` on the same disk. A layout
 that cannot resume is one where the parts are on a disk rank 0 no longer sees (the nodes swapped, so the node
 that was rank 0 is now another rank): that is refused at start, naming the rank and the directory.
@@ -19,7 +19,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from .errors import InferenceSetupError
+from ..errors import InferenceSetupError
 
 logger = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import watchdog
-from .arguments import DeepSpeedInferenceArguments
-from .deepspeed_compat import init_deepspeed_comm
+from ..arguments import DeepSpeedInferenceArguments
+from ..deepspeed_compat import init_deepspeed_comm
+from ..policy.schema import Policy, check_head_counts, policy_for_run
+from ..run import watchdog
+from ..topology import ProcessGroups, Topology, init_process_groups
 from .inject import ShardReport, shard_model
-from .policy import Policy, check_head_counts, policy_for_run
-from .topology import ProcessGroups, Topology, init_process_groups
 
 logger = logging.getLogger(__name__)
 

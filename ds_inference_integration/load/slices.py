@@ -1,5 +1,5 @@
 """Which part of a full tensor a split parameter holds: the record shard-aware loading reads to convert only this
-rank's part from the checkpoint, and the weight share reads as what the split chose (`experts.py`, `mixers.py`)."""
+rank's part from the checkpoint, and the weight share reads as what the split chose (`shard/experts.py`, `shard/mixers.py`)."""
 
 from __future__ import annotations
 

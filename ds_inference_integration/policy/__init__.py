@@ -1,0 +1,4 @@
+"""Step 1, the policy: which linears of a layer are row-parallel, how attention heads are laid out, what stays
+whole. `schema`: the policy files and their checks against the real model; `derive`: a policy for an
+architecture without a file; `kinds`: what a module is (packed experts, a router, a state-space mixer);
+`verify`: a policy nobody has checked, checked numerically against the unsharded layers."""

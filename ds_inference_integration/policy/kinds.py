@@ -1,0 +1,162 @@
+"""What a module is, for the policy (`derive`) and for the splits (`shard/`) alike: packed experts, a
+mixture-of-experts router, a state-space or linear-attention mixer and its layout (see shard/mixers.py's
+docstring for what each layout is and how it is split). Recognised from the module's own attributes and
+shapes, never from its class name alone."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .schema import class_source
+
+PACKED = ("gate_up_proj", "down_proj")
+
+
+def is_packed_experts(module: nn.Module) -> bool:
+    params = module._parameters
+    return all(isinstance(params.get(n), torch.Tensor) and params[n].ndim == 3 for n in PACKED)
+
+
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate", "shared_experts_gate", "expert_bias")
+
+
+def is_router(path: str, module: nn.Module) -> bool:
+    """A mixture-of-experts router or gate (kept whole: each rank must route every token to the same experts),
+    by its name in the layer (`mlp.gate`, `block_sparse_moe.router.layer`) or its class (`...TopkRouter`)."""
+    parts = path.split(".")
+    return (any(p in ROUTER_NAMES for p in parts[-2:]) or "Router" in type(module).__name__
+            or type(module).__name__.endswith("Gate"))
+
+
+PER_HEAD = ("A_log", "D", "dt_bias")  # a mamba2 mixer's parameters with one value per head
+SIZES = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
+
+
+def ssm_sizes(module: nn.Module) -> tuple[int, ...] | None:
+    values = tuple(getattr(module, a, None) for a in SIZES)
+    return values if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) else None
+
+
+def ssm_layout(module: nn.Module) -> str | None:
+    """"mamba2", "mamba", "delta_net" or "short_conv" for a mixer of that layout (see the module docstring), else
+    None."""
+    return ("mamba2" if _is_mamba2(module) else "mamba" if _is_mamba(module) else
+            "delta_net" if delta_net_sizes(module) else "short_conv" if _is_short_conv(module) else
+            "lightning" if _is_lightning(module) else "packed_mlp" if packed_mlp_names(module) else None)
+
+
+_CHUNKED_HALVES = re.compile(r"\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)")
+
+
+def packed_mlp_names(module: nn.Module) -> tuple[str, str] | None:
+    """(the [gate | up] linear's name, the output linear's name) of an MLP of two linears whose first packs gate and
+    up as halves (its forward chunks that output in two), else None."""
+    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+    if len(linears) != 2 or module._parameters or any(p is not None for n, c in module.named_children()
+                                                        if n not in linears for p in c.parameters()):
+        return None
+    (a, first), (b, second) = linears.items()
+    if first.weight.shape[0] != 2 * second.weight.shape[1]:
+        (a, first), (b, second) = (b, second), (a, first)
+    if (first.weight.shape[0] != 2 * second.weight.shape[1] or second.weight.shape[0] != first.weight.shape[1]
+            or "gate_up_proj" in a or not _CHUNKED_HALVES.search(class_source(type(module)))):
+        return None
+    return a, b
+
+
+LIGHTNING_DECAYS = {"slope_rate": 0, "query_decay": 0, "key_decay": 0, "diagonal_decay": 1}  # buffer: its head axis
+
+
+def _is_lightning(module: nn.Module) -> bool:
+    heads, head_dim = getattr(module, "num_attention_heads", None), getattr(module, "head_dim", None)
+    if not (isinstance(heads, int) and isinstance(head_dim, int) and heads > 0 and head_dim > 0):
+        return False
+    parts = [getattr(module, n, None) for n in ("qkv_proj", "output_gate", "out_proj")]
+    norm = getattr(module, "norm", None)
+    if not all(isinstance(m, nn.Linear) for m in parts) or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        return False
+    width = heads * head_dim
+    qkv, gate, out = parts
+    decays = [module._buffers.get(n) for n in LIGHTNING_DECAYS]
+    return (qkv.weight.shape[0] == 3 * width and gate.weight.shape[0] == width and out.weight.shape[1] == width
+            and tuple(norm.weight.shape) == (width,)
+            and all(isinstance(b, torch.Tensor) and b.shape[axis] == heads for b, axis in zip(decays, LIGHTNING_DECAYS.values())))
+
+
+DELTA_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
+# each layout's input projections and their widths, as functions of (Kh, Vh, dk, dv)
+DELTA_PROJECTIONS = {
+    "grouped": {"in_proj_qkvz": lambda kh, vh, dk, dv: 2 * kh * dk + 2 * vh * dv, "in_proj_ba": lambda kh, vh, dk, dv: 2 * vh},
+    "separate": {"in_proj_qkv": lambda kh, vh, dk, dv: 2 * kh * dk + vh * dv, "in_proj_z": lambda kh, vh, dk, dv: vh * dv,
+                 "in_proj_b": lambda kh, vh, dk, dv: vh, "in_proj_a": lambda kh, vh, dk, dv: vh},
+}
+
+
+def delta_net_sizes(module: nn.Module) -> tuple[str, tuple[int, ...]] | None:
+    """(projection layout, sizes) of a gated delta net, else None."""
+    sizes = tuple(getattr(module, a, None) for a in DELTA_SIZES)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return None
+    kh, vh, dk, dv, key_dim, value_dim, conv_dim = sizes
+    conv, out = getattr(module, "conv1d", None), getattr(module, "out_proj", None)
+    if (vh % kh or key_dim != kh * dk or value_dim != vh * dv or conv_dim != 2 * key_dim + value_dim
+            or not isinstance(conv, nn.Conv1d) or conv.weight.shape[0] != conv_dim or not isinstance(out, nn.Linear)
+            or out.weight.shape[1] != value_dim):
+        return None
+    if not all(isinstance(module._parameters.get(n), torch.Tensor) and tuple(module._parameters[n].shape) == (vh,)
+               for n in ("A_log", "dt_bias")):
+        return None
+    for layout, projections in DELTA_PROJECTIONS.items():
+        linears = [getattr(module, n, None) for n in projections]
+        if all(isinstance(m, nn.Linear) and m.weight.shape[0] == width(kh, vh, dk, dv)
+               for m, width in zip(linears, projections.values())):
+            return layout, sizes
+    return None
+
+
+def _is_short_conv(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    in_proj, conv, out_proj = (children.get(n) for n in ("in_proj", "conv", "out_proj"))
+    if set(children) != {"in_proj", "conv", "out_proj"} or module._parameters:
+        return False
+    if not (isinstance(in_proj, nn.Linear) and isinstance(conv, nn.Conv1d) and isinstance(out_proj, nn.Linear)):
+        return False
+    width = conv.weight.shape[0]
+    return conv.groups == width and in_proj.weight.shape[0] == 3 * width and out_proj.weight.shape[1] == width
+
+
+def is_ssm_mixer(module: nn.Module) -> bool:
+    return ssm_layout(module) is not None
+
+
+def _is_mamba(module: nn.Module) -> bool:
+    inner, state, rank = (getattr(module, a, None) for a in ("intermediate_size", "ssm_state_size", "time_step_rank"))
+    if not all(isinstance(v, int) and v > 0 for v in (inner, state, rank)):
+        return False
+    parts = [getattr(module, n, None) for n in ("in_proj", "x_proj", "dt_proj", "out_proj")]
+    conv, a_log, d = getattr(module, "conv1d", None), module._parameters.get("A_log"), module._parameters.get("D")
+    if not all(isinstance(m, nn.Linear) for m in parts) or not isinstance(conv, nn.Conv1d):
+        return False
+    in_proj, x_proj, dt_proj, out_proj = parts
+    return (tuple(in_proj.weight.shape)[0] == 2 * inner and tuple(x_proj.weight.shape) == (rank + 2 * state, inner)
+            and tuple(dt_proj.weight.shape) == (inner, rank) and out_proj.weight.shape[1] == inner
+            and conv.weight.shape[0] == inner and conv.groups == inner and isinstance(a_log, torch.Tensor)
+            and tuple(a_log.shape) == (inner, state) and isinstance(d, torch.Tensor) and tuple(d.shape) == (inner,))
+
+
+def _is_mamba2(module: nn.Module) -> bool:
+    sizes = ssm_sizes(module)
+    if sizes is None:
+        return False
+    heads, head_dim, groups, state, inner, conv_dim = sizes
+    in_proj, conv, out_proj = (getattr(module, n, None) for n in ("in_proj", "conv1d", "out_proj"))
+    if not (isinstance(in_proj, nn.Linear) and isinstance(conv, nn.Conv1d) and isinstance(out_proj, nn.Linear)):
+        return False
+    per_head = [module._parameters.get(n) for n in PER_HEAD]
+    return (inner == heads * head_dim and conv_dim == inner + 2 * groups * state
+            and in_proj.weight.shape[0] == inner + conv_dim + heads and out_proj.weight.shape[1] == inner
+            and conv.weight.shape[0] == conv_dim and conv.groups == conv_dim
+            and all(isinstance(p, torch.Tensor) and tuple(p.shape) == (heads,) for p in per_head))
