@@ -43,7 +43,7 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q tests -n 2 --dist worksteal
 
-# In-process tests only: no launcher, no process started (tests/conftest.py marks the others `launched`).
+# In-process tests only: no launcher, no process started (the others are marked `launched`; conftest.py fails one that is not).
 test-fast: lint
 	$(BIN)/python -m pytest -q tests -m "not slow and not launched"
 

@@ -34,7 +34,7 @@ from ds_inference_integration import (
     InferenceArgumentParser,
     InferenceSetupError,
     parse_args_into_dataclasses,
-    policy_for_run,
+    prepare_inference,
 )
 from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.data_files import check_data_file
@@ -42,7 +42,6 @@ from ds_inference_integration.predict.metrics import GeneratedTokens
 from ds_inference_integration.run.files import atomic_path
 from ds_inference_integration.run.lifecycle import run_main
 from ds_inference_integration.run.memory import memory_mb
-from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
@@ -117,9 +116,7 @@ def main(argv: list[str]) -> None:
 
     prompts = read_prompts(gen_args.prompts_file, gen_args.prompt_column, gen_args.max_prompts)
     config = AutoConfig.from_pretrained(gen_args.model_name_or_path)
-    policy = None
-    if inference_args.deepspeed_inference:
-        policy = policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
+    policy = prepare_inference(config, None, gen_args.model_name_or_path, inference_args)  # policy, head counts
 
     tokenizer = AutoTokenizer.from_pretrained(gen_args.model_name_or_path)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens follow every prompt directly

@@ -43,14 +43,13 @@ from ds_inference_integration import (
     InferenceArgumentParser,
     InferenceSetupError,
     parse_args_into_dataclasses,
-    policy_for_run,
+    prepare_inference,
 )
-from ds_inference_integration.load.loaders import check_model_kind, load_model
+from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.data_files import load_data_files
 from ds_inference_integration.predict.metrics import WordErrorRate
 from ds_inference_integration.predict.positions import check_lengths_fit
 from ds_inference_integration.run.lifecycle import run_main
-from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "numspeech"
@@ -183,11 +182,9 @@ def main(argv: list[str]) -> None:
     hub = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
                trust_remote_code=model_args.trust_remote_code)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub)
-    check_model_kind(config, AutoModelForSpeechSeq2Seq, model_args.model_name_or_path)
+    # the model kind, and under --deepspeed_inference the policy and head counts: checked before anything loads
+    policy = prepare_inference(config, AutoModelForSpeechSeq2Seq, model_args.model_name_or_path, inference_args)
     language_and_task = check_language_and_task(model_args.model_name_or_path, data_args.language, data_args.task, hub)
-    policy = None
-    if inference_args.deepspeed_inference:
-        policy = policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
     try:
         feature_extractor = AutoFeatureExtractor.from_pretrained(
             model_args.feature_extractor_name or model_args.model_name_or_path, **hub)

@@ -38,14 +38,13 @@ from ds_inference_integration import (
     InferenceArgumentParser,
     InferenceSetupError,
     parse_args_into_dataclasses,
-    policy_for_run,
+    prepare_inference,
 )
-from ds_inference_integration.load.loaders import check_model_kind, load_model
+from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.data_files import check_texts, load_data_files
 from ds_inference_integration.predict.metrics import CorpusBleu
 from ds_inference_integration.predict.positions import check_lengths_fit, check_sources_fit
 from ds_inference_integration.run.lifecycle import run_main
-from ds_inference_integration.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +140,8 @@ def main(argv: list[str]) -> None:
         model_args.config_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
         revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
     )
-    check_model_kind(config, AutoModelForSeq2SeqLM, model_args.model_name_or_path)
-    policy = None
-    if inference_args.deepspeed_inference:
-        # Policy file, schema and head counts are checked before the model loads.
-        policy = policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
+    # the model kind, and under --deepspeed_inference the policy and head counts: checked before anything loads
+    policy = prepare_inference(config, AutoModelForSeq2SeqLM, model_args.model_name_or_path, inference_args)
 
     # Data -----------------------------------------------------------------------------------------
     with training_args.main_process_first(desc="load data"):

@@ -407,6 +407,7 @@ def decode_worker(out: Path, smoke: bool) -> None:
 
     from ds_inference_integration.arguments import DeepSpeedInferenceArguments
     from ds_inference_integration.deepspeed_compat import init_deepspeed_comm
+    from ds_inference_integration.policy.derive import policy_for_model
     from ds_inference_integration.policy.schema import policy_for_run
     from ds_inference_integration.shard.inject import shard_model
     from ds_inference_integration.topology import ProcessGroups, Topology
@@ -453,7 +454,7 @@ def decode_worker(out: Path, smoke: bool) -> None:
     init_deepspeed_comm(Topology(world_size=1, rank=0, tp_size=1))
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=1)
     model, _ = shard_model(model, args, Topology(world_size=1, rank=0, tp_size=1), ProcessGroups(None, None, None),
-                           policy_for_run("auto", model.config, 1), dtype, device=device)
+                           policy_for_model(policy_for_run("auto", model.config, 1), model, 1), dtype, device=device)
     compile_config = CompileConfig(backend="eager" if smoke else "inductor", mode=None if smoke else "reduce-overhead")
     compile_config._compile_all_devices = smoke  # transformers compiles on GPUs only unless told
     for label, kw in (("plugin tp 1", {}),

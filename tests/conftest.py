@@ -208,20 +208,10 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-# `make test-fast` runs the tests that start no process (`-m "not launched"`). A test is marked `launched` when
-# it, or a fixture it uses, starts one: a launcher run, a `ds-inference` command, a worker script.
-_STARTS_PROCESSES = ("run_example(", "start_example(", "launch_nodes(",
-                     "subprocess.", "cli(", "gpu_check(", "start_ranks(", "run_check(",
-                     "run_shard(", "bench_memory(", "bench_generation(", "policy_check(")
-
-
-def _starts_processes(fn) -> bool:
-    import inspect
-
-    try:
-        return any(k in inspect.getsource(fn) for k in _STARTS_PROCESSES)
-    except (OSError, TypeError):
-        return False
+# `make test-fast` runs the tests that start no process (`-m "not launched"`). A test that starts one (a launcher
+# run, a `ds-inference` command, a worker script, a wheel build), itself or through a fixture, says so with
+# `@pytest.mark.launched` (or `pytestmark` for a whole file); `_processes_only_where_marked` below fails one that
+# does not.
 
 
 # The longest tests (seconds, `--durations` of a warm run with two workers, 2026-12-02) start first, then the other
@@ -245,11 +235,6 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        fixtures = [d.func for name in getattr(item, "fixturenames", ()) if name != "_processes_only_where_marked"
-                    for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
-        if any(_starts_processes(f) for f in [item.function, *fixtures]):
-            item.add_marker(pytest.mark.launched)
     items.sort(key=lambda item: (item.get_closest_marker("launched") is None,
                                  -LONGEST.get(item.name, LONGEST.get(item.originalname, 0))))
 
@@ -268,13 +253,13 @@ def _output_locks_end_with_the_test():
 @pytest.fixture(autouse=True)
 def _processes_only_where_marked(request, monkeypatch):
     """A test that starts a process without the `launched` mark would slow `make test-fast` unseen (three
-    policy-check tests did, through a helper the source scan above missed): here it fails, naming itself."""
+    policy-check tests did, through a helper a scan of the tests' source missed): here it fails, naming itself."""
     if request.node.get_closest_marker("launched"):
         return
 
     def refuse(self, args, *a, **k):
         pytest.fail(f"{request.node.nodeid} starts a process ({args!r:.100}) but is not marked `launched`: "
-                    "add the helper that starts it to _STARTS_PROCESSES in tests/conftest.py")
+                    "add @pytest.mark.launched")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 

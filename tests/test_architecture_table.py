@@ -1,4 +1,4 @@
-"""The README's architecture table: written by `ds-inference policy matrix` (its full run is `make test-all`'s),
+"""The architecture table (docs/policies.md): written by `ds-inference policy matrix` (its full run is `make test-all`'s),
 read here in this process: one row per architecture of the zoo, each passing at tp 2 and 4, and the table
 built from reports the way the command builds it."""
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ds_inference_integration.tools.architecture_zoo import TABLE_END, TABLE_START, ZOO, table, write_readme
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 
 
 def test_the_readme_table_has_a_passing_row_for_every_architecture_of_the_zoo():
@@ -15,7 +15,7 @@ def test_the_readme_table_has_a_passing_row_for_every_architecture_of_the_zoo():
     rows = [line.split(" | ") for line in block.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [r[0].removeprefix("| ") for r in rows] == list(ZOO)
     failing = [r[0] for r in rows if not (r[3].startswith("pass (") and r[4].startswith("pass ("))]
-    assert not failing, f"rerun `ds-inference policy matrix --readme README.md`; not passing: {failing}"
+    assert not failing, f"rerun `ds-inference policy matrix --readme docs/policies.md`; not passing: {failing}"
     assert len(ZOO) >= 40 and len({r[1] for r in rows}) >= 40  # forty model types at least
 
 

@@ -169,6 +169,7 @@ def test_help_returns_zero(capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.launched
 def test_a_bad_argument_is_one_line_and_exit_2(tmp_path):
     import subprocess
     import sys
@@ -182,6 +183,7 @@ def test_a_bad_argument_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.launched
 def test_the_fault_hook_is_not_in_the_package_and_long_sources_are_truncated_once(tmp_path):
     """DS_INFERENCE_FAULT means nothing to a production run: only the tests' sitecustomize reads it. The same
     run has sources longer than --max_source_length: truncated, with one warning giving the count."""

@@ -36,6 +36,7 @@ def test_different_predictions_between_the_paths_fail_the_bench():
 
 
 @pytest.mark.slow  # four launches, about a minute: `make test-all` runs it
+@pytest.mark.launched
 def test_bench_predict_measures_both_paths_and_they_agree(tmp_path):
     from conftest import BIN
 

@@ -26,6 +26,7 @@ def test_prompts_have_very_different_lengths():
     assert max(lengths) >= 2 * min(lengths) and lengths != sorted(lengths)
 
 
+@pytest.mark.launched
 def test_tp2_generation_equals_single_process_and_grouping_keeps_order(tmp_path):
     single = run_in_process(ARGS, tmp_path / "single", script=RUN_GENERATION)
     grouped = run_in_process([*ARGS, "--group_by_length"], tmp_path / "grouped", script=RUN_GENERATION)
@@ -54,6 +55,7 @@ def test_num_return_sequences_with_sampling(tmp_path):
     assert len(rows) == 6 and all(len(r["generations"]) == 2 for r in rows)
 
 
+@pytest.mark.launched
 def test_bench_generation_writes_table_json_and_a_png_that_opens(tmp_path):
     """The benchmark command on a small slice (in-process methods only; trainer_tp2 is exercised by the
     tp2 generation test above): one row per method x batch size, the table, and the plot."""
@@ -99,6 +101,7 @@ def test_bench_prompts_repeat_the_file_in_order(tmp_path):
 
 
 @pytest.mark.slow  # one tp-2 launch of the bench's paired worker (~30 s): `make test-all` runs it
+@pytest.mark.launched
 def test_bench_generation_pairs_the_tp2_trainer_path_with_the_bare_loop_in_the_same_ranks(tmp_path):
     import subprocess
 
@@ -120,6 +123,7 @@ def test_bench_generation_pairs_the_tp2_trainer_path_with_the_bare_loop_in_the_s
 # lfm2 in make test (13 s), the other two make test-all's (`policy check` covers them in make test)
 @pytest.mark.parametrize("name", [pytest.param("deepseek_v3", marks=pytest.mark.slow), "lfm2",
                                   pytest.param("gpt_oss", marks=pytest.mark.slow)])
+@pytest.mark.launched
 def test_the_2026_families_predict_at_tp2_as_one_process_through_the_example(name, tmp_path):
     """A dense-first MoE, a convolution hybrid (its mixers kept whole) and transposed experts with biases and
     attention sinks, each through run_generation.py with a derived policy (checked numerically at start) at tp 2

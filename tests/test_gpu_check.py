@@ -22,6 +22,7 @@ def gpu_check(tmp_path, sections: str) -> dict:
     return report
 
 
+@pytest.mark.launched
 def test_smoke_kernel_refusal(tmp_path):
     """In `make test`: the check's own start-up and its JSON, on the cheapest section (~10 s)."""
     report = gpu_check(tmp_path, "kernel_inject")
@@ -31,6 +32,7 @@ def test_smoke_kernel_refusal(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launched
 def test_smoke_examples(tmp_path):
     """In `make test-all` (~60 s: four single-process example runs; the same comparisons at tp 2 are in
     test_translation_tp.py and test_generation.py)."""
@@ -46,6 +48,7 @@ def test_smoke_examples(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launched
 def test_smoke_loading_and_engine(tmp_path):
     sections = gpu_check(tmp_path, "loading,engine")["sections"]
     engine = sections["engine"]["runs"]
@@ -57,6 +60,7 @@ def test_smoke_loading_and_engine(tmp_path):
     assert all(r["logits_max_abs_diff_vs_single"] == 0.0 for r in loading["rows"])
 
 
+@pytest.mark.launched
 def test_smoke_decode_and_real_shape_verdict(tmp_path):
     """In `make test` (~25 s): the decode section (plain generate, the plugin at tp 1, the plugin with a static cache
     compiled, each with its fraction of the bandwidth bound; batch 1 profiled) and the real-shape verdict (a model
@@ -77,6 +81,7 @@ def test_smoke_decode_and_real_shape_verdict(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launched
 def test_smoke_tp2_on_one_device(tmp_path):
     """In `make test-all` (~30 s): both examples at tp 2 under torchrun with `--ddp_backend gloo` (on the GPU
     machine, two ranks share its one GPU) against one plain process, line for line, and `policy check` at tp 2 in

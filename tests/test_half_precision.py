@@ -32,6 +32,7 @@ def test_the_zoo_has_shipped_policies_to_check():
 
 
 @pytest.mark.parametrize("names", [QUICK, pytest.param(None, marks=pytest.mark.slow)], ids=["quick", "all_shipped"])
+@pytest.mark.launched
 def test_shipped_policies_pass_in_bf16_with_partings_at_near_ties_reported(names, tmp_path):
     """bf16 checkpoints, checked in their own dtype (no --dtype): every check passes on every rank; a row whose
     tokens part from one device is reported with the step, the reference's margin there and the logit difference,
@@ -55,6 +56,7 @@ def test_shipped_policies_pass_in_bf16_with_partings_at_near_ties_reported(names
                             for p in partings)
 
 
+@pytest.mark.launched
 def test_a_split_wrong_only_in_half_precision_fails_naming_the_layer(tmp_path, monkeypatch):
     """A fault scales rank 1's part of layer 1's down projection by 1.2 after sharding, in half precision only (a
     scale applied twice on one rank): checked in fp32 it is invisible (the fault does not fire) and every check
@@ -79,6 +81,7 @@ def test_a_split_wrong_only_in_half_precision_fails_naming_the_layer(tmp_path, m
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.launched
 def test_a_wrong_policy_is_one_fail_line_in_bf16_too(tmp_path):
     """The existing wrong policy (OPT without fc2 row-parallel), on a bf16 checkpoint: one FAIL line naming fc2."""
     model = save_zoo(tmp_path / "zoo", ["opt"], "bf16")["opt"]
@@ -90,6 +93,7 @@ def test_a_wrong_policy_is_one_fail_line_in_bf16_too(tmp_path):
     assert [c["check"] for c in failed] == ["sharded_forward"] and "fc2" in failed[0]["line"]
 
 
+@pytest.mark.launched
 def test_fp16_on_cpu_ranks_is_one_line_before_any_rank_starts(tmp_path):
     model = save_zoo(tmp_path / "zoo", ["llama"])["llama"]
     proc = policy_cli("check", str(model), "--tp-size", "2", "--dtype", "fp16", timeout=60)
@@ -199,6 +203,7 @@ def test_fp32_sums_round_a_row_parallel_layer_once_as_one_device_does(monkeypatc
     assert differing[False] > 0.1 and differing[True] < 0.01, differing
 
 
+@pytest.mark.launched
 def test_fp32_sums_through_deepspeeds_row_parallel_layers_pass_the_verdict(tmp_path):
     """`--reduce-dtype fp32` (the run's --reduce_dtype) on two shipped policies whose row-parallel layers are
     DeepSpeed's LinearAllreduce (Llama; GPT-2 after its Conv1D layers become linears): every check passes, both
@@ -210,6 +215,7 @@ def test_fp32_sums_through_deepspeeds_row_parallel_layers_pass_the_verdict(tmp_p
     assert len(ratios) == 2 and max(ratios) <= 1.1, ratios
 
 
+@pytest.mark.launched
 def test_an_embedding_deepspeed_splits_keeps_the_models_dtype(tmp_path):
     """DeepSpeed 0.19.8 builds the embedding it splits (SwitchTransformers' `relative_attention_bias`) in the default
     dtype, fp32, inside a bf16 model, and the sharded forward failed ("expected m1 and m2 to have the same dtype");

@@ -9,16 +9,26 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 from conftest import BIN, DATA, DEFAULT_MODEL, REPO, TRANSLATE_ARGS, run_in_process
 from ds_inference_integration.tools.ranks import free_port
 
+pytestmark = pytest.mark.launched  # every test here starts processes (a wheel, a venv, a launcher)
 
-def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path):
-    wheels, venv, work = tmp_path / "wheels", tmp_path / "venv", tmp_path / "work"
-    work.mkdir()
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel of this repository, built once for the tests below."""
+    wheels = tmp_path_factory.mktemp("wheels")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels), str(REPO)], check=True, timeout=180, cwd=tmp_path, capture_output=True)
-    wheel = next(wheels.glob("ds_inference_integration-*.whl"))
+                    str(wheels), str(REPO)], check=True, timeout=180, cwd=wheels, capture_output=True)
+    return next(wheels.glob("ds_inference_integration-*.whl"))
+
+
+def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path, wheel):
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
@@ -111,7 +121,7 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch, tmp_path):
         "pip install 'ds-inference-integration[examples]'"], proc.stderr[-2000:]
 
 
-def test_the_wheel_requires_only_what_the_library_imports(tmp_path):
+def test_the_wheel_requires_only_what_the_library_imports(wheel):
     """The built wheel's unconditional requirements are the core (torch, transformers, deepspeed, accelerate,
     safetensors, numpy); everything else is behind an extra, each extra installing the packages that
     `extras.EXTRAS` says it adds."""
@@ -120,9 +130,6 @@ def test_the_wheel_requires_only_what_the_library_imports(tmp_path):
 
     from ds_inference_integration.extras import EXTRAS
 
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(REPO)], check=True, timeout=180, cwd=tmp_path, capture_output=True)
-    wheel = next(tmp_path.glob("ds_inference_integration-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     requires = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if line.startswith("Requires-Dist:")]

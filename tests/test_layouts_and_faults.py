@@ -59,6 +59,7 @@ def launch_nodes(args: list[str], dirs: list[Path], fault: str | None = None, ti
 
 # The shared disk is the layout the streamed predict had before (make test-all); own disks are make test's.
 @pytest.mark.parametrize("layout", ["own_disks", pytest.param("shared_disk", marks=pytest.mark.slow)])
+@pytest.mark.launched
 def test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill(single_odd, tmp_path, layout):
     """Nodes with their own --output_dir (local disks) or one shared: the predictions and BLEU of one process, byte
     for byte, after a SIGKILL of rank 3 (node 1) mid-run and the same command again. Every part is on node 0's disk
@@ -133,6 +134,7 @@ def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
     return lines
 
 
+@pytest.mark.launched
 def test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes(single_all, tmp_path):
     """`kill PID` of the deepspeed command during a tp 2 predict: within 20 s no process of the job runs (before:
     the command exited 143 at once and both ranks ran on, DeepSpeed 0.19 forwarding signals only for pdsh); the
@@ -160,6 +162,7 @@ def test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_r
 # Two runs of one command into one directory, and a timeout meant as "none" -----------------------------------------
 
 @pytest.mark.slow  # make test-all: suite time (make test stays under 15 minutes)
+@pytest.mark.launched
 def test_a_second_run_into_the_same_directory_is_refused_while_the_first_streams(single_all, tmp_path):
     """The same tp 2 predict started twice into one --output_dir, the second once the first streams: the second is
     refused at once in one line naming the first (rank 0's lock on the directory), the first ends byte for byte as
@@ -199,6 +202,7 @@ def small_tmpfs(tmp_path):
 
 
 @pytest.mark.slow  # make test-all: suite time (make test stays under 15 minutes)
+@pytest.mark.launched
 def test_a_full_disk_ends_every_rank_in_one_line_and_the_same_command_resumes(single_all, small_tmpfs):
     """A 24 KiB tmpfs as --output_dir (the 203 examples' parts need about 40 KiB), tp 2: the run ends non-zero with
     the same one line on every rank, no traceback, nothing claimed; after space is made, the same command resumes
@@ -284,6 +288,7 @@ def test_settings_a_user_can_get_wrong_are_one_line_before_anything_loads(tmp_pa
 
 @pytest.mark.parametrize("case", ["not_utf8", pytest.param("output_dir_below_a_file", marks=pytest.mark.slow),
                                   "master_port_in_use"])
+@pytest.mark.launched
 def test_bad_input_at_tp2_is_the_same_line_on_every_rank_and_no_traceback(tmp_path, case):
     """Launched at tp 2 (the deepspeed launcher): exit non-zero, each rank that prints a line prints the same one,
     no traceback, no `model loaded`. A --master_port another process listens on is refused by rank 0, which opens
@@ -315,6 +320,7 @@ def test_bad_input_at_tp2_is_the_same_line_on_every_rank_and_no_traceback(tmp_pa
 
 
 @pytest.mark.parametrize("error", ["KeyError", pytest.param("IndexError", marks=pytest.mark.slow)])
+@pytest.mark.launched
 def test_an_exception_inside_deepspeeds_sharding_is_one_line_naming_the_linear_on_every_rank(tmp_path, error):
     """Any exception type raised inside `deepspeed.init_inference` (HunYuan-MoE's RuntimeError did, before DeepSpeed's
     Yuan routing was kept off it) is one `error:` line per rank naming the model type and the linear AutoTP was
@@ -354,6 +360,7 @@ def flattened_model(tmp_path_factory):
 # of a 12-minute suite (2 workers, 2026-12-03), and CI ran make test in 950 s against its 15-minute limit
 @pytest.mark.parametrize("decoding", [pytest.param("greedy", marks=pytest.mark.slow),
                                       pytest.param("sampled", marks=pytest.mark.slow)])
+@pytest.mark.launched
 def test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_process(flattened_model, tmp_path,
                                                                                    decoding):
     """37 examples, batch 8, 2 replicas: accelerate pads the last batches (5 real rows, and a batch of padding
@@ -373,6 +380,7 @@ def test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_proc
         assert greedy.results("eval")["eval_bleu"] != single["eval_bleu"]  # it really sampled
 
 
+@pytest.mark.launched
 def test_the_lock_is_held_by_one_process_and_ends_with_it(tmp_path):
     """Another process cannot take a held directory; the lock goes with the process that held it (no stale lock)."""
     import sys
@@ -395,6 +403,7 @@ def test_the_lock_is_held_by_one_process_and_ends_with_it(tmp_path):
     output_dir.claim(tmp_path)  # and re-entrant within this process
 
 
+@pytest.mark.launched
 def test_parts_on_a_disk_rank_0_cannot_see_are_refused_only_when_they_are_another_runs(tmp_path):
     """Rank 1 does not see rank 0's marker file and holds parts: with the same manifest as rank 0's (a shared disk
     that shows a new file late, as NFS may) the run goes on; with another run's it is refused on both ranks, unless

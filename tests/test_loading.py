@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
-from ds_inference_integration.load.loaders import is_skeleton, load_model
+from ds_inference_integration.load.loaders import is_skeleton, load_model, pending_load
 from ds_inference_integration.tools.ranks import free_port
 from tiny_models import save_decoder
 
@@ -71,7 +71,7 @@ def test_skeleton_is_on_meta_with_real_buffers_and_index_checkpoints_work(tmp_pa
     assert all(p.is_meta for p in skeleton.parameters())  # no memory, no random init
     inv_freq = dict(skeleton.named_buffers())["model.rotary_emb.inv_freq"]
     assert not inv_freq.is_meta and torch.equal(inv_freq, dict(full.named_buffers())["model.rotary_emb.inv_freq"])
-    loader = skeleton._ds_inference_loader
+    loader = pending_load(skeleton).loader
     assert set(loader.key_of) == {n for n, _ in full.named_parameters()}
     # without the flag, load_model is from_pretrained
     plain = load_model(AutoModelForCausalLM, sharded)
@@ -105,6 +105,7 @@ def presharded(tmp_path_factory):
     return src, root / "t5_tp2", proc.stdout
 
 
+@pytest.mark.launched
 def test_shard_command_writes_one_file_per_rank_and_a_manifest(presharded):
     from ds_inference_integration.load.presharded import read_manifest
 
@@ -126,6 +127,7 @@ def test_shard_command_writes_one_file_per_rank_and_a_manifest(presharded):
     assert "wrote" in stdout and "2 rank files" in stdout
 
 
+@pytest.mark.launched
 def test_presharded_predictions_equal_the_source(presharded, tmp_path):
     src, out, _ = presharded
     args = ["--do_predict", "--max_predict_samples", "24", "--per_device_eval_batch_size", "8", *TRANSLATE_ARGS]
@@ -167,6 +169,7 @@ def _problem(out, manifest, rank):
     return verify_rank_files(manifest, out, rank)
 
 
+@pytest.mark.launched
 def test_presharded_directory_that_does_not_fit_the_run_is_refused(presharded, tmp_path):
     from ds_inference_integration.load.presharded import check_manifest
 
@@ -210,6 +213,7 @@ def _bump(tensors):
 
 @pytest.mark.parametrize("case", ["other_model", "forged_metadata", "corrupted", "half_reshard", "swapped_ranks",
                                   "missing_file", "truncated"])
+@pytest.mark.launched
 def test_mixed_or_damaged_rank_files_are_refused(presharded, tmp_path, case):
     import os
 
@@ -244,6 +248,7 @@ def test_mixed_or_damaged_rank_files_are_refused(presharded, tmp_path, case):
     assert problem is not None and expect in problem, problem
 
 
+@pytest.mark.launched
 def test_interrupted_shard_leaves_a_directory_that_is_refused_and_can_be_redone(presharded, tmp_path, monkeypatch):
     from transformers import AutoModelForSeq2SeqLM
 
@@ -273,6 +278,7 @@ def test_interrupted_shard_leaves_a_directory_that_is_refused_and_can_be_redone(
     assert seen == [False] and not (out / "manifest.json").exists()
 
 
+@pytest.mark.launched
 def test_shard_command_rejects_bad_input(tmp_path):
     proc = cli("shard", str(tmp_path / "nothing"), "--tp-size", "2", str(tmp_path / "out"))
     assert proc.returncode == 2 and "is not a model directory (no config.json)" in proc.stderr
@@ -281,6 +287,7 @@ def test_shard_command_rejects_bad_input(tmp_path):
 
 
 @pytest.mark.slow  # 5 launches, about 50 s: `make test-all` runs it
+@pytest.mark.launched
 def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
     (tmp_path / "tmp").mkdir()
     proc = cli("bench", "memory", "--config", "128,2,4,256,96", "--tp-size", "2", "--output-dir", str(tmp_path),
@@ -302,6 +309,7 @@ def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
 # A checkpoint that lacks some tensors: only those are initialised, exactly as from_pretrained does ------------
 
 @pytest.mark.parametrize("name", ["llama_kv4", "gpt2"])
+@pytest.mark.launched
 def test_one_rank_equals_from_pretrained_bitwise(tmp_path, name):
     """tp 1 (one GPU): nothing is split, so every loading mode must give from_pretrained(dtype=bf16)'s logits
     bit for bit. Two things broke that: DeepSpeed cast RoPE's fp32 `inv_freq` to bf16 (Llama), and shard-aware
@@ -335,7 +343,7 @@ def test_missing_tensors_are_initialised_alone_bitwise_as_from_pretrained(tmp_pa
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k not in dropped},
               str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     skeleton = load_model(AutoModelForCausalLM, tmp_path, inference_args=ON, dtype=torch.float32, mode="shard-aware")
-    loader = skeleton._ds_inference_loader
+    loader = pending_load(skeleton).loader
     assert loader.missing == {"transformer.ln_f.bias", "transformer.h.1.ln_1.bias"}
     loader.fill_replicated(skeleton, torch.device("cpu"))
     ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -417,6 +425,7 @@ def test_malformed_checkpoints_are_refused_naming_file_and_tensor(tmp_path, case
     assert str(model_dir) in message or "index" in case, message
 
 
+@pytest.mark.launched
 def test_malformed_checkpoint_run_ends_in_one_line_before_generating(tmp_path):
     model_dir, expected = _malformed(tmp_path, "dtype_f64")
     run = run_example(["--model_name_or_path", str(model_dir), "--do_predict", "--max_predict_samples", "4",
@@ -448,3 +457,18 @@ def test_modules_are_printed_once_while_deepspeed_shards_and_as_they_are_after()
         layer[0] = nn.ReLU()
         assert repr(layer) == first and "Linear" in first
     assert "ReLU" in repr(layer) and "Linear" not in repr(layer)
+
+
+def test_the_pending_load_is_registered_not_stored_on_the_model(tmp_path):
+    """Issue #29's seam: `load_model` registers one PendingLoad for the skeleton (`pending_load`) that `shard_model`
+    consumes; the model carries no hidden attribute, and once sharded it is no longer a skeleton."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_inference_integration.load.loaders import PendingLoad, ShardAwareLoader
+
+    path = save_decoder("llama_kv2", tmp_path)
+    skeleton = load_model(AutoModelForCausalLM, path, inference_args=ON)
+    pending = pending_load(skeleton)
+    assert isinstance(pending, PendingLoad) and isinstance(pending.loader, ShardAwareLoader) and pending.start > 0
+    assert not [k for k in vars(skeleton) if "loader" in k]
+    assert pending_load(AutoModelForCausalLM.from_pretrained(path)) is None

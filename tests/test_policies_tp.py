@@ -66,6 +66,7 @@ TP4_SUBSET = ("gpt2", "gpt_bigcode_mqa", "falcon_new", "llama_kv1", "t5")
 
 @pytest.mark.parametrize("tp, subset", [pytest.param(2, None, id="2"), pytest.param(4, TP4_SUBSET, id="4-subset"),
                                         pytest.param(4, None, marks=pytest.mark.slow, id="4-every")])
+@pytest.mark.launched
 def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, subset, tmp_path):
     dirs = {n: d for n, d in model_dirs.items() if subset is None or n in subset}
     proc, report = policy_check(dirs.values(), tp, tmp_path)
@@ -90,6 +91,7 @@ def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, subset, 
             } == set(KEPT_WHOLE) & set(checks)
 
 
+@pytest.mark.launched
 def test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on(model_dirs, tmp_path):
     """A sharded forward that fails is one FAIL line naming the layer, on every rank, and the check goes on with
     the next model (here the same wrong file, refused for a model it does not fit): no rank crashes."""
@@ -105,6 +107,7 @@ def test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on(model_dirs, t
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.launched
 def test_the_2026_families_match_the_unsharded_model(tmp_path):
     """One model per new way of deriving (issue #27): a dense-first MoE (DeepSeek-V3: its expert layers were
     never split, 75% of the weights per rank at tp 2), a convolution hybrid whose MLP no naming convention
@@ -136,6 +139,7 @@ def test_the_2026_families_match_the_unsharded_model(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.launched
 def test_unlisted_architectures_get_a_derived_policy(tmp_path):
     """No file names these model types: the derived policy (row-parallel linears and, where DeepSpeed's own split
     would be wrong, the attention table, the experts, an attention kept whole) matches the unsharded model. One
@@ -273,6 +277,7 @@ def test_fused_qkv_split_rows():
 
 
 @pytest.mark.parametrize("arch", ["persimmon", "phi3"])
+@pytest.mark.launched
 def test_a_policy_that_does_not_work_is_refused_before_generating(tmp_path, arch):
     """DeepSpeed's own automatic policy (`autotp`, never checked by the project) on two models the derived policy
     gets right: on Persimmon (fused per-head QKV with q/k layer norms) the shapes fit and the numbers are wrong;
@@ -320,6 +325,7 @@ def test_grouped_fused_qkv_keeps_each_ranks_query_heads_with_their_groups_k_and_
 
 
 @pytest.mark.slow  # every architecture of the zoo at tp 2 and 4: about 4 minutes, `make test-all` runs it
+@pytest.mark.launched
 def test_policy_matrix_passes_every_architecture_and_writes_the_table(tmp_path):
     """`ds-inference policy matrix`: 61 tiny models (shipped, derived, mixture-of-experts, encoder-decoders), one
     launch per tp size; every check of every model passes, and the table it writes says so."""

@@ -118,3 +118,44 @@ def test_codegen_heads_must_divide_tp_times_deepspeeds_four_blocks():
     check_head_counts(resolve_policy("auto", eight), eight, 2)
     with pytest.raises(InferenceSetupError, match=r"num_attention_heads=8 .* --tp_size 4 x 4 .*; valid tp sizes: 1, 2$"):
         check_head_counts(resolve_policy("auto", eight), eight, 4)
+
+
+def test_the_policy_is_resolved_once_before_sharding_and_no_string_reaches_it(models):
+    """Issue #29's seam: `setup_inference` turns `resolve_policy`'s answer into a Policy, or None for AutoTP,
+    before sharding (`policy_for_model`: "derive" becomes the policy derived from the model, None at tp 1 where
+    nothing is split); `shard_model` refuses anything else instead of resolving it itself."""
+    from ds_inference_integration.arguments import DeepSpeedInferenceArguments
+    from ds_inference_integration.policy.derive import policy_for_model
+    from ds_inference_integration.policy.schema import Policy
+    from ds_inference_integration.shard.inject import shard_model
+    from ds_inference_integration.topology import ProcessGroups, Topology
+
+    model = next(iter(models.values()))
+    derived = policy_for_model(DERIVE, model, 2)
+    assert isinstance(derived, Policy) and str(derived.source).startswith("<derived")
+    assert policy_for_model(DERIVE, model, 1) is None and policy_for_model(None, model, 2) is None
+    assert policy_for_model(derived, model, 2) is derived
+    with pytest.raises(InferenceSetupError, match="policy 'auto' is not resolved"):
+        policy_for_model("auto", model, 2)
+    with pytest.raises(TypeError, match="shard_model takes a Policy, or None"):
+        shard_model(model, DeepSpeedInferenceArguments(deepspeed_inference=True), Topology(1, 0, 1),
+                    ProcessGroups(None, None, None), DERIVE, float)
+
+
+def test_the_examples_one_set_up_call_checks_the_model_kind_and_resolves_the_policy(models, monkeypatch):
+    """`prepare_inference`: what the four examples called separately (the model kind, then under the flag the
+    policy for the run and its head counts at the launcher's tp size), one call before anything loads."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_inference_integration import DeepSpeedInferenceArguments, prepare_inference
+
+    config = models["t5"].config
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    off, on = DeepSpeedInferenceArguments(), DeepSpeedInferenceArguments(deepspeed_inference=True)
+    assert prepare_inference(config, AutoModelForSeq2SeqLM, "t5-dir", off) is None
+    assert prepare_inference(config, AutoModelForSeq2SeqLM, "t5-dir", on).name == "t5"
+    with pytest.raises(InferenceSetupError, match="t5-dir holds a 't5' model, which AutoModelForCausalLM does not build"):
+        prepare_inference(config, AutoModelForCausalLM, "t5-dir", on)
+    with pytest.raises(InferenceSetupError, match="tp"):
+        prepare_inference(config, AutoModelForSeq2SeqLM, "t5-dir", DeepSpeedInferenceArguments(
+            deepspeed_inference=True, tp_size=3))

@@ -131,6 +131,7 @@ def test_clips_longer_than_whisper_s_window_are_counted_in_one_warning_and_targe
     pytest.param("tiny", ["--max_predict_samples", "21", "--max_eval_samples", "6"], id="21"),
     pytest.param("tiny", [], marks=pytest.mark.slow, id="whole"),
     pytest.param("default", [], marks=pytest.mark.slow, id="embedded-default")])  # the trained model
+@pytest.mark.launched
 def test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process(whisper, tmp_path, model, limits):
     args = [*(["--model_name_or_path", str(whisper)] if model == "tiny" else []), *ARGS, *limits]
     ref = run_in_process(args, tmp_path / "single", script=RUN_SPEECH)
@@ -178,6 +179,7 @@ def test_the_probe_forward_fits_each_speech_model(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["wav2vec2_bart", pytest.param("speech2text", marks=pytest.mark.slow),
                                   pytest.param("moonshine", marks=pytest.mark.slow)])
+@pytest.mark.launched
 def test_other_speech_encoder_decoders_at_tp2_equal_one_process(kind, tmp_path):
     """Speech2Text (frames first, clips of any length, an attention mask), wav2vec2 + BART (raw samples as
     `input_values`) and Moonshine (raw samples, a derived policy with head counts under its own names) through the
@@ -211,6 +213,7 @@ def test_language_and_task_are_checked_before_the_model_loads(whisper, tmp_path,
             example.main(["--model_name_or_path", str(model), *base, *extra])
 
 
+@pytest.mark.launched
 def test_a_multilingual_whisper_with_a_language_at_tp2_equals_one_process(tmp_path):
     """--language french: the language and task prefix tokens are forced in generate on every rank (and change the
     output: the same run without them differs)."""

@@ -123,6 +123,7 @@ def test_bad_columns_and_data_end_in_one_line_before_the_model_loads(tiny_models
     pytest.param("bart", [], marks=pytest.mark.slow, id="bart-whole"),
     pytest.param("pegasus", [], marks=pytest.mark.slow, id="pegasus-whole"),
     pytest.param("led", [], marks=pytest.mark.slow, id="led-whole")])
+@pytest.mark.launched
 def test_summarization_at_tp2_and_dp2_x_tp2_equals_one_process(tiny_models, tmp_path, kind, limits):
     other = {"pegasus": {}, "led": {"max_encoder_position_embeddings": 256, "max_decoder_position_embeddings": 64,
                                     "attention_window": 16}}

@@ -28,6 +28,7 @@ def resumed_count(run) -> int:
     ("torchrun", '{"dispatch_batches": true}', False),
     ("deepspeed", '{"dispatch_batches": true, "split_batches": true}', True)],
     ids=["dispatch", "dispatch_split_killed_then_resumed"])
+@pytest.mark.launched
 def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader, killed):
     """accelerate's dispatcher would hand every replica the same batches (74 lines for 37 examples); under our
     mesh no loader dispatches, so these two runs also take the plain DP x TP path, under both launchers. The
@@ -52,6 +53,7 @@ def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader, killed)
         assert not (tmp_path / "predict_parts").exists()
 
 
+@pytest.mark.launched
 def test_sampling_with_a_seed_matches_single_process(tiny_models, tmp_path):
     args = ["--model_name_or_path", str(tiny_models["t5"]), "--do_predict", "--max_predict_samples", "24",
             "--per_device_eval_batch_size", "8", "--val_max_target_length", "12", *TRANSLATE_ARGS, "--seed", "7"]
@@ -72,6 +74,7 @@ def _no_results(out) -> None:
     assert not (out / "predict_results.json").exists() and not (out / "generated_predictions.txt").exists()
 
 
+@pytest.mark.launched
 def test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes(tmp_path):
     """SIGKILL of rank 1 in the middle of a tp 2 predict: the run ends promptly with nothing claimed; a resume
     with other generation settings is refused; the same command continues, is killed whole (launcher and
@@ -101,6 +104,7 @@ def test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resume
         {k: single.results("predict")[k] for k in ("predict_bleu", "predict_gen_len")}
 
 
+@pytest.mark.launched
 def test_rank_that_raises_takes_the_others_down_promptly(tmp_path):
     run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="raise:1:3", launcher="torchrun")
     assert run.returncode != 0
@@ -109,6 +113,7 @@ def test_rank_that_raises_takes_the_others_down_promptly(tmp_path):
     _no_results(tmp_path)
 
 
+@pytest.mark.launched
 def test_lockstep_guard_stops_mixed_inputs_on_every_rank(tmp_path):
     run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="skew:1:2", launcher="torchrun")
     assert run.returncode != 0
@@ -169,6 +174,7 @@ def test_bad_input_is_one_clear_line(tmp_path, case, run_translation_main):
     assert not (tmp_path / "out" / "predict_results.json").exists()
 
 
+@pytest.mark.launched
 def test_bad_input_ends_the_run_in_one_line_with_exit_2(tmp_path):
     _bad_files(tmp_path)
     run = run_example(["--do_predict", *TRANSLATE_ARGS, "--deepspeed_inference", "--test_file",
@@ -192,6 +198,7 @@ dist.barrier()
 """
 
 
+@pytest.mark.launched
 def test_a_rank_that_prints_a_lot_does_not_block_its_peers(tmp_path, monkeypatch):
     import time
 
@@ -207,6 +214,7 @@ def test_a_rank_that_prints_a_lot_does_not_block_its_peers(tmp_path, monkeypatch
     assert (tmp_path / "rank-1.log").stat().st_size > 2_000_000
 
 
+@pytest.mark.launched
 def test_policy_check_counts_every_rank_and_leaves_no_temporary_files(tmp_path):
     """Rank 1 alone sees wrong logits (a fault hook): the check must fail, naming rank 1."""
     import os
@@ -255,6 +263,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.launched
 def test_tp_and_dp_groups_get_the_inference_timeout(tmp_path, monkeypatch):
     """4 ranks, tp 2: the mesh's TP groups are new process groups; gloo would give them 30 minutes."""
     from ds_inference_integration.tools.ranks import failure_text, start_ranks, wait_ranks
@@ -276,6 +285,7 @@ STOP_ARGS = ["--do_predict", "--max_predict_samples", "64", "--per_device_eval_b
 
 @pytest.mark.parametrize("nprocs, launcher, all_reduce", [(4, "torchrun", "gloo"), (2, "deepspeed", "shm")],
                          ids=["dp2_x_tp2_gloo_torchrun", "tp2_shared_memory_all_reduce_deepspeed"])
+@pytest.mark.launched
 def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs, launcher, all_reduce):
     """SIGSTOP: not dead, so no connection closes. Under DP x TP the TP all-reduce is gloo's; at tp = world on
     one node, when asked for, it is DeepSpeed's shared-memory all-reduce, which busy-waits with no timeout of

@@ -68,6 +68,7 @@ def test_a_new_run_never_merges_into_or_shows_as_an_earlier_run(tiny_t5, tmp_pat
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
 
 
+@pytest.mark.launched
 def test_a_failed_run_leaves_the_earlier_good_run_whole(tmp_path):
     args = ["--do_predict", "--max_predict_samples", "8", *TRANSLATE_ARGS]
     run_in_process(args, tmp_path)

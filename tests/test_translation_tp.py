@@ -32,6 +32,7 @@ def single(tmp_path_factory):
     return get
 
 
+@pytest.mark.launched
 def test_proposal_command_eval_and_beam_search_predict_equal_single_process(single, tmp_path):
     """The original proposal's command (eval on 50 examples), plus predict with 4 beams on 45 examples, in one
     launch: eval BLEU and every predicted line equal to one process."""
@@ -55,6 +56,7 @@ def test_proposal_command_eval_and_beam_search_predict_equal_single_process(sing
     assert tp.output.count("model loaded shard-aware: read") == 2  # the default for a safetensors checkpoint
 
 
+@pytest.mark.launched
 def test_plain_multi_rank_returns_no_padding_duplicates(single, tmp_path):
     """Upstream Seq2SeqTrainer returns the even_batches padding rows on 2 ranks; ours returns 37."""
     args = [*PREDICT[:-len(TRANSLATE_ARGS)], *TRANSLATE_ARGS, "--max_predict_samples", "37",
@@ -66,6 +68,7 @@ def test_plain_multi_rank_returns_no_padding_duplicates(single, tmp_path):
     assert (dp.results("predict")["tp_size"], dp.results("predict")["dp_size"]) == (1, 2)
 
 
+@pytest.mark.launched
 def test_bad_setup_fails_fast_on_every_rank(tmp_path):
     """Every rank prints the line and exits, also when one rank reaches the check well after the other (here rank
     0 starts 6 s late, as on a loaded machine: the deepspeed launcher kills the other ranks a second after the
@@ -87,6 +90,7 @@ def test_default_model_is_the_embedded_one():
     assert (DEFAULT_MODEL / "model.safetensors").stat().st_size < 20 * 2**20
 
 
+@pytest.mark.launched
 def test_torchrun_launcher_gives_the_same_predictions(single, tmp_path):
     args = [*PREDICT[:-len(TRANSLATE_ARGS)], *TRANSLATE_ARGS, "--max_predict_samples", "37",
             "--per_device_eval_batch_size", "8"]
@@ -99,6 +103,7 @@ def test_torchrun_launcher_gives_the_same_predictions(single, tmp_path):
 
 
 @pytest.mark.slow  # two runs of the example (~60 s); `make test` checks T5Gemma by `policy check` (test_policies_tp)
+@pytest.mark.launched
 def test_t5gemma_with_grouped_self_and_cross_attention_translates_at_tp2_as_one_process(tmp_path):
     """An encoder-decoder with fewer KV heads than query heads in both its self and its cross attention, its head
     counts only in its encoder's and decoder's own configs (a derived policy, checked numerically at start), through

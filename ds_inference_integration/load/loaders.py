@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +43,46 @@ DEFERRED_TYPES = ("Linear", "Conv1D", "ColumnShard")  # modules whose parameters
 PACKED_KEY = "<packed>"  # KeyPlan.key_of's key for a parameter built from several checkpoint tensors
 
 
+@dataclass
+class PendingLoad:
+    """What `load_model` leaves for `shard_model` when it returns a skeleton: where this rank's weights will come
+    from (`loader`, or a pre-sharded directory's `manifest`, checked and opened per rank once the policy is known:
+    `open`) and when loading began (for the log line's time to a ready model). Registered against the model
+    (`pending_load`), not stored on it: the model stays a plain transformers model; `shard_model` takes it off
+    once every weight is read."""
+
+    start: float
+    loader: "Loader | None" = None
+    manifest: dict | None = None
+    model_dir: Path | None = None
+
+    def open(self, tp_size: int, tp_rank: int, policy_identity: str, dtype: torch.dtype, group=None) -> "Loader":
+        """This rank's loader. A pre-sharded directory is checked here: the manifest against the run, then the rank
+        files (`presharded.verify_in_group`, agreed over `group`)."""
+        if self.loader is None:
+            check_manifest(self.manifest, self.model_dir, tp_size, policy_identity, dtype)
+            verify_in_group(self.manifest, self.model_dir, tp_rank, group)
+            record = next(r for r in self.manifest["files"] if r["rank"] == tp_rank)
+            self.loader = PreShardedLoader(self.model_dir, dtype,
+                                           SafetensorsCheckpoint([self.model_dir / record["name"]]))
+        return self.loader
+
+
+_PENDING: "weakref.WeakKeyDictionary[nn.Module, PendingLoad]" = weakref.WeakKeyDictionary()
+
+
+def pending_load(model: nn.Module) -> PendingLoad | None:
+    """The load `load_model` left for this skeleton, or None (a model with every weight already)."""
+    return _PENDING.get(model)
+
+
+def loaded(model: nn.Module) -> None:
+    """Every weight of `model` is read: it is no longer a skeleton."""
+    _PENDING.pop(model, None)
+
+
 def is_skeleton(model: nn.Module) -> bool:
-    return getattr(model, "_ds_inference_loader", None) is not None
+    return model in _PENDING
 
 
 def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
@@ -560,8 +599,7 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
         manifest = read_manifest(model_dir)  # refuses a half-written or foreign-format directory
         if manifest is not None:
             model = build_skeleton(model_cls, config, dtype, model_dir)
-            model._ds_inference_loader = (manifest, model_dir)  # opened per rank in shard_model
-            model._ds_inference_loader_start = start
+            _PENDING[model] = PendingLoad(start, manifest=manifest, model_dir=model_dir)  # opened per rank in shard_model
             return model
         if mode == "pre-sharded":
             raise InferenceSetupError(f"{model_dir} has no {MANIFEST}: it was not written by `ds-inference shard`")
@@ -573,8 +611,7 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
             model = build_skeleton(model_cls, config, dtype, model_dir)
             plan, reason = plan_keys(model, ckpt)
             if reason is None:
-                model._ds_inference_loader = ShardAwareLoader(model_dir, dtype, ckpt, plan)
-                model._ds_inference_loader_start = start
+                _PENDING[model] = PendingLoad(start, loader=ShardAwareLoader(model_dir, dtype, ckpt, plan))
                 return model
         if mode == "shard-aware":
             raise InferenceSetupError(f"--loading shard-aware: {model_dir}: {reason}; valid here: --loading full")
@@ -585,17 +622,3 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
         why = f" ({reason})" if reason else ""
         logger.warning("deepspeed_inference: model loaded full on every rank%s in %.2f s", why, time.perf_counter() - start)
     return model
-
-
-def open_loader(model: nn.Module, tp_size: int, tp_rank: int, policy_identity: str, dtype: torch.dtype,
-                group=None) -> Loader | None:
-    """The skeleton's loader for this rank. A pre-sharded directory is checked here, once the policy is known:
-    the manifest against the run, then the rank files (`presharded.verify_in_group`, agreed over `group`)."""
-    loader = getattr(model, "_ds_inference_loader", None)
-    if loader is None or isinstance(loader, Loader):
-        return loader
-    manifest, model_dir = loader
-    check_manifest(manifest, model_dir, tp_size, policy_identity, dtype)
-    verify_in_group(manifest, model_dir, tp_rank, group)
-    record = next(r for r in manifest["files"] if r["rank"] == tp_rank)
-    return PreShardedLoader(model_dir, dtype, SafetensorsCheckpoint([model_dir / record["name"]]))

@@ -31,6 +31,7 @@ from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_gra
 from ..errors import InferenceSetupError
 from .kinds import is_packed_experts, is_router, is_ssm_mixer
 from .schema import (
+    DERIVE,
     AttentionSpec,
     Policy,
     class_source,
@@ -553,3 +554,33 @@ def derive_experts(model: nn.Module) -> dict[str, tuple[str, ...]]:
         if paths:
             found[name] = paths
     return found
+
+
+def derived_summary(policy: Policy) -> str:
+    """A derived policy in one line, for the log and the unchecked-policy warning."""
+    spec = policy.attention
+    attention = "" if spec is None else (
+        f"; attention {spec.fused_qkv} (fused, layout {spec.layout})" if spec.fused_qkv else
+        f"; attention {spec.query}/{spec.key}/{spec.value} ({spec.query_heads} / {spec.kv_heads} heads)") + (
+        f", also {', '.join(spec.also)}" if spec and spec.also else "")
+    kept = f"; kept whole on every rank: {dict(policy.replicated)}" if policy.replicated else ""
+    experts = f"; experts split: {dict(policy.experts)}" if policy.experts else ""
+    mixers = f"; mixers split by heads or channels: {dict(policy.mixers)}" if policy.mixers else ""
+    return f"row-parallel linears {dict(policy.layers)}{attention}{kept}{experts}{mixers}"
+
+
+def policy_for_model(policy: Policy | str | None, model: nn.Module, tp_size: int) -> Policy | None:
+    """What `shard_model` takes, from what `resolve_policy` / `policy_for_run` answered before the model loaded: a
+    Policy as it is; None for DeepSpeed's AutoTP; DERIVE becomes the policy derived from this model (said in one
+    log line), or None at tp 1, where nothing is split. Resolved here, once, so that no string reaches the
+    sharding, and a pre-sharded directory is checked against the policy the run will use."""
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if policy != DERIVE:
+        raise InferenceSetupError(f"policy {policy!r} is not resolved; valid: a Policy, None (autotp) or {DERIVE!r}")
+    if tp_size == 1:
+        return None
+    derived = derive_policy(model)
+    logger.warning("no policy file for model_type %r: derived %s", getattr(model.config, "model_type", "?"),
+                   derived_summary(derived))
+    return derived

@@ -35,7 +35,7 @@ import zlib
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ..errors import InferenceSetupError, RunFailure
 from ..run import output_dir
@@ -360,13 +360,28 @@ class _Progress:
                     100 * done / max(self.total, 1), rate, f"{left:.0f} s" if left != float("inf") else "unknown")
 
 
-def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = "predict",
-                     predictions_file: str = "generated_predictions.txt", fresh: bool = False,
-                     order: list[int] | None = None) -> dict:
-    """The loop behind `DeepSpeedInferenceMixin.predict_to_file`; returns the metrics on every rank.
+@dataclass
+class StreamJob:
+    """What `streamed_predict` needs from its caller (the Trainer mixin passes its own): the examples in
+    processing order (`order[pos]`: the input index of position `pos`; None: the identity), where and how many a
+    batch, the run's identity (a function: only rank 0 computes it, it hashes every example), how a batch's
+    examples become model inputs (`collate`), and the step (`generate(k, inputs)`: the token ids of batch `k`)."""
 
-    `dataset` is already in processing order; `order[pos]` is the input index of position `pos` (None: the
-    identity). Every rank walks the same number of steps: each step generates one batch of its replica (or
+    dataset: object
+    order: list[int] | None
+    topology: object
+    output_dir: Path
+    batch_size: int
+    identity: Callable[[], "RunIdentity"]
+    collate: Callable[[list], dict]
+    generate: Callable[[int, dict], object]
+    tokenizer: object
+
+
+def streamed_predict(job: StreamJob, *, metric=None, metric_key_prefix: str = "predict",
+                     predictions_file: str = "generated_predictions.txt", fresh: bool = False) -> dict:
+    """The loop behind `DeepSpeedInferenceMixin.predict_to_file`; returns the metrics on every rank.
+ Every rank walks the same number of steps: each step generates one batch of its replica (or
     nothing, once its replica is done); with more than one replica the replicas' first ranks then send their
     records to rank 0 (one gather), and rank 0, having written them, tells every rank whether that went through
     (one broadcast), which also keeps replicas with less left in step with the others without any long
@@ -375,12 +390,12 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
 
     import torch.distributed as dist
 
-    topo = trainer.topology
+    topo, dataset, order = job.topology, job.dataset, job.order
     n = len(dataset)
-    out_dir = Path(trainer.args.output_dir)
+    out_dir = Path(job.output_dir)
     parts_dir = out_dir / f"{metric_key_prefix}_parts"
     distributed = dist.is_available() and dist.is_initialized() and topo.world_size > 1
-    grids = [replica_batches(n, trainer.args.eval_batch_size, topo.dp_size, r) for r in range(topo.dp_size)]
+    grids = [replica_batches(n, job.batch_size, topo.dp_size, r) for r in range(topo.dp_size)]
     batches = grids[topo.dp_rank]
     output_dir.survey(out_dir, topo, parts_dir.name, fresh)  # which disk holds what; stale parts elsewhere refused
 
@@ -390,7 +405,7 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
     if topo.rank == 0:
         try:
             output_dir.claim(out_dir)
-            status["resumed"] = open_run(parts_dir, trainer._stream_identity(dataset, order), fresh)
+            status["resumed"] = open_run(parts_dir, job.identity(), fresh)
             writers = [PartWriter(part_path(parts_dir, r), replica_indices(grids[r], order))
                        for r in range(topo.dp_size)]
             status["done"] = [w.records for w in writers]
@@ -412,23 +427,21 @@ def streamed_predict(trainer, dataset, *, metric=None, metric_key_prefix: str = 
         logger.warning("predictions stream to %s (one part per replica, all written by rank 0), merged into %s "
                        "at the end", parts_dir, out_dir / predictions_file)
     progress = _Progress(n, already)
-    tokenizer = trainer.processing_class
+    tokenizer = job.tokenizer
     pad = getattr(tokenizer, "pad_token_id", None)
     start = time.monotonic()
-    trainer.model.eval()
     for step in range(steps):
         k = skip + step
         records = None
         if k < len(batches):
             positions = batches[k]
             features = [dataset[p] for p in positions]
-            inputs = trainer.data_collator(features)
+            inputs = job.collate(features)
             labels = inputs.pop("labels", None)  # references only: no teacher-forced loss pass per batch
             if labels is not None:  # and no decoder inputs the collator made from them
                 inputs.pop("decoder_input_ids", None)
                 inputs.pop("decoder_attention_mask", None)
-            trainer._batch_index = k - 1  # prediction_step counts it up: the seed and the guard use it
-            _, tokens, _ = trainer.prediction_step(trainer.model, inputs, prediction_loss_only=False)
+            tokens = job.generate(k, inputs)
             if topo.tp_rank == 0:
                 first = done_mine - before if k == skip else 0  # a batch a crash cut short: its tail only
                 records = _records(tokenizer, pad, tokens, labels, positions, order, metric)[first:]

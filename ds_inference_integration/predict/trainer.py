@@ -345,7 +345,7 @@ class DeepSpeedInferenceMixin:
         `<output_dir>/<predictions_file>` in input order. `metric` (e.g. `metrics.CorpusBleu()`) is computed
         from statistics stored with each prediction. Host memory does not grow with the data set; returns the
         metrics (on every rank). See `predict/streaming.py`."""
-        from .streaming import streamed_predict
+        from .streaming import StreamJob, streamed_predict
 
         if not getattr(self.args, "predict_with_generate", False):
             raise InferenceSetupError("predict_to_file writes generated text: pass --predict_with_generate")
@@ -361,13 +361,24 @@ class DeepSpeedInferenceMixin:
         if self.args.remove_unused_columns and hasattr(test_dataset, "column_names"):
             test_dataset = self._remove_unused_columns(test_dataset, description="test")
         test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
-        metrics = streamed_predict(self, test_dataset, metric=metric, metric_key_prefix=metric_key_prefix,
-                                   predictions_file=predictions_file, fresh=fresh, order=order)
+        self.model.eval()
+        job = StreamJob(dataset=test_dataset, order=order, topology=self.topology, output_dir=Path(self.args.output_dir),
+                        batch_size=self.args.eval_batch_size, identity=lambda: self._stream_identity(test_dataset, order),
+                        collate=self.data_collator, generate=self._generate_batch, tokenizer=self.processing_class)
+        metrics = streamed_predict(job, metric=metric, metric_key_prefix=metric_key_prefix,
+                                   predictions_file=predictions_file, fresh=fresh)
         metrics.update(padding)
         if self.topology.tp_size > 1:
             metrics[f"{metric_key_prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
             self.lockstep_seconds = 0.0
         return metrics
+
+    def _generate_batch(self, k: int, inputs: dict):
+        """The token ids of batch `k` of this replica (`prediction_step` counts `_batch_index` up to `k`: the
+        sampling seed and the lock-step guard use it)."""
+        self._batch_index = k - 1
+        _, tokens, _ = self.prediction_step(self.model, inputs, prediction_loss_only=False)
+        return tokens
 
     def _stream_identity(self, dataset, order):
         """What decides the bytes of a streamed predict (streaming.RunIdentity): a resume must match it."""

@@ -32,8 +32,8 @@ from ..deepspeed_compat import (
     yuan_named_apart,
 )
 from ..errors import first_line, sharding_failure
-from ..policy.derive import derive_policy
-from ..policy.schema import DERIVE, AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
+from ..policy.derive import derive_policy, derived_summary
+from ..policy.schema import AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
 from ..topology import ModelParallelUnit, ProcessGroups, Topology
 from .attention import HeadLayout, split_fused_qkv, split_heads, whole
 from .experts import experts_modules, split_experts
@@ -238,22 +238,10 @@ def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
     if policy is None:
         return f"DeepSpeed's automatic policy (autotp) for model_type {model_type!r}"
     if str(policy.source).startswith("<derived"):
-        return f"the policy derived for model_type {model_type!r} ({_derived_summary(policy)})"
+        return f"the policy derived for model_type {model_type!r} ({derived_summary(policy)})"
     if policy.source.resolve().parent != POLICY_DIR.resolve():
         return f"policy {policy.source}"
     return None
-
-
-def _derived_summary(policy: Policy) -> str:
-    spec = policy.attention
-    attention = "" if spec is None else (
-        f"; attention {spec.fused_qkv} (fused, layout {spec.layout})" if spec.fused_qkv else
-        f"; attention {spec.query}/{spec.key}/{spec.value} ({spec.query_heads} / {spec.kv_heads} heads)") + (
-        f", also {', '.join(spec.also)}" if spec and spec.also else "")
-    kept = f"; kept whole on every rank: {dict(policy.replicated)}" if policy.replicated else ""
-    experts = f"; experts split: {dict(policy.experts)}" if policy.experts else ""
-    mixers = f"; mixers split by heads or channels: {dict(policy.mixers)}" if policy.mixers else ""
-    return f"row-parallel linears {dict(policy.layers)}{attention}{kept}{experts}{mixers}"
 
 
 def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
@@ -272,7 +260,7 @@ def shard_model(
     args: DeepSpeedInferenceArguments,
     topology: Topology,
     groups: ProcessGroups,
-    policy: Policy | str | None,
+    policy: Policy | None,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     verify: bool = True,
@@ -285,14 +273,14 @@ def shard_model(
     unless `verify` is False (`policy check` compares the whole model itself)."""
     import deepspeed
 
-    from ..load.loaders import PreShardedLoader, open_loader, policy_id
+    from ..load.loaders import PreShardedLoader, loaded, pending_load, policy_id
     from ..policy.verify import reference_copies, verify_sharded_layers
 
-    if policy == DERIVE and topology.tp_size > 1:  # before the loader: a pre-sharded directory names the derived policy
-        policy = derive_policy(model)
-        logger.warning("no policy file for model_type %r: derived %s", model.config.model_type, _derived_summary(policy))
-    loader = open_loader(model, topology.tp_size, topology.tp_rank, policy_id(policy), dtype, groups.tp)
-    load_start = getattr(model, "_ds_inference_loader_start", None)
+    if policy is not None and not isinstance(policy, Policy):  # "derive", "auto", a path: resolved before, once
+        raise TypeError(f"shard_model takes a Policy, or None for DeepSpeed's AutoTP, not {policy!r}: resolve it with "
+                        "policy.derive.policy_for_model first (setup_inference does)")
+    pending = pending_load(model)
+    loader = pending.open(topology.tp_size, topology.tp_rank, policy_id(policy), dtype, groups.tp) if pending else None
     device = torch.device(device)
     full_bytes = _param_bytes(model) * torch.finfo(dtype).bits // torch.finfo(next(model.parameters()).dtype).bits
     kwargs: dict = {"dtype": dtype, "replace_with_kernel_inject": args.replace_with_kernel_inject}
@@ -365,9 +353,8 @@ def shard_model(
     if loader is not None:
         loader.fill_sharded(sharded, topology.tp_rank, device)
         sharded.to(device)
-        del sharded._ds_inference_loader
-        if load_start is not None:
-            loader.ready_seconds = time.perf_counter() - load_start
+        loaded(model)
+        loader.ready_seconds = time.perf_counter() - pending.start
         loading = loader.summary()
     share = None
     if topology.tp_size > 1 and not args.replace_with_kernel_inject:

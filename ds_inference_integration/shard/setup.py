@@ -12,12 +12,28 @@ from torch import nn
 
 from ..arguments import DeepSpeedInferenceArguments
 from ..deepspeed_compat import init_deepspeed_comm
+from ..policy.derive import policy_for_model
 from ..policy.schema import Policy, check_head_counts, policy_for_run
 from ..run import watchdog
 from ..topology import ProcessGroups, Topology, init_process_groups
 from .inject import ShardReport, shard_model
 
 logger = logging.getLogger(__name__)
+
+
+def prepare_inference(config, model_cls, model_dir, inference_args: DeepSpeedInferenceArguments
+                      ) -> Policy | str | None:
+    """What a script checks once it has the model's config, before its data and model load: that `model_cls` (an
+    Auto class) builds this config's model, and under --deepspeed_inference the policy for the run (the file, its
+    schema, the head counts against the tp size the launcher gives). Returns the policy to pass to the Trainer
+    (`policy=`), None without the flag. The one set-up call of the examples."""
+    from ..load.loaders import check_model_kind
+
+    if model_cls is not None:
+        check_model_kind(config, model_cls, model_dir)
+    if not inference_args.deepspeed_inference:
+        return None
+    return policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
 
 
 @dataclass
@@ -41,6 +57,7 @@ def setup_inference(model: nn.Module, inference_args: DeepSpeedInferenceArgument
         policy = policy_for_run(inf.injection_policy, model.config, topology.tp_size)
     else:
         check_head_counts(policy, model.config, topology.tp_size)
+    policy = policy_for_model(policy, model, topology.tp_size)  # a Policy or None (AutoTP) from here on
     groups = init_process_groups(topology, device.type, inf.inference_timeout)
     watchdog.start(topology.rank, topology.world_size, inf.inference_timeout)
     all_reduce = init_deepspeed_comm(topology) if groups.mesh is not None else None

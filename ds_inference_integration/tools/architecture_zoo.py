@@ -1,6 +1,7 @@
 """`ds-inference policy matrix`: tiny random models of every architecture the project checks, built from configs
-(no download), checked by `policy check` at each tp size in one launch per size, and the README's architecture
-table written from those reports (`--readme README.md` rewrites the block between its two markers).
+(no download), checked by `policy check` at each tp size in one launch per size, and the architecture
+table of docs/policies.md written from those reports (`--readme docs/policies.md` rewrites the block between its
+two markers).
 
 The models: every family with a shipped policy file, the families whose policy is derived, more encoder-decoders,
 mixture-of-experts decoders (dense-first ones, packed experts in both orientations, experts held as modules), and
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 VOCAB = 96
-TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme README.md` -->"
+TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme docs/policies.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
     "deepseek_v4": "its grouped output projection (`o_a_proj`, not a linear) stays whole while `o_b_proj` is split "
@@ -369,7 +370,7 @@ def run_matrix(tp_sizes: list[int], out_dir: str | None, readme: str | None, nam
         print(f"error: --only {unknown[0]!r} is not in the zoo; valid: {', '.join(ZOO)}", file=sys.stderr)
         return 2
     if readme and dtype != "fp32":
-        print(f"error: --readme with --dtype {dtype}: the README's table is the fp32 one; leave out --readme",
+        print(f"error: --readme with --dtype {dtype}: the architecture table is the fp32 one; leave out --readme",
               file=sys.stderr)
         return 2
     reports: dict[int, dict] = {}

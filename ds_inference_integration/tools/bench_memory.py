@@ -90,6 +90,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments
     from ..deepspeed_compat import init_deepspeed_comm
     from ..load.loaders import load_model
+    from ..policy.derive import policy_for_model
     from ..policy.schema import policy_for_run
     from ..shard.inject import shard_model
     from ..topology import Topology, init_process_groups
@@ -144,7 +145,8 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
             SafetensorsCheckpoint.read = _read_with_get_slice
         model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=dtype,
                            mode="shard-aware" if mode == GET_SLICE else mode)
-        model, shard = shard_model(model, args, topology, groups, policy, dtype, device=device)
+        model, shard = shard_model(model, args, topology, groups, policy_for_model(policy, model, topology.tp_size),
+                                   dtype, device=device)
         report = str(shard)
     sync()
     ready = time.perf_counter() - start

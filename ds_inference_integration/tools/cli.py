@@ -203,14 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the run's --reduce_dtype: fp32 sums the row-parallel partial products in fp32")
     check.set_defaults(func=_policy_check)
     matrix = psub.add_parser("matrix", help="policy check on tiny models of every architecture the project checks; "
-                                           "the README's architecture table")
+                                           "docs/policies.md's architecture table")
     matrix.add_argument("--tp-sizes", default="2,4")
     matrix.add_argument("--only", default=None, help="comma-separated zoo names (default: all)")
     matrix.add_argument("--json-dir", default=None, help="keep the per-tp `policy check --json` reports here")
     matrix.add_argument("--readme", default=None, help="rewrite the table between this file's markers")
     matrix.add_argument("--timeout", type=float, default=1200, help="seconds per tp size before the ranks are killed")
     matrix.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
-                        help="save the tiny checkpoints in this dtype and check in it (the README's table: fp32)")
+                        help="save the tiny checkpoints in this dtype and check in it (the architecture table: fp32)")
     matrix.set_defaults(func=_policy_matrix)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

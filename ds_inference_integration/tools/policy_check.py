@@ -305,6 +305,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
 
     from ..arguments import DeepSpeedInferenceArguments
     from ..load.loaders import model_class_for
+    from ..policy.derive import policy_for_model
     from ..policy.schema import check_head_counts, resolve_policy
     from ..policy.verify import main_input_name
     from ..shard.inject import shard_model
@@ -324,6 +325,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     want = _reference(cls, model_dir, inputs, topology, groups, torch, dtype)
     args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size, reduce_dtype=reduce_dtype)
     # verify=False: this command's own comparisons below are the numerical check, in more detail
+    policy = policy_for_model(policy, model, topology.tp_size)
     model, report = shard_model(model, args, topology, groups, policy, dtype, verify=False)
     policy = report.policy_object
     got = _run_model_naming_failures(model, inputs, torch, steps=half)
@@ -431,6 +433,7 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
     from ..load.checkpoint import checkpoint_files
     from ..load.loaders import load_model, policy_id
     from ..load.presharded import start_writing, write_presharded
+    from ..policy.derive import policy_for_model
     from ..shard.inject import shard_model
 
     if checkpoint_files(Path(model_dir)) is None:
@@ -443,7 +446,8 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         dtype = dtype or torch.float32
         model = load_model(cls, source, mode=mode, inference_args=args, dtype=dtype)
         metas = sum(p.is_meta for p in model.parameters())
-        model, report = shard_model(model, args, topology, groups, policy, dtype, verify=False)
+        model, report = shard_model(model, args, topology, groups, policy_for_model(policy, model, topology.tp_size),
+                                    dtype, verify=False)
         mine = dict(model.named_parameters(remove_duplicate=False))
         bad = [n for n in want if n not in mine or mine[n].shape != want[n].shape or not torch.equal(mine[n], want[n])]
         bad += [n for n in mine if n not in want]

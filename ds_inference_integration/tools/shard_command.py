@@ -82,6 +82,7 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
     from ..deepspeed_compat import init_deepspeed_comm
     from ..load.loaders import load_model, model_class_for, policy_id
     from ..load.presharded import write_presharded
+    from ..policy.derive import policy_for_model
     from ..policy.schema import policy_for_run
     from ..shard.inject import shard_model
     from ..topology import init_process_groups
@@ -98,6 +99,7 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
                                            injection_policy=policy_spec)
         policy = None if policy_spec == "autotp" else policy_for_run(policy_spec, config, topology.tp_size)
         model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware")
+        policy = policy_for_model(policy, model, topology.tp_size)
         model, report = shard_model(model, args, topology, groups, policy, dtype, device=device)
         manifest = write_presharded(model, Path(src), Path(out), topology, groups,
                                     policy_id(report.policy_object or policy), dtype)
