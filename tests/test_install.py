@@ -44,9 +44,22 @@ def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path, whee
                            capture_output=True, text=True, cwd=work, env=env, check=True)
     assert str(site) in where.stdout, where.stdout
 
-    listed = subprocess.run([str(venv / "bin" / "ds-inference"), "policy", "list"], capture_output=True, text=True,
-                            cwd=work, env=env, timeout=120)
+    # without any extra (their packages made unimportable, as where they are not installed), the library and the
+    # command line import and list the policies
+    from ds_inference_integration.extras import EXTRAS
+
+    every_extra = sorted(p for packages in EXTRAS.values() for p in packages)
+    none = f"import sys; sys.modules.update(dict.fromkeys({every_extra!r}));"
+    listed = subprocess.run([str(python), "-c", none + "import ds_inference_integration.predict.trainer; "
+                             "from ds_inference_integration.tools.cli import main; sys.exit(main(['policy', 'list']))"],
+                            capture_output=True, text=True, cwd=work, env=env, timeout=120)
     assert listed.returncode == 0, listed.stderr[-2000:]
+    # and a user's run_translation.py at tp 2 with [metrics] and their own datasets: the [examples]-only and [bench]
+    # packages are not there (a sitecustomize of the fresh venv makes them unimportable in every rank)
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules.update(dict.fromkeys(['matplotlib', 'scipy', "
+                                           "'soundfile']))\n")
+    blocked = subprocess.run([str(python), "-c", "import scipy"], capture_output=True, text=True, cwd=work, env=env)
+    assert blocked.returncode != 0 and "import of scipy halted" in blocked.stderr, blocked.stderr[-500:]
     import tomllib
 
     shipped = {t for p in (REPO / "policies").glob("*.toml") for t in tomllib.loads(p.read_text())["model_types"]}
