@@ -267,9 +267,9 @@ def shard_model(
 ) -> tuple[nn.Module, ShardReport]:
     """Shard `model` in place over this rank's TP group; returns the (same) model and a report.
 
-    A skeleton from `loading.load_model` (parameters on `meta`) is filled here, with only this rank's
+    A skeleton from `load.loaders.load_model` (parameters on `meta`) is filled here, with only this rank's
     part of each split tensor read from the checkpoint. A policy nobody has checked (derived, `autotp`,
-    or a file outside the shipped `policies/`) is checked numerically here first (`verify_policy`),
+    or a file outside the shipped `policies/`) is checked numerically here first (`policy/verify.py`),
     unless `verify` is False (`policy check` compares the whole model itself)."""
     import deepspeed
 

@@ -354,7 +354,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     else:
         _fp32_checks(got, want, check, check_tokens, torch)
 
-    share = report.weight_share  # what inject.shard_model measured against the policy's target (shard/weight_share.py)
+    share = report.weight_share  # what shard_model measured against the policy's target (shard/weight_share.py)
     mine = torch.tensor([share.held, share.full, round(share.target_elements)], dtype=torch.long)
     every = [torch.zeros_like(mine) for _ in range(topology.tp_size)]
     dist.all_gather(every, mine, group=groups.tp)
