@@ -12,6 +12,7 @@ from torch import nn
 
 from ..arguments import DeepSpeedInferenceArguments
 from ..deepspeed_compat import init_deepspeed_comm
+from ..load.loaders import check_model_kind
 from ..policy.derive import policy_for_model
 from ..policy.schema import Policy, check_head_counts, policy_for_run
 from ..run import watchdog
@@ -27,8 +28,6 @@ def prepare_inference(config, model_cls, model_dir, inference_args: DeepSpeedInf
     Auto class) builds this config's model, and under --deepspeed_inference the policy for the run (the file, its
     schema, the head counts against the tp size the launcher gives). Returns the policy to pass to the Trainer
     (`policy=`), None without the flag. The one set-up call of the examples."""
-    from ..load.loaders import check_model_kind
-
     if model_cls is not None:
         check_model_kind(config, model_cls, model_dir)
     if not inference_args.deepspeed_inference:
