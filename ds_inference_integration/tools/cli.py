@@ -12,6 +12,7 @@
     ds-inference bench generation [--config 512,8,8] per-sample pipeline vs batched generate vs the
                                           Trainer path (1 process and tp 2): bench.json, bench.md, bench.png
     ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] [--device cpu|cuda] [--dtype fp32|fp16|bf16]
+                              [--modes single,pre-sharded,...]
                                           peak RSS (and GPU memory) and time to a ready model per loading
                                           path (single process, full, shard-aware, pre-sharded), side by side
     ds-inference bench predict [--scales 1,10] [--nprocs N]
