@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
-	$(BIN)/python -c "import deepspeed, ds_inference_integration.predict.trainer, ds_inference_integration.tools.cli"
+	$(BIN)/python -c "import deepspeed, ds_inference_integration.predict.trainer, ds_inference_integration.tools.cli, ds_inference_integration.serve.app"
 	touch $(STAMP)
 
 # The main job: the embedded English->Romanian model, tensor parallel over $(NUM_GPUS) ranks

@@ -20,6 +20,8 @@ EXTRAS = {
     "metrics": ("sacrebleu", "rouge_score", "nltk", "jiwer"),
     "examples": ("datasets", "soundfile", "scipy"),
     "bench": ("matplotlib",),
+    # pydantic too, in pyproject's [serve]; not listed here because DeepSpeed (a core dependency) installs it always
+    "serve": ("fastapi", "uvicorn", "prometheus_client"),
 }
 
 

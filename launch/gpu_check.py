@@ -10,7 +10,7 @@ Sections, in this order (the most important first, so a time-out loses the least
   `generate`) and with `--deepspeed_inference --inference_dtype DT` under the `deepspeed` launcher
   (tp 1). Predictions compared line for line, BLEU side by side.
 * tp2_one_gpu: tensor parallelism's GPU path on a one-GPU machine: two ranks share the GPU (NCCL refuses two
-  ranks on one device; gloo carries the CUDA tensors: `--ddp_backend gloo`, and `tools/ranks.py` picks gloo
+  ranks on one device; gloo carries the CUDA tensors: `--ddp_backend gloo`, and `run/ranks.py` picks gloo
   itself where local ranks outnumber GPUs). `run_translation.py` and `run_generation.py` at tp 2 under
   `torchrun` (fp32) against one plain process on the same GPU, line for line; `ds-inference policy check
   --tp-size 2 --dtype bf16` on both embedded models (the half-precision verdict, on CUDA).
@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ds_inference_integration.run.files import write_text_atomic
-from ds_inference_integration.tools.ranks import free_port
+from ds_inference_integration.run.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

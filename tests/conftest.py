@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_inference_integration.tools.ranks import free_port
+from ds_inference_integration.run.ranks import free_port
 from ds_inference_integration.topology import threads_per_rank
 
 REPO = Path(__file__).resolve().parents[1]

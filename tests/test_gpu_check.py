@@ -102,7 +102,7 @@ def test_ranks_sharing_a_gpu_use_gloo(monkeypatch):
     tools' ranks start gloo, which carries CUDA tensors; one rank per GPU keeps NCCL; CPU is gloo."""
     import torch
 
-    from ds_inference_integration.tools.ranks import process_group_backend
+    from ds_inference_integration.run.ranks import process_group_backend
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert process_group_backend(True, {"LOCAL_SIZE": "2"}) == "gloo"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, DATA, DEFAULT_MODEL, REPO, TRANSLATE_ARGS, run_in_process
-from ds_inference_integration.tools.ranks import free_port
+from ds_inference_integration.run.ranks import free_port
 
 pytestmark = pytest.mark.launched  # every test here starts processes (a wheel, a venv, a launcher)
 
@@ -54,6 +54,12 @@ def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path, whee
                              "from ds_inference_integration.tools.cli import main; sys.exit(main(['policy', 'list']))"],
                             capture_output=True, text=True, cwd=work, env=env, timeout=120)
     assert listed.returncode == 0, listed.stderr[-2000:]
+    served = subprocess.run([str(python), "-c", none + "from ds_inference_integration.tools.cli import main; "
+                             f"sys.exit(main(['serve', {str(DEFAULT_MODEL)!r}, '--tp_size', '1']))"],
+                            capture_output=True, text=True, cwd=work, env=env, timeout=120)
+    lines = served.stderr.strip().splitlines()  # one line naming the extra (its first missing package named)
+    assert served.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ds-inference serve") and \
+        lines[0].endswith("is not installed; valid: pip install 'ds-inference-integration[serve]'"), served.stderr
     # and a user's run_translation.py at tp 2 with [metrics] and their own datasets: the [examples]-only and [bench]
     # packages are not there (a sitecustomize of the fresh venv makes them unimportable in every rank)
     (site / "sitecustomize.py").write_text("import sys\nsys.modules.update(dict.fromkeys(['matplotlib', 'scipy', "

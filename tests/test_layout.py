@@ -50,10 +50,11 @@ def test_the_library_never_imports_the_tools():
     assert not {m: i for m, i in offenders.items() if i}, offenders
 
 
-# The flow's folders, in order: a step imports the steps before it, never one after it (a module may still import
+# The flow's folders, in order: a step imports the steps before it, never one after it (serve, the last, reuses
+# predict's lock-step guard and nothing else of it) (a module may still import
 # one of a later step lazily, inside a function, only where this table allows it: none does). `run` (how a rank
 # exits, the watchdog, atomic files) is beside the flow: every step may use it, it uses none of them.
-FLOW = ("policy", "load", "shard", "predict")
+FLOW = ("policy", "load", "shard", "predict", "serve")
 NEVER = {step: set(FLOW[i + 1:]) for i, step in enumerate(FLOW)}
 NEVER["run"] = set(FLOW)
 

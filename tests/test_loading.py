@@ -19,7 +19,7 @@ from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example,
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
 from ds_inference_integration.load.loaders import is_skeleton, load_model, pending_load
-from ds_inference_integration.tools.ranks import free_port
+from ds_inference_integration.run.ranks import free_port
 from tiny_models import save_decoder
 
 ON = DeepSpeedInferenceArguments(deepspeed_inference=True)

@@ -202,7 +202,7 @@ dist.barrier()
 def test_a_rank_that_prints_a_lot_does_not_block_its_peers(tmp_path, monkeypatch):
     import time
 
-    from ds_inference_integration.tools.ranks import failure_text, start_ranks, wait_ranks
+    from ds_inference_integration.run.ranks import failure_text, start_ranks, wait_ranks
 
     (tmp_path / "chatty_rank.py").write_text(CHATTY)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -266,7 +266,7 @@ os._exit(0)
 @pytest.mark.launched
 def test_tp_and_dp_groups_get_the_inference_timeout(tmp_path, monkeypatch):
     """4 ranks, tp 2: the mesh's TP groups are new process groups; gloo would give them 30 minutes."""
-    from ds_inference_integration.tools.ranks import failure_text, start_ranks, wait_ranks
+    from ds_inference_integration.run.ranks import failure_text, start_ranks, wait_ranks
 
     (tmp_path / "group_timeout.py").write_text(GROUP_TIMEOUT)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))

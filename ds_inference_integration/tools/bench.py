@@ -206,7 +206,7 @@ def _paired_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_tokens
 def _launch_tp2(worker_flag: str, method: str, model_dir: Path, prompts_file: Path, batch_size: int,
                 new_tokens: int, max_prompts: int) -> dict:
     """Two ranks of one of this module's workers, started as the tools start ranks; rank 0's result."""
-    from .ranks import failure_text, start_ranks, wait_ranks
+    from ..run.ranks import failure_text, start_ranks, wait_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         procs = start_ranks(2, "ds_inference_integration.tools.bench", [
@@ -297,8 +297,8 @@ def _generate_worker(model_dir: str, prompts_file: str, batch_size: int, new_tok
     import torch.distributed as dist
 
     from ..arguments import DeepSpeedInferenceArguments
+    from ..run.ranks import init_rank
     from ..shard.setup import setup_inference
-    from .ranks import init_rank
 
     quiet_repeated_warnings()
     topology, device = init_rank(timeout=300)

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from ..run.memory import memory_mb
+from ..run.ranks import failure_text, start_ranks, wait_ranks
 from .bench import spread
-from .ranks import failure_text, start_ranks, wait_ranks
 
 MODES = ("single", "full", "shard-aware", "shard-aware-get-slice", "pre-sharded")
 GET_SLICE = "shard-aware-get-slice"  # shard-aware, every read through safetensors' get_slice (no own reads)
@@ -92,9 +92,9 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     from ..load.loaders import load_model
     from ..policy.derive import policy_for_model
     from ..policy.schema import policy_for_run
+    from ..run.ranks import init_rank
     from ..shard.inject import shard_model
     from ..topology import Topology, init_process_groups
-    from .ranks import init_rank
 
     importlib.import_module("deepspeed")  # every mode imports the same libraries
     # and the model class's own module, before any clock starts: importing transformers' modeling_llama (and what

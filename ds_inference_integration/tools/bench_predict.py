@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from ..errors import InferenceSetupError
+from ..run.ranks import failure_text, start_ranks, wait_ranks
 from .bench import REPO, example_path, quiet_repeated_warnings, spread
-from .ranks import failure_text, start_ranks, wait_ranks
 
 PATHS = ("streaming", "accumulating")
 DEFAULT_MODEL = REPO / "examples" / "models" / "t5-num2words-en-ro"

@@ -8,6 +8,9 @@
     ds-inference shard MODEL_DIR --tp-size N OUT_DIR
                                           write a pre-sharded copy: one safetensors file per rank + manifest
     ds-inference summary OUTPUT_DIR       one line from a run's *_results.json: BLEU, samples/s, tp x dp
+    ds-inference serve MODEL_DIR --tp_size T [--dp_size R] [--port 8000] [--max_batch_size 32] ...
+                                          the sharded model behind an OpenAI-compatible HTTP server, batching
+                                          across requests (`ds-inference serve --help` for every flag)
     ds-inference bench guard [--repeats N] the lock-step guard's cost, guard on vs off, side by side
     ds-inference bench generation [--config 512,8,8] per-sample pipeline vs batched generate vs the
                                           Trainer path (1 process and tp 2): bench.json, bench.md, bench.png
@@ -150,6 +153,21 @@ def _bench_memory(ns: argparse.Namespace) -> int:
                         ns.repeats, modes)
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    if ns.args and ns.args[0] in ("-h", "--help"):
+        from transformers import HfArgumentParser
+
+        from ..arguments import DeepSpeedInferenceArguments
+        from ..serve.settings import ServeArguments
+
+        parser = HfArgumentParser((ServeArguments, DeepSpeedInferenceArguments), prog="ds-inference serve MODEL_DIR")
+        parser.print_help()
+        return 0
+    from ..serve.app import main as serve_main  # the [serve] extra: one line if it is missing
+
+    return serve_main(ns.args)
+
+
 def _summary(ns: argparse.Namespace) -> int:
     """One line per results file of the newest run in OUTPUT_DIR; files of earlier runs are named, not shown."""
     out = Path(ns.output_dir)
@@ -270,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--dtype", default="fp32", help="dtype of the rank files: fp32 (default), fp16, bf16")
     shard.add_argument("--timeout", type=float, default=1800)
     shard.set_defaults(func=_shard)
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible), sharded over --tp_size ranks",
+                           add_help=False)
+    serve.add_argument("args", nargs=argparse.REMAINDER, help="MODEL_DIR and the serve flags (--help lists them)")
+    serve.set_defaults(func=_serve)
     summary = sub.add_parser("summary", help="one line per *_results.json of a run")
     summary.add_argument("output_dir")
     summary.set_defaults(func=_summary)

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from ..run.files import write_text_atomic
+from ..run.ranks import failure_text, start_ranks, wait_ranks
 from ..shard.weight_share import TOLERANCE
-from .ranks import failure_text, start_ranks, wait_ranks
 
 LOGIT_RTOL = 1e-4
 NEW_TOKENS = 8
@@ -481,8 +481,8 @@ def _worker(out_dir: str, policy_spec: str, dtypes: str, model_dirs: list[str]) 
 
     from ..deepspeed_compat import init_deepspeed_comm
     from ..errors import InferenceSetupError
+    from ..run.ranks import init_rank
     from ..topology import init_process_groups
-    from .ranks import init_rank
 
     topology, device = init_rank(timeout=120)
     groups = init_process_groups(topology, device.type, timeout=120)

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .ranks import failure_text, start_ranks, wait_ranks
+from ..run.ranks import failure_text, start_ranks, wait_ranks
 
 
 def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", dtype: str = "fp32",
@@ -84,9 +84,9 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
     from ..load.presharded import write_presharded
     from ..policy.derive import policy_for_model
     from ..policy.schema import policy_for_run
+    from ..run.ranks import init_rank
     from ..shard.inject import shard_model
     from ..topology import init_process_groups
-    from .ranks import init_rank
 
     topology, device = init_rank(timeout=300)
     try:

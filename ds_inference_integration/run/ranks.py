@@ -1,5 +1,6 @@
 """Start N local ranks of a worker module (CPU gloo, or one GPU each) and wait for them without hanging: the
-one way `policy check`, `shard`, `bench memory` and the tests' worker checks start, watch and end local ranks.
+one way `policy check`, `shard`, `bench memory`, `serve` and the tests' worker checks start, watch and end
+local ranks.
 
 Why not torch's elastic launch (`torch.distributed.elastic.multiprocessing.start_processes`, what torchrun
 runs): at the first rank that fails, its SubprocessContext SIGTERMs every other rank at once
@@ -27,10 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path) -> list[subprocess.Popen]:
+def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, extra_env: dict | None = None,
+                first_device: int = 0) -> list[subprocess.Popen]:
     """`python -m module args...` as ranks 0..n-1 of one world. Rank 0 prints to this process's output; every
     other rank writes to `log_dir/rank-R.log`, a file, not a pipe: a rank that prints more than a pipe holds
-    would block (and its peers wait for the timeout) if nobody read the pipe while it runs."""
+    would block (and its peers wait for the timeout) if nobody read the pipe while it runs. `first_device`: the
+    first GPU of this world, where several worlds share a machine (`serve --dp_size`: replica r starts at r x T);
+    `extra_env` is added to every rank's environment."""
     port = free_port()
     procs = []
     for rank in range(n):
@@ -40,7 +44,10 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path) -> li
                # commands differently, and alternating between them rebuilds the op (~55 s) every time
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "LOCAL_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+               "LOCAL_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+               **(extra_env or {})}
+        if first_device:
+            env["DS_INFERENCE_FIRST_DEVICE"] = str(first_device)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(n)))
         log = None
         if rank:
@@ -69,7 +76,8 @@ def init_rank(timeout: float, device_type: str | None = None):
     cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     device = torch.device("cpu")
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", topology.rank)) % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", topology.rank)) + int(os.environ.get("DS_INFERENCE_FIRST_DEVICE", 0))
+        device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
     dist.init_process_group(process_group_backend(cuda), timeout=datetime.timedelta(seconds=timeout))
     return topology, device

@@ -1,0 +1,504 @@
+"""`ds-inference serve MODEL_DIR --tp_size T [--dp_size R]`: the HTTP front (FastAPI on uvicorn).
+
+Routes: `POST /v1/completions` and `POST /v1/chat/completions` (OpenAI's, with SSE streams ending in a usage chunk
+with empty `choices` and `data: [DONE]`), `GET /v1/models`, `POST /generate` (any generate setting: beams,
+num_return_sequences; encoder-decoders text in, text out), `GET /health` (200 ready; 503 loading, draining or
+broken: Kubernetes' readiness probe), `GET /live` (200 while the process runs: liveness), `GET /metrics`.
+Every answer other than 200 is OpenAI's error body with a one-line message; a 503 a retry cannot help carries
+`x-should-retry: false` (the openai SDK otherwise retries it twice)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from ..errors import InferenceSetupError
+from ..extras import optional_import
+from .batching import Job, Queue
+from .protocol import ChatRequest, CompletionRequest, GenerateRequest, ModelLimits, ServeError, one_line, plan_rows
+from .server import Server
+
+fastapi = optional_import("fastapi", "ds-inference serve")
+responses = optional_import("fastapi.responses", "ds-inference serve")
+fastapi_exceptions = optional_import("fastapi.exceptions", "ds-inference serve")
+uvicorn = optional_import("uvicorn", "ds-inference serve")
+
+logger = logging.getLogger("ds_inference_integration.serve")
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(error: ServeError):
+    headers = {}
+    if error.retry is False:
+        headers["x-should-retry"] = "false"
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return responses.JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def model_limits(config, generation_config, serve_args) -> ModelLimits:
+    def first(*names):
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if encoder_decoder:
+        positions = first("max_target_positions", "max_decoder_position_embeddings", "max_position_embeddings")
+        source = first("max_source_positions", "max_encoder_position_embeddings", "max_position_embeddings")
+    else:
+        positions, source = first("max_position_embeddings", "n_positions", "n_ctx", "seq_length"), None
+    return ModelLimits(encoder_decoder=encoder_decoder, max_positions=positions, max_source_positions=source,
+                       max_n=serve_args.max_n, max_batch_size=serve_args.max_batch_size,
+                       default_max_tokens=serve_args.max_tokens,
+                       model_greedy=not bool(getattr(generation_config, "do_sample", False)))
+
+
+class Texts:
+    """A row's text as its tokens arrive: what may be sent now (held back while it could still become a stop string,
+    or ends in half a character), and the final text, cut at the first stop string."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def final(self, tokens: list[int]) -> tuple[str, bool]:
+        text = self.decode(tokens)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def delta(self, tokens: list[int]) -> str:
+        text = self.decode(tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        end = len(text) - self.hold  # a stop string may still complete over the last `hold` characters
+        cuts = [text.find(s) for s in self.stops if s in text]
+        if cuts:  # one has completed: nothing from its start on is ever sent
+            end = min(end, *cuts)
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
+
+    def rest(self, tokens: list[int]) -> str:
+        text, _ = self.final(tokens)
+        out = text[self.sent:]
+        self.sent = len(text)
+        return out
+
+
+def _finish_reason(row, texts: Texts, tokens) -> str:
+    reason = (row.finish or ["length"])[0]
+    return "stop" if texts.final(tokens)[1] else reason
+
+
+class Api:
+    """The routes, over one Server."""
+
+    def __init__(self, server: Server, tokenizer, model_id: str, limits: ModelLimits, api_key: str | None,
+                 generation_config):
+        self.server, self.tokenizer, self.model_id, self.limits = server, tokenizer, model_id, limits
+        self.api_key, self.generation_config = api_key, generation_config
+        self.created = int(time.time())
+
+    # ----- helpers
+    def check_key(self, request) -> None:
+        if self.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise ServeError(401, "missing or wrong API key; valid: the header `Authorization: Bearer KEY` with "
+                                  "the server's --api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise ServeError(404, f"model {model!r} is not served here; valid: {self.model_id!r}", "model",
+                             "model_not_found")
+
+    def tokenize(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer(prompt)["input_ids"]]
+        if not prompt:
+            return []
+        if all(isinstance(p, str) for p in prompt):
+            return [self.tokenizer(p)["input_ids"] for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            ids = [list(prompt)]
+        else:
+            ids = [list(p) for p in prompt]
+        vocab = len(self.tokenizer)
+        for i, p in enumerate(ids):
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ServeError(400, f"prompt {i}: token id {bad[0]} is not in the vocabulary; valid: 0 to {vocab - 1}",
+                                 "prompt")
+        return ids
+
+    @staticmethod
+    def unsupported(body) -> None:
+        if body.logprobs not in (None, False, 0) or getattr(body, "top_logprobs", None):
+            raise ServeError(400, "logprobs are not served; valid: leave logprobs out (null)", "logprobs")
+        if body.echo:
+            raise ServeError(400, "echo is not served; valid: echo false", "echo")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name) not in (None, 0, 0.0):
+                raise ServeError(400, f"{name} {getattr(body, name)} is not served; valid: 0 (repetition_penalty "
+                                      "is)", name)
+
+    def plan_openai(self, body, prompts):
+        extra = body.model_extra or {}
+        num_beams = extra.get("num_beams")
+        if body.use_beam_search:
+            num_beams = body.best_of or max(body.n, 2)
+        if num_beams is not None and (not isinstance(num_beams, int) or isinstance(num_beams, bool)):
+            raise ServeError(400, f"num_beams {num_beams!r} is not an integer; valid: 1 to 16", "num_beams")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return plan_rows(prompts, limits=self.limits, max_tokens=max_tokens, temperature=body.temperature,
+                         top_p=body.top_p, top_k=body.top_k, n=body.n, stop=body.stop, seed=body.seed,
+                         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, num_beams=num_beams or 1,
+                         stream=body.stream, repetition_penalty=body.repetition_penalty,
+                         length_penalty=body.length_penalty)
+
+    async def wait(self, job: Job, request) -> None:
+        """Until the job is done; a client that goes away cancels it."""
+        while not job.done.done():
+            await asyncio.wait([job.done], timeout=0.25)
+            if not job.done.done() and await request.is_disconnected():
+                self.server.cancel(job)
+                return
+        error = job.done.result()
+        if error is not None:
+            raise error
+
+    def choices(self, job: Job, chat: bool) -> tuple[list[dict], int]:
+        out, generated = [], 0
+        index = 0
+        for row in job.rows:
+            for seq, reason in zip(row.sequences or [[]], row.finish or ["length"]):
+                texts = Texts(self.tokenizer, row.stop)
+                text, stopped = texts.final(seq)
+                generated += len(seq)
+                finish = "stop" if stopped else reason
+                if chat:
+                    out.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish})
+                else:
+                    out.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
+                index += 1
+        return out, generated
+
+    def usage(self, job: Job, generated: int) -> dict:
+        prompts = {r.prompt_index: len(r.prompt_ids) for r in job.rows}
+        prompt = sum(prompts.values())
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+    async def stream(self, job: Job, chat: bool, rid: str, include_usage: bool, continuous: bool, first):
+        """SSE chunks as OpenAI sends them; `first` is the event already taken off the queue."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        texts = [Texts(self.tokenizer, r.stop) for r in job.rows]
+        generated = [0] * len(job.rows)
+        prompt_tokens = sum({r.prompt_index: len(r.prompt_ids) for r in job.rows}.values())
+
+        def chunk(choices, usage=None) -> str:
+            body = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def usage_now():
+            done = sum(generated)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+
+        def choice(i, text, finish=None):
+            if chat:
+                return {"index": i, "delta": {"content": text} if text or finish is None else {},
+                        "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
+        finished = 0
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(job.rows))])
+            event = first
+            while True:
+                kind_, i, _ = event
+                if kind_ == "error":
+                    yield f"data: {json.dumps(i.body())}\n\n"
+                    break
+                row = job.rows[i]
+                if kind_ == "token":
+                    generated[i] = len(row.tokens)
+                    text = texts[i].delta(row.tokens)
+                    if text:
+                        yield chunk([choice(i, text)], usage_now() if continuous else None)
+                elif kind_ == "finish":
+                    tokens = (row.sequences or [row.tokens])[0]
+                    generated[i] = len(tokens)
+                    yield chunk([choice(i, texts[i].rest(tokens), _finish_reason(row, texts[i], tokens))],
+                                usage_now() if continuous else None)
+                    finished += 1
+                    if finished == len(job.rows):
+                        if include_usage:
+                            yield chunk([], usage_now())
+                        break
+                event = await job.events.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            if finished < len(job.rows):
+                self.server.cancel(job)
+
+    async def respond(self, request, body, prompts, chat: bool):
+        self.check_model(body.model)
+        self.unsupported(body)
+        key, rows = self.plan_openai(body, prompts)
+        job = self.server.submit(key, rows)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if body.stream:
+            first = await self._first_event(job, request)
+            options = body.stream_options
+            return responses.StreamingResponse(
+                self.stream(job, chat, rid, bool(options and options.include_usage),
+                            bool(options and options.continuous_usage_stats), first),
+                media_type="text/event-stream", headers=STREAM_HEADERS)
+        await self.wait(job, request)
+        choices, generated = self.choices(job, chat)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_id, "choices": choices, "usage": self.usage(job, generated)}
+
+    async def _first_event(self, job: Job, request):
+        """A stream starts (200) only once its first token is there: a failure before it is a proper status."""
+        getter = asyncio.ensure_future(job.events.get())
+        try:
+            while not getter.done():
+                await asyncio.wait([getter], timeout=0.25)
+                if not getter.done() and await request.is_disconnected():
+                    self.server.cancel(job)
+                    raise ServeError(400, "the client closed the connection")
+        finally:
+            if not getter.done():
+                getter.cancel()
+        event = getter.result()
+        if event[0] == "error":
+            raise event[1]
+        return event
+
+    # ----- routes
+    async def completions(self, request, body):
+        self.check_key(request)
+        return await self.respond(request, body, self.tokenize(body.prompt), chat=False)
+
+    async def chat(self, request, body):
+        self.check_key(request)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ServeError(400, f"model {self.model_id!r} has no chat template, so it cannot chat; valid: "
+                                  "POST /v1/completions with a prompt", "messages", "no_chat_template")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template that refuses these messages (roles out of order...)
+            raise ServeError(400, f"messages: the chat template refused them: {' '.join(str(e).split())[:200]}",
+                             "messages") from None
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return await self.respond(request, body, [list(ids)], chat=True)
+
+    async def generate(self, request, body: GenerateRequest):
+        self.check_key(request)
+        p = body.parameters
+        if body.stream:
+            raise ServeError(400, "POST /generate does not stream; valid: stream false, or POST /v1/completions with "
+                                  "stream true", "stream")
+        inputs = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
+        prompts = [self.tokenizer(t)["input_ids"] for t in inputs]
+        max_new = p.max_new_tokens
+        if max_new is None:
+            config = self.generation_config
+            max_new = getattr(config, "max_new_tokens", None)
+            if max_new is None and getattr(config, "max_length", None):
+                max_new = config.max_length - (1 if self.limits.encoder_decoder else 0)
+        names = {"max_tokens": "max_new_tokens", "n": "num_return_sequences", "min_tokens": "min_new_tokens"}
+        key, rows = plan_rows(prompts, limits=self.limits, max_tokens=max_new, temperature=p.temperature,
+                              top_p=p.top_p, top_k=p.top_k, n=p.num_return_sequences, stop=p.stop, seed=p.seed,
+                              ignore_eos=p.ignore_eos, min_tokens=p.min_new_tokens, num_beams=p.num_beams,
+                              stream=False, repetition_penalty=p.repetition_penalty,
+                              length_penalty=p.length_penalty, do_sample=p.do_sample, names=names)
+        job = self.server.submit(key, rows)
+        await self.wait(job, request)
+        k = p.num_return_sequences
+        outputs = []
+        for index in range(len(inputs)):
+            texts, details = [], {"prompt_tokens": 0, "generated_tokens": [], "finish_reason": []}
+            for row in [r for r in job.rows if r.prompt_index == index]:
+                details["prompt_tokens"] = len(row.prompt_ids)
+                for seq, reason in zip(row.sequences or [[]], row.finish or ["length"]):
+                    text, stopped = Texts(self.tokenizer, row.stop).final(seq)
+                    texts.append(text)
+                    details["generated_tokens"].append(len(seq))
+                    details["finish_reason"].append("stop" if stopped else reason)
+            if k == 1:
+                details = {**details, "generated_tokens": details["generated_tokens"][0],
+                           "finish_reason": details["finish_reason"][0]}
+            outputs.append({"generated_text": texts[0] if k == 1 else texts, "details": details})
+        return outputs[0] if isinstance(body.inputs, str) else outputs
+
+
+def build_app(api: Api):
+    server = api.server
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await server.start()  # the replicas start loading; /health answers 503 until they are ready
+        yield
+
+    app = fastapi.FastAPI(title="ds-inference serve", docs_url=None, redoc_url=None, openapi_url=None,
+                          lifespan=lifespan)
+
+    @app.exception_handler(ServeError)
+    async def _serve_error(request, error: ServeError):
+        return error_response(error)
+
+    @app.exception_handler(fastapi_exceptions.RequestValidationError)
+    async def _invalid(request, error):
+        return error_response(ServeError(400, one_line(error)))
+
+    @app.exception_handler(404)
+    async def _not_found(request, error):
+        return error_response(ServeError(404, f"no route {request.method} {request.url.path}; valid: POST "
+                                              "/v1/completions, /v1/chat/completions, /generate; GET /v1/models, "
+                                              "/health, /live, /metrics"))
+
+    @app.exception_handler(405)
+    async def _method(request, error):
+        return error_response(ServeError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, error):  # one line, never a traceback to the client
+        logger.exception("serve: unexpected error")
+        return error_response(ServeError(500, f"internal error: {type(error).__name__}: {' '.join(str(error).split())[:200]}"))
+
+    @app.middleware("http")
+    async def _count(request, call_next):
+        response = await call_next(request)
+        server.metrics.request(request.url.path, response.status_code)
+        return response
+
+    @app.get("/health")
+    async def health():
+        if server.state == "ready":
+            return {"status": "ready"}
+        status = {"loading": "loading", "draining": "draining"}.get(server.state, "broken")
+        return responses.JSONResponse({"status": status, **({"reason": server.why} if server.why else {})},
+                                      status_code=503)
+
+    @app.get("/live")
+    async def live():
+        return {"status": "alive"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return responses.Response(server.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: fastapi.Request):
+        api.check_key(request)
+        return {"object": "list", "data": [{"id": api.model_id, "object": "model", "created": api.created,
+                                            "owned_by": "ds-inference", "max_model_len": api.limits.max_positions}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: fastapi.Request):
+        return await api.completions(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: fastapi.Request):
+        return await api.chat(request, body)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: fastapi.Request):
+        return await api.generate(request, body)
+
+    return app
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with SIGTERM meaning drain (new requests 503, open ones finish, then exit) instead of closing at once."""
+
+    drain = None
+
+    def handle_exit(self, sig, frame):
+        if sig == signal.SIGTERM and self.drain is not None and not self.should_exit:
+            self.drain()
+            return
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str]) -> int:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from ..policy.schema import policy_for_run
+    from .replicas import Replicas
+    from .settings import parse
+
+    model_dir, serve_args, inference_args = parse(argv)
+    config = AutoConfig.from_pretrained(model_dir)
+    if inference_args.injection_policy != "autotp":  # the policy file and head counts, before any rank starts
+        policy_for_run(inference_args.injection_policy, config, inference_args.tp_size)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        generation_config = GenerationConfig.from_model_config(config)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    sock = socket.socket(socket.AF_INET6 if ":" in serve_args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((serve_args.host, serve_args.port))
+    except OSError as e:
+        raise InferenceSetupError(f"--host {serve_args.host} --port {serve_args.port}: cannot listen there "
+                                  f"({e.strerror}); valid: a free port (0: any)") from None
+    model_id = serve_args.served_model_name or Path(model_dir).resolve().name
+    log_dir = Path(serve_args.log_dir or tempfile.mkdtemp(prefix="ds-inference-serve-"))
+    settings = {"model_dir": str(Path(model_dir).resolve()),
+                "inference": {k: getattr(inference_args, k) for k in inference_args.__dataclass_fields__}}
+    queue = Queue(serve_args.max_batch_size, serve_args.max_batch_tokens, serve_args.max_wait_ms, serve_args.max_queue)
+    server = Server(lambda on_message, on_lost: Replicas(settings, inference_args.tp_size, serve_args.dp_size,
+                                                         log_dir, on_message, on_lost),
+                    queue, tokenizer, inference_args.inference_timeout, serve_args.drain_timeout,
+                    bool(getattr(config, "is_encoder_decoder", False)))
+    api = Api(server, tokenizer, model_id, model_limits(config, generation_config, serve_args), serve_args.api_key,
+              generation_config)
+    app = build_app(api)
+    uv = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                                 lifespan="on"))
+    uv.drain = server.drain
+
+    def _exit():
+        uv.should_exit = True
+
+    server.on_exit = _exit
+    host, port = sock.getsockname()[:2]
+    print(f"ds-inference serve: {model_id} at tp {inference_args.tp_size} x dp {serve_args.dp_size} on "
+          f"http://{host}:{port} (loading; GET /health answers 200 when ready; rank logs in {log_dir})", flush=True)
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        if server.replicas is not None and server.state not in ("broken",):
+            server.replicas.kill()
+    if server.exit_code:
+        print(f"ds-inference serve: exiting {server.exit_code} ({server.why})", file=sys.stderr, flush=True)
+    return server.exit_code

@@ -1,0 +1,58 @@
+"""`GET /metrics`: Prometheus text (prometheus_client, its own registry): requests by route and status, prompt and
+generated tokens, batch sizes, queue depth, latency and time to first token."""
+
+from __future__ import annotations
+
+import time
+
+from ..extras import optional_import
+
+prometheus = optional_import("prometheus_client", "ds-inference serve's /metrics")
+prometheus.disable_created_metrics()  # no *_created series: one timestamp per label set that no dashboard reads
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = prometheus.CollectorRegistry()
+        p = "ds_inference_"
+        self.requests = prometheus.Counter(p + "requests", "HTTP requests by route and status", ["route", "status"],
+                                           registry=r)
+        self.prompt_tokens = prometheus.Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = prometheus.Counter(p + "generation_tokens", "Tokens generated for finished requests",
+                                                    registry=r)
+        self.batch_size = prometheus.Histogram(p + "batch_size", "Rows per batch", registry=r,
+                                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.batches = prometheus.Counter(p + "batches", "Batches run, by replica", ["replica"], registry=r)
+        self.queue = prometheus.Gauge(p + "queue_depth", "Requests waiting for a batch", registry=r)
+        self.latency = prometheus.Histogram(p + "request_latency_seconds", "From arrival to the last row's end",
+                                            registry=r, buckets=LATENCY_BUCKETS)
+        self.ttft = prometheus.Histogram(p + "time_to_first_token_seconds", "From arrival to the first new token",
+                                         registry=r, buckets=LATENCY_BUCKETS)
+        self.queue_full = prometheus.Counter(p + "queue_full", "Requests refused with 429", registry=r)
+
+    def request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    def rejected(self) -> None:
+        self.queue_full.inc()
+
+    def queue_depth(self, n: int) -> None:
+        self.queue.set(n)
+
+    def batch(self, rows: int, waiting: int, replica: int) -> None:
+        self.batch_size.observe(rows)
+        self.batches.labels(str(replica)).inc()
+        self.queue.set(waiting)
+
+    def finished(self, job) -> None:
+        now = time.monotonic()
+        self.latency.observe(now - job.arrived)
+        if job.first_token_at is not None:
+            self.ttft.observe(job.first_token_at - job.arrived)
+        self.prompt_tokens.inc(sum(len(r.prompt_ids) for r in job.rows))
+        self.generation_tokens.inc(sum(len(s) for r in job.rows for s in (r.sequences or [])))
+
+    def text(self) -> bytes:
+        return prometheus.generate_latest(self.registry)

@@ -1,0 +1,273 @@
+"""What clients send and get back: the request bodies of the OpenAI-compatible routes and of `/generate`
+(pydantic models, so that a wrong type is one 400 line naming the field), the checks a body's values need
+against the served model (positions, limits, what cannot be combined), and the conversion of a checked request
+into rows for the batcher.
+
+Defaults as the clients people use expect them: fields OpenAI's API and vLLM's server accept are accepted
+(unknown fields too, as vLLM does: benchmarks send extensions); `ignore_eos` and `min_tokens` are honoured;
+`logprobs`, `echo` and non-zero presence/frequency penalties are refused in one line rather than ignored.
+Greedy or sampled follows the request's `temperature` (0: greedy) and, where it gives none, the model's
+generation config (greedy for the embedded models), as vLLM's `--generation-config auto` does."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pydantic  # DeepSpeed's own dependency (its config classes), so installed wherever the plugin is
+
+
+class ServeError(Exception):
+    """An answer other than 200, as OpenAI's API gives it: {"error": {message, type, param, code}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry: bool | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry = status, message, param, code, retry
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param,
+                          "code": self.code}}
+
+
+class _Body(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class Sampling(_Body):
+    """The generation fields the completion routes share (OpenAI's, and vLLM's extensions benchmarks send)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logprobs: int | bool | None = None
+    echo: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage]
+    top_logprobs: int | None = None
+
+
+class GenerateParameters(_Body):
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Body):
+    inputs: str | list[str]
+    parameters: GenerateParameters = pydantic.Field(default_factory=GenerateParameters)
+    stream: bool = False
+
+
+def one_line(error) -> str:
+    """A pydantic ValidationError (or FastAPI's RequestValidationError) as one line naming the field."""
+    errors = error.errors()
+    first = errors[0] if errors else {"loc": (), "msg": str(error)}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    # a union's alternatives each add their type name to the location: keep the field's own path
+    loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "list", "function-after")]
+    where = ".".join(loc) or "body"
+    value = first.get("input")
+    shown = "" if isinstance(value, dict) or value is None else f" (got {value!r:.60})"
+    return f"{where}: {first.get('msg', 'invalid')}{shown}"
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What the rows of one batch must share: beam search's settings (a beam batch has one length, one set of
+    stop strings); greedy and sampled rows share only the repetition penalty."""
+
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    max_new_tokens: int = 0  # beams only; 0 for per-row lengths
+    stop: tuple[str, ...] = ()  # beams only
+    min_tokens: int = 0  # beams only
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+
+
+@dataclass
+class Row:
+    """One sequence to generate: a prompt (token ids) and its own rules."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    prompt_index: int = 0  # which prompt of its request
+    # filled as it runs
+    tokens: list[int] = field(default_factory=list)
+    sequences: list[list[int]] | None = None  # beams: num_return_sequences of them
+    finish: list[str] | None = None
+
+    def wire(self) -> dict:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+                "stop": list(self.stop)}
+
+
+@dataclass
+class ModelLimits:
+    """What the served model allows: its positions (prompt + new tokens, or the encoder's and the decoder's), the
+    requests' limits from the command line, whether it has a chat template."""
+
+    encoder_decoder: bool
+    max_positions: int | None  # decoder-only: prompt + new tokens; encoder-decoder: new tokens (+1 start)
+    max_source_positions: int | None  # encoder-decoder: the prompt
+    max_n: int
+    max_batch_size: int
+    default_max_tokens: int
+    model_greedy: bool = True
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise ServeError(400, "stop: an empty stop string would end every output at once; valid: non-empty strings",
+                         "stop")
+    if len(stops) > 4:
+        raise ServeError(400, f"stop: {len(stops)} stop strings; valid: up to 4", "stop")
+    return stops
+
+
+def _range(name: str, value, low, high=None, valid: str = "") -> None:
+    if value is None:
+        return
+    if value < low or (high is not None and value > high):
+        raise ServeError(400, f"{name} {value} is out of range; valid: {valid}", name)
+
+
+def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int | None, temperature: float | None,
+              top_p: float | None, top_k: int | None, n: int, stop, seed: int | None, ignore_eos: bool,
+              min_tokens: int, num_beams: int, stream: bool, repetition_penalty: float | None = None,
+              length_penalty: float | None = None, do_sample: bool | None = None,
+              names: dict | None = None) -> tuple[BatchKey, list[Row]]:
+    """The rows of one request (a prompt x n, or one row per prompt under beam search, which returns n
+    sequences of it), checked against the model and the server's limits; every problem is one ServeError."""
+    names = {"max_tokens": "max_tokens", "n": "n", "min_tokens": "min_tokens", "num_beams": "num_beams",
+             **(names or {})}
+    if not prompts:
+        raise ServeError(400, "prompt: empty; valid: a string, a list of strings, or token ids", "prompt")
+    _range(names["n"], n, 1, limits.max_n, f"1 to {limits.max_n} (--max_n)")
+    _range(names["num_beams"], num_beams, 1, 16, "1 (greedy or sampling) to 16 beams")
+    _range("temperature", temperature, 0.0, 100.0, "0 (greedy) to 100")
+    _range("top_p", top_p, 1e-6, 1.0, "above 0, up to 1")
+    _range("top_k", top_k, -1, None, "-1 or 0 (all tokens), or a positive count")
+    _range(names["min_tokens"], min_tokens, 0, None, "0 or more")
+    _range("repetition_penalty", repetition_penalty, 1e-6, None, "a positive number (1: none)")
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    _range(names["max_tokens"], max_tokens, 1, None, "1 or more new tokens")
+    if min_tokens > max_tokens:
+        raise ServeError(400, f"{names['min_tokens']} {min_tokens} is more than {names['max_tokens']} {max_tokens}; "
+                         f"valid: at most {names['max_tokens']}", names["min_tokens"])
+    stops = _stops(stop)
+    beams = num_beams > 1
+    if beams and stream:
+        raise ServeError(400, f"stream with {names['num_beams']} {num_beams}: beam search picks its outputs at the end, "
+                         "so it cannot stream; valid: stream false, or num_beams 1", "stream")
+    if beams and n > num_beams:
+        raise ServeError(400, f"{names['n']} {n} is more than {names['num_beams']} {num_beams}: beam search returns "
+                         f"at most one sequence per beam; valid: 1 to {num_beams}", names["n"])
+    sampled = (temperature > 0) if temperature is not None else (do_sample if do_sample is not None
+                                                                  else not limits.model_greedy)
+    if do_sample is False:
+        sampled = False
+    if beams and sampled and temperature is not None and temperature > 0:
+        raise ServeError(400, "sampling with beam search is not served; valid: num_beams 1 to sample, or "
+                         "temperature 0 with beams", "temperature")
+    if beams and ignore_eos:
+        raise ServeError(400, "ignore_eos with beam search: beams end at EOS by design; valid: num_beams 1",
+                         "ignore_eos")
+    rows_per_request = len(prompts) * (1 if beams else n)
+    if rows_per_request > limits.max_batch_size:
+        raise ServeError(400, f"{len(prompts)} prompt(s) x n {n} = {rows_per_request} sequences; valid: at most "
+                         f"{limits.max_batch_size} (--max_batch_size) per request", "n" if n > 1 else "prompt")
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ServeError(400, f"prompt {i} is empty after tokenization; valid: text with at least one token",
+                             "prompt")
+        if limits.encoder_decoder:
+            if limits.max_source_positions is not None and len(ids) > limits.max_source_positions:
+                raise ServeError(400, f"prompt {i} has {len(ids)} tokens; valid: at most {limits.max_source_positions}"
+                                 " (the model's encoder positions)", "prompt")
+            if limits.max_positions is not None and max_tokens + 1 > limits.max_positions:
+                raise ServeError(400, f"{names['max_tokens']} {max_tokens} is past the model's "
+                                 f"{limits.max_positions} decoder positions; valid: 1 to {limits.max_positions - 1}",
+                                 names["max_tokens"])
+        elif limits.max_positions is not None and len(ids) + max_tokens > limits.max_positions:
+            if len(ids) >= limits.max_positions:
+                raise ServeError(400, f"prompt {i} has {len(ids)} tokens; valid: fewer than the model's "
+                                 f"{limits.max_positions} positions", "prompt")
+            raise ServeError(400, f"{names['max_tokens']} {max_tokens} with a {len(ids)}-token prompt is past the "
+                             f"model's {limits.max_positions} positions; valid: 1 to {limits.max_positions - len(ids)}",
+                             names["max_tokens"])
+    key = BatchKey(num_beams=num_beams, num_return_sequences=n if beams else 1,
+                   max_new_tokens=max_tokens if beams else 0, stop=stops if beams else (),
+                   min_tokens=min_tokens if beams else 0, repetition_penalty=repetition_penalty,
+                   length_penalty=length_penalty if beams else None)
+    temp = 0.0
+    if sampled and not beams:
+        temp = temperature if temperature is not None else 1.0
+    base = seed if seed is not None else random.getrandbits(62)
+    rows = []
+    for p, ids in enumerate(prompts):
+        for j in range(1 if beams else n):
+            rows.append(Row(prompt_ids=list(ids), max_new_tokens=max_tokens, temperature=temp,
+                            top_p=top_p if top_p is not None else 1.0, top_k=max(top_k or 0, 0),
+                            seed=(base + j) % 2**63, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                            stop=stops, prompt_index=p))
+    return key, rows

@@ -1,0 +1,68 @@
+"""`ds-inference serve`'s flags: the server's own (`ServeArguments`) beside the flag family's
+(`DeepSpeedInferenceArguments`: --tp_size, --inference_dtype, --loading, --injection_policy, --inference_timeout
+...), checked, with the model directory, before any rank starts: one `error:` line for a bad value."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..arguments import DeepSpeedInferenceArguments
+from ..errors import InferenceSetupError
+
+
+@dataclass
+class ServeArguments:
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (default: this machine only)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on (0: any free port, printed at start)."})
+    dp_size: int = field(default=1, metadata={"help": "Replicas, each a world of --tp_size ranks."})
+    max_batch_size: int = field(default=32, metadata={"help": "Rows (sequences) per batch at most."})
+    max_batch_tokens: int | None = field(
+        default=None, metadata={"help": "Padded tokens per batch at most: rows x (longest prompt + most new tokens)."})
+    max_wait_ms: float = field(default=20.0, metadata={"help": "A batch leaves at the latest when its oldest request "
+                                                                 "has waited this long."})
+    max_queue: int = field(default=256, metadata={"help": "Requests waiting at most; more get 429 at once."})
+    max_n: int = field(default=8, metadata={"help": "Largest n (outputs per prompt) a request may ask for."})
+    max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request gives none (OpenAI's default)."})
+    served_model_name: str | None = field(default=None,
+                                          metadata={"help": "The model id clients use (default: the directory name)."})
+    api_key: str | None = field(default=None, metadata={"help": "Require `Authorization: Bearer KEY` on the API."})
+    drain_timeout: float = field(default=60.0, metadata={"help": "SIGTERM: seconds to finish open requests."})
+    log_dir: str | None = field(default=None, metadata={"help": "Where ranks other than 0 log (default: a temp dir)."})
+
+
+def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArguments]:
+    """MODEL_DIR and the flags; every bad value one InferenceSetupError, before anything starts."""
+    from transformers import HfArgumentParser
+
+    from ..arguments import parse_args_into_dataclasses
+
+    if not argv or argv[0].startswith("-"):
+        raise InferenceSetupError("serve needs a model directory first; usage: ds-inference serve MODEL_DIR "
+                                  "--tp_size T [--dp_size R] [--port 8000]")
+    model_dir, rest = argv[0], argv[1:]
+    parser = HfArgumentParser((ServeArguments, DeepSpeedInferenceArguments))
+    serve, inference = parse_args_into_dataclasses(parser, rest)
+    inference.deepspeed_inference = True
+    if not Path(model_dir, "config.json").is_file():
+        raise InferenceSetupError(f"model directory {model_dir!r} has no config.json; valid: a directory "
+                                  "save_pretrained wrote (or `ds-inference shard` wrote)")
+    for name, least in (("dp_size", 1), ("max_batch_size", 1), ("max_queue", 1), ("max_n", 1), ("max_tokens", 1)):
+        if getattr(serve, name) < least:
+            raise InferenceSetupError(f"--{name} {getattr(serve, name)} is out of range; valid: {least} or more")
+    if serve.max_batch_tokens is not None and serve.max_batch_tokens < 1:
+        raise InferenceSetupError(f"--max_batch_tokens {serve.max_batch_tokens} is out of range; valid: 1 or more")
+    if serve.max_wait_ms < 0:
+        raise InferenceSetupError(f"--max_wait_ms {serve.max_wait_ms} is out of range; valid: 0 or more")
+    if not 0 <= serve.port <= 65535:
+        raise InferenceSetupError(f"--port {serve.port} is out of range; valid: 0 to 65535")
+    if serve.host != "localhost":
+        try:
+            ipaddress.ip_address(serve.host)
+        except ValueError:
+            raise InferenceSetupError(f"--host {serve.host!r} is not an IP address; valid: 127.0.0.1 (default), "
+                                      "0.0.0.0 (every interface), or one of this machine's addresses") from None
+    if inference.tp_size is None:
+        inference.tp_size = 1
+    return model_dir, serve, inference

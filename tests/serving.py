@@ -1,0 +1,123 @@
+"""Starting `ds-inference serve` for a test, and a small HTTP client (urllib, bounded by timeouts).
+
+Every server listens on 127.0.0.1 at a free port, in its own process group; `stop()` ends the group (ranks
+included) and the test checks no rank is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ds_inference_integration.run.ranks import free_port
+from ds_inference_integration.topology import threads_per_rank
+
+BIN = Path(sys.executable).parent
+
+
+class ServerProc:
+    def __init__(self, model: Path, args: list[str], log_dir: Path, ranks: int):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_dir / "front.log", "w+")
+        env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ,
+               "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": str(threads_per_rank(ranks)), "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        self.proc = subprocess.Popen([str(BIN / "ds-inference"), "serve", str(model), "--port", str(self.port),
+                                      "--log_dir", str(log_dir / "ranks"), *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.started = time.monotonic()
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.output()[-3000:]}")
+            status, _ = get(self.url + "/health", timeout=2)
+            if status == 200:
+                return time.monotonic() - self.started
+            time.sleep(0.3)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.output()[-3000:]}")
+
+    def ranks(self) -> list[int]:
+        """The pids of this server's rank processes (its children running the engine)."""
+        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        return sorted(int(p) for p in children)  # started in rank order
+
+    def group_alive(self, within: float = 5.0) -> list[int]:
+        """Processes of the server's process group (its ranks included) still there after `within` s (a killed
+        process takes a moment to go; zombies, ended and not yet reaped, are not counted)."""
+        deadline = time.monotonic() + within
+        while True:
+            out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+            alive = [int(p) for p in out if _state(int(p)) not in ("Z", None)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM (the server drains and ends its ranks), then SIGKILL for whatever is left of the group."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def request(method: str, url: str, body: dict | None = None, timeout: float = 60, headers: dict | None = None,
+            raw: bytes | None = None) -> tuple[int, dict | str, dict]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text, status, hdrs = r.read().decode(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        text, status, hdrs = e.read().decode(), e.code, dict(e.headers)
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        return 0, str(e), {}
+    try:
+        return status, json.loads(text), hdrs
+    except json.JSONDecodeError:
+        return status, text, hdrs
+
+
+def get(url: str, timeout: float = 10):
+    status, body, _ = request("GET", url, timeout=timeout)
+    return status, body
+
+
+def post(url: str, body: dict, timeout: float = 60):
+    status, body, _ = request("POST", url, body, timeout=timeout)
+    return status, body
+
+
+def post_all(url: str, bodies: list[dict], concurrency: int, timeout: float = 120) -> list[tuple[int, dict]]:
+    """POST every body with `concurrency` clients at once; answers in the bodies' order."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda b: post(url, b, timeout), bodies))

@@ -1,0 +1,276 @@
+"""`ds-inference serve` end to end: servers at tp 2 (and dp 2 x tp 2) on CPU ranks, on 127.0.0.1, against the
+single-process examples in the same session; the openai SDK as clients use it; bad requests; a full queue; a
+killed and a stopped rank; SIGTERM. Every load loop is bounded in count and time; every server is ended with
+its ranks, and the tests check none is left."""
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+from serving import ServerProc, get, post, post_all, request
+
+from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, run_in_process
+
+pytestmark = pytest.mark.launched
+
+GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
+T5 = EXAMPLES / "models" / "t5-num2words-en-ro"
+PROMPTS = (EXAMPLES / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    server = ServerProc(GPT2, ["--tp_size", "2", "--inference_timeout", "60"], tmp_path_factory.mktemp("gpt2_serve"), 2)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+        assert server.proc.returncode == 0, server.output()[-2000:]  # SIGTERM: drained, exit 0
+    assert not server.group_alive()
+
+
+@pytest.fixture(scope="module")
+def run_generation_greedy(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run_generation_single")
+    run_in_process(["--max_new_tokens", "24", "--report_to", "none"], out, script=EXAMPLES / "run_generation.py")
+    return (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    series = [line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#")]
+    return sum(float(v) for k, v in series if k == name or k.startswith(name + "{"))
+
+
+def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2, run_generation_greedy):
+    """The 40 embedded prompts, 16 clients at once, greedy: each text equals the single-process run_generation.py
+    line for it; and they were batched (fewer batches than requests)."""
+    batches_before = _metric(gpt2.url, "ds_inference_batch_size_count")
+    bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
+    answers = post_all(gpt2.url + "/v1/completions", bodies, concurrency=16)
+    assert [s for s, _ in answers] == [200] * len(PROMPTS), answers[:2]
+    got = [a["choices"][0]["text"].strip() for _, a in answers]
+    assert got == run_generation_greedy
+    batches = _metric(gpt2.url, "ds_inference_batch_size_count") - batches_before
+    assert batches < len(PROMPTS) / 2, batches
+    usage = answers[0][1]["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+
+
+def test_openai_sdk_completes_streams_and_lists_the_model(gpt2):
+    """The unmodified openai SDK (max_retries=0): the model list, a completion, and the same completion streamed
+    with include_usage: the streamed text equals the non-streamed text, the last chunk before [DONE] is the usage
+    chunk with empty choices."""
+    import openai
+
+    client = openai.OpenAI(base_url=gpt2.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["gpt2-num2words-en-ro"]
+    for prompt, extra in ((PROMPTS[0], {}), (PROMPTS[1], {"n": 2, "temperature": 0.9, "seed": 11}),
+                          (PROMPTS[2], {"stop": [" de"]})):
+        done = client.completions.create(model="gpt2-num2words-en-ro", prompt=prompt, max_tokens=20, **extra)
+        texts = {c.index: "" for c in done.choices}
+        chunks = list(client.completions.create(model="gpt2-num2words-en-ro", prompt=prompt, max_tokens=20,
+                                                stream=True, stream_options={"include_usage": True}, **extra))
+        for chunk in chunks[:-1]:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == done.usage.total_tokens
+        assert texts == {c.index: c.text for c in done.choices}, (texts, done.choices)
+        assert all(c.text for c in done.choices)
+        if "stop" in extra:
+            assert all(" de" not in c.text and c.finish_reason == "stop" for c in done.choices)
+    # seeded sampling: the same seed gives the same texts, alone or batched with other requests
+    again = client.completions.create(model="gpt2-num2words-en-ro", prompt=PROMPTS[1], max_tokens=20, n=2,
+                                      temperature=0.9, seed=11)
+    first = client.completions.create(model="gpt2-num2words-en-ro", prompt=PROMPTS[1], max_tokens=20, n=2,
+                                      temperature=0.9, seed=11)
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]
+
+
+BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a word the one line names)
+    ("not JSON", "POST", "/v1/completions", b"{not json", 400, "json"),
+    ("max_tokens of the wrong type", "POST", "/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+    ("no prompt", "POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("an unknown model", "POST", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "gpt-4"),
+    ("max_tokens past the positions", "POST", "/v1/completions", {"prompt": "five =", "max_tokens": 500}, 400, "positions"),
+    ("a prompt too long", "POST", "/v1/completions", {"prompt": " ".join(["five"] * 80), "max_tokens": 2}, 400, "prompt"),
+    ("stream with beams", "POST", "/v1/completions", {"prompt": "a", "num_beams": 4, "stream": True}, 400, "stream"),
+    ("n over the limit", "POST", "/v1/completions", {"prompt": "a", "n": 99}, 400, "n"),
+    ("a negative temperature", "POST", "/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("a token id outside the vocabulary", "POST", "/v1/completions", {"prompt": [10**7]}, 400, "vocabulary"),
+    ("chat without a chat template", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}]}, 400, "template"),
+    ("logprobs", "POST", "/v1/completions", {"prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ("an unknown route", "GET", "/v2/whatever", None, 404, "route"),
+    ("/generate with beams fewer than sequences", "POST", "/generate",
+     {"inputs": "five =", "parameters": {"num_beams": 2, "num_return_sequences": 3}}, 400, "num_return_sequences"),
+]
+
+
+def test_bad_requests_get_one_line_4xx_and_the_server_goes_on(gpt2):
+    for what, method, path, body, status, word in BAD:
+        raw = body if isinstance(body, bytes) else None
+        got, answer, _ = request(method, gpt2.url + path, None if raw else body, raw=raw, timeout=30)
+        assert got == status, (what, got, answer)
+        message = answer["error"]["message"]
+        assert "\n" not in message and word in message.lower(), (what, message)
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+        ok, good = post(gpt2.url + "/v1/completions", {"prompt": "five =", "max_tokens": 3})
+        assert ok == 200 and good["choices"][0]["text"], (what, good)
+
+
+def test_generate_route_beams_and_sequences(gpt2):
+    """POST /generate: beams with num_return_sequences; a list of inputs gives a list of outputs."""
+    status, one = post(gpt2.url + "/generate", {"inputs": PROMPTS[0], "parameters": {
+        "num_beams": 4, "num_return_sequences": 2, "max_new_tokens": 24}})
+    assert status == 200 and len(one["generated_text"]) == 2, one
+    assert one["generated_text"][0] != one["generated_text"][1]
+    status, many = post(gpt2.url + "/generate", {"inputs": PROMPTS[:3], "parameters": {"max_new_tokens": 24}})
+    assert status == 200 and [type(m["generated_text"]) for m in many] == [str] * 3
+
+
+def _server(tmp_path, model, args, ranks=2):
+    server = ServerProc(model, args, tmp_path, ranks)
+    server.wait_ready()
+    return server
+
+
+def _post_later(url, body, into: list, timeout=60):
+    thread = threading.Thread(target=lambda: into.append(
+        (lambda answer: (time.monotonic(), *answer))(request("POST", url, body, timeout=timeout))))
+    thread.start()
+    return thread
+
+
+def test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server(tmp_path):
+    """--max_queue 2 with batches held 3 s (--max_wait_ms): the third request gets 429 in under 100 ms. Then a
+    rank is SIGKILLed while a request waits: it gets 503 with x-should-retry false, /health turns 503 (or the
+    server is gone), and the server exits non-zero within 10 s with no process left."""
+    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--max_queue", "2", "--max_wait_ms", "3000",
+                                      "--max_batch_size", "8", "--inference_timeout", "20"])
+    try:
+        url = server.url + "/v1/completions"
+        answers: list = []
+        threads = [_post_later(url, {"prompt": p, "max_tokens": 4}, answers) for p in PROMPTS[:2]]
+        time.sleep(0.5)
+        start = time.monotonic()
+        status, body, headers = request("POST", url, {"prompt": "five =", "max_tokens": 4})
+        took = time.monotonic() - start
+        assert status == 429 and took < 0.1, (status, took, body)
+        assert "max_queue" in body["error"]["message"]
+        for t in threads:
+            t.join(30)
+        assert [a[1] for a in answers] == [200, 200]
+
+        waiting: list = []
+        thread = _post_later(url, {"prompt": "five =", "max_tokens": 4}, waiting)
+        time.sleep(0.5)
+        rank1 = server.ranks()[1]
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(30)
+        status, body, headers = request("POST", url, {"prompt": "five =", "max_tokens": 4}, timeout=5)
+        assert waiting and waiting[0][1] == 503 and waiting[0][0] - killed < 20, waiting
+        assert "exited" in waiting[0][2]["error"]["message"] and waiting[0][3].get("x-should-retry") == "false"
+        server.proc.wait(10)
+        assert server.proc.returncode not in (0, None)
+        assert status in (0, 503)  # gone, or answering 503 on its way out
+        assert "error: replica 0 rank 1 exited" in server.output()
+        time.sleep(0.5)
+        assert not server.group_alive()
+    finally:
+        server.stop()
+
+
+def test_a_stopped_rank_gets_open_requests_503_within_the_timeout(tmp_path):
+    """SIGSTOP on rank 1 while a batch runs: the open request gets 503 within --inference_timeout (+ the watch's
+    period), and the server exits non-zero within 10 s after, leaving no process (the stopped rank included)."""
+    timeout = 6
+    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--inference_timeout", str(timeout), "--max_wait_ms", "1000"])
+    try:
+        url = server.url + "/v1/completions"
+        waiting: list = []
+        thread = _post_later(url, {"prompt": "five =", "max_tokens": 20}, waiting, timeout=60)
+        time.sleep(0.3)  # the request is in the queue, its batch leaves after 1 s
+        os.kill(server.ranks()[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        thread.join(60)
+        assert waiting and waiting[0][1] == 503, waiting
+        assert waiting[0][0] - stopped < timeout + 3, waiting[0][0] - stopped
+        server.proc.wait(10)
+        assert server.proc.returncode not in (0, None)
+        time.sleep(0.5)
+        assert not server.group_alive()
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_open_requests_then_exits_0(tmp_path):
+    """SIGTERM while three requests wait: /health turns 503, a new request gets 503, the three are answered 200,
+    and the server exits 0 with no process left."""
+    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--max_wait_ms", "1500"])
+    try:
+        url = server.url + "/v1/completions"
+        answers: list = []
+        threads = [_post_later(url, {"prompt": p, "max_tokens": 8}, answers) for p in PROMPTS[:3]]
+        time.sleep(0.4)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        health, _ = get(server.url + "/health", timeout=5)
+        status, body = post(url, {"prompt": "five =", "max_tokens": 2}, timeout=5)
+        for t in threads:
+            t.join(60)
+        assert sorted(a[1] for a in answers) == [200, 200, 200], answers
+        assert health == 503 and status in (503, 0), (health, status, body)
+        assert server.proc.wait(30) == 0, server.output()[-2000:]
+        time.sleep(0.5)
+        assert not server.group_alive()
+    finally:
+        server.stop()
+
+
+def test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams(tmp_path):
+    """The 203 embedded test sources, 16 clients at once, to serve at tp 2: line for line what run_translation.py
+    predicts in one process, greedy and with 4 beams (max_length 128: 127 new tokens after the start token)."""
+    refs = {}
+    for beams in (1, 4):
+        out = tmp_path / f"single_{beams}"
+        run_in_process(["--do_predict", "--per_device_eval_batch_size", "16", "--num_beams", str(beams),
+                        *TRANSLATE_ARGS], out)
+        refs[beams] = (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+    sources = [json.loads(line)["translation"]["en"]
+               for line in (EXAMPLES / "data" / "num2words" / "test.json").read_text(encoding="utf-8").splitlines()]
+    assert len(sources) == len(refs[1]) == 203
+    server = _server(tmp_path, T5, ["--tp_size", "2", "--max_batch_size", "16"])
+    try:
+        for beams in (1, 4):
+            bodies = [{"inputs": PREFIX + s, "parameters": {"num_beams": beams, "max_new_tokens": 127}}
+                      for s in sources]
+            answers = post_all(server.url + "/generate", bodies, concurrency=16, timeout=120)
+            assert {s for s, _ in answers} == {200}, answers[:2]
+            assert [a["generated_text"].strip() for _, a in answers] == refs[beams], beams
+    finally:
+        server.stop()
+    assert not server.group_alive()
+
+
+def test_dp2_x_tp2_serves_the_prompts_as_one_process(tmp_path, run_generation_greedy):
+    """Two replicas of two ranks: the 40 prompts at concurrency 16 come back as run_generation.py writes them,
+    and both replicas took batches."""
+    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--dp_size", "2"], ranks=4)
+    try:
+        bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
+        answers = post_all(server.url + "/v1/completions", bodies, concurrency=16)
+        assert [a["choices"][0]["text"].strip() for _, a in answers] == run_generation_greedy
+        for replica in ("0", "1"):
+            assert _metric(server.url, f'ds_inference_batches_total{{replica="{replica}"}}') > 0
+    finally:
+        server.stop()
+    assert not server.group_alive()

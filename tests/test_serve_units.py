@@ -1,0 +1,119 @@
+"""The server's parts in this process: when a batch leaves the queue, what a request may ask, the per-row rules of
+one batch (against generating each row alone, on the embedded GPT-2 and T5), streamed text against the final."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+from conftest import EXAMPLES
+from ds_inference_integration.serve.app import Texts
+from ds_inference_integration.serve.batching import Job, Queue
+from ds_inference_integration.serve.engine import run_batch
+from ds_inference_integration.serve.protocol import BatchKey, ModelLimits, Row, ServeError, plan_rows
+
+GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
+T5 = EXAMPLES / "models" / "t5-num2words-en-ro"
+LIMITS = ModelLimits(encoder_decoder=False, max_positions=64, max_source_positions=None, max_n=4, max_batch_size=8,
+                     default_max_tokens=16)
+
+
+def _job(rows=1, width=4, new=8, key=BatchKey(), at=0.0):
+    return Job(key=key, rows=[Row(prompt_ids=[1] * width, max_new_tokens=new) for _ in range(rows)], arrived=at)
+
+
+def test_a_batch_leaves_full_or_after_max_wait_and_only_with_its_key():
+    q = Queue(max_batch_size=4, max_batch_tokens=None, max_wait_ms=20, max_queue=10)
+    a, b = _job(rows=2, at=0.0), _job(rows=1, at=0.001)
+    beams = _job(rows=1, key=BatchKey(num_beams=4, max_new_tokens=8), at=0.002)
+    for j in (a, beams, b):
+        q.add(j)
+    assert q.take(now=0.010) is None  # not full, the oldest has waited 10 ms of 20
+    assert q.next_deadline() == pytest.approx(0.020)
+    batch = q.take(now=0.021)
+    assert batch.jobs == [a, b]  # the beam job waits for a batch of its own kind, in order
+    assert q.take(now=0.021) is None and q.take(now=0.0225).jobs == [beams]  # its own 20 ms
+    c, d, e = _job(rows=3, at=1.0), _job(rows=1, at=1.0), _job(rows=1, at=1.0)
+    for j in (c, d, e):
+        q.add(j)
+    assert q.take(now=1.0).jobs == [c, d]  # full at 4 rows: leaves at once
+    assert q.take(now=1.0) is None and len(q) == 1
+
+
+def test_the_padded_token_budget_closes_a_batch():
+    q = Queue(max_batch_size=32, max_batch_tokens=100, max_wait_ms=1000, max_queue=10)
+    short, long_ = _job(rows=2, width=10, new=10), _job(rows=1, width=40, new=10)
+    q.add(short)
+    q.add(long_)
+    batch = q.take(now=0.0)  # 3 rows x (40 + 10) = 150 > 100: the long job does not fit, so the batch is full
+    assert batch.jobs == [short] and q.waiting == [long_]
+
+
+def test_a_request_is_checked_against_the_model_and_the_limits():
+    def plan(**kw):
+        args = dict(limits=LIMITS, max_tokens=8, temperature=None, top_p=None, top_k=None, n=1, stop=None,
+                    seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False)
+        return plan_rows([[5, 6, 7]], **{**args, **kw})
+
+    for kw, word in (({"max_tokens": 62}, "positions"), ({"n": 5}, "--max_n"), ({"num_beams": 2, "stream": True}, "stream"),
+                     ({"num_beams": 2, "n": 3}, "beam"), ({"min_tokens": 9}, "min_tokens"), ({"stop": [""]}, "empty"),
+                     ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"),
+                     ({"num_beams": 2, "temperature": 0.7}, "sampling")):
+        with pytest.raises(ServeError) as e:
+            plan(**kw)
+        assert e.value.status == 400 and word in e.value.message and "\n" not in e.value.message, (kw, e.value.message)
+    key, rows = plan(n=3, temperature=0.8, seed=7)
+    assert key == BatchKey() and [r.seed for r in rows] == [7, 8, 9] and {r.temperature for r in rows} == {0.8}
+    key, rows = plan(num_beams=4, n=2)
+    assert key.num_beams == 4 and key.num_return_sequences == 2 and key.max_new_tokens == 8 and len(rows) == 1
+    assert plan()[1][0].temperature == 0.0  # the model's generation config is greedy
+
+
+def _batch(tokenizer, rows, encoder_decoder, num_beams=1, k=1):
+    width = max(len(r.prompt_ids) for r in rows)
+    pad = tokenizer.pad_token_id or 0
+    ids, mask = [], []
+    for r in rows:
+        n = width - len(r.prompt_ids)
+        ids.append(r.prompt_ids + [pad] * n if encoder_decoder else [pad] * n + r.prompt_ids)
+        mask.append([1] * len(r.prompt_ids) + [0] * n if encoder_decoder else [0] * n + [1] * len(r.prompt_ids))
+    return {"input_ids": ids, "attention_mask": mask, "rows": [r.wire() for r in rows],
+            "shared": {"num_beams": num_beams, "num_return_sequences": k,
+                       "max_new_tokens": max(r.max_new_tokens for r in rows), "stop": [], "min_tokens": 0}}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_each_row_generates_as_it_would_alone(name):
+    """Rows with their own lengths, greedy and seeded sampling side by side in one batch: each row's tokens equal
+    the same row generated alone; greedy rows equal plain `generate`; a row ends at its own max_new_tokens."""
+    path, cls = (GPT2, AutoModelForCausalLM) if name == "gpt2" else (T5, AutoModelForSeq2SeqLM)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = cls.from_pretrained(path).eval()
+    prompts = (EXAMPLES / "data" / "prompts.txt").read_text().splitlines()[:4]
+    if name == "t5":
+        prompts = ["translate English to Romanian: " + p.rstrip(" =") for p in prompts]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    rows = [Row(prompt_ids=ids[0], max_new_tokens=20), Row(prompt_ids=ids[1], max_new_tokens=3),
+            Row(prompt_ids=ids[2], max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=20, seed=5),
+            Row(prompt_ids=ids[3], max_new_tokens=20, temperature=1.3, seed=6)]
+    together = run_batch(model, tokenizer, _batch(tokenizer, rows, name == "t5"), "cpu")
+    for i, row in enumerate(rows):
+        alone = run_batch(model, tokenizer, _batch(tokenizer, [row], name == "t5"), "cpu")
+        assert together["sequences"][i] == alone["sequences"][0], i
+    assert len(together["sequences"][1][0]) == 3 and together["finish"][1] == ["length"]
+    with torch.no_grad():  # greedy rows: what generate gives for the prompt alone
+        plain = model.generate(torch.tensor([ids[0]]), max_new_tokens=20, do_sample=False)
+    start = 1 if name == "t5" else len(ids[0])
+    want = [t for t in plain[0, start:].tolist()]
+    eos = model.generation_config.eos_token_id
+    assert together["sequences"][0][0] == want[:want.index(eos) + 1] if eos in want else want
+
+
+def test_streamed_text_never_passes_a_stop_string_and_adds_up_to_the_final_text():
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    tokens = tokenizer("cinci sute de mii patru sute")["input_ids"]
+    texts = Texts(tokenizer, (" de mii",))
+    sent = "".join(texts.delta(tokens[:i]) for i in range(1, len(tokens) + 1))
+    final, stopped = Texts(tokenizer, (" de mii",)).final(tokens)
+    assert stopped and final == "cinci sute" and final.startswith(sent) and " de" not in sent
+    assert sent + texts.rest(tokens) == final
