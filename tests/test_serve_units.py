@@ -109,6 +109,27 @@ def test_each_row_generates_as_it_would_alone(name):
     assert together["sequences"][0][0] == want[:want.index(eos) + 1] if eos in want else want
 
 
+def test_ignore_eos_and_min_tokens_hold_per_row():
+    """ignore_eos: a row goes on past EOS to its max_new_tokens (generate's own EOS rule, which it refills from the
+    model's generation config, ended it at EOS: 20 tokens of 24); min_tokens: no EOS before it; the row beside
+    them ends at EOS as usual."""
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(GPT2).eval()
+    ids = tokenizer("five =")["input_ids"]
+    eos = model.generation_config.eos_token_id
+    rows = [Row(prompt_ids=ids, max_new_tokens=24, ignore_eos=True), Row(prompt_ids=ids, max_new_tokens=24),
+            Row(prompt_ids=ids, max_new_tokens=24, min_tokens=22)]
+    out = run_batch(model, tokenizer, _batch(tokenizer, rows, False), "cpu")
+    plain, ignored, least = (out["sequences"][i][0] for i in (1, 0, 2))
+    assert plain[-1] == eos and out["finish"][1] == ["stop"] and len(plain) < 24
+    assert len(ignored) == 24 and ignored[:len(plain)] == plain and out["finish"][0] == ["length"]
+    alone = run_batch(model, tokenizer, _batch(tokenizer, rows[:1], False), "cpu")  # no other row keeps it going
+    assert alone["sequences"][0][0] == ignored and alone["finish"][0] == ["length"]
+    assert eos not in least[:21] and len(least) >= 22
+    assert model.generation_config.eos_token_id == eos  # given back
+
+
 def test_streamed_text_never_passes_a_stop_string_and_adds_up_to_the_final_text():
     tokenizer = AutoTokenizer.from_pretrained(GPT2)
     tokens = tokenizer("cinci sute de mii patru sute")["input_ids"]

@@ -19,6 +19,7 @@ own rules (its rows share them: the front's batching key).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -128,7 +129,7 @@ def _generation_config(model, batch: dict, pad_token_id: int | None):
     if pad_token_id is not None:
         config.pad_token_id = pad_token_id
     if shared["num_beams"] == 1:
-        config.eos_token_id = None  # RowStops ends each row at EOS itself (or not: ignore_eos)
+        config.eos_token_id = None  # RowStops ends each row at EOS itself (and _no_eos keeps generate from refilling it)
     elif shared.get("min_tokens"):
         config.min_new_tokens = shared["min_tokens"]
     config.temperature, config.top_k, config.top_p = 1.0, None, 1.0  # no warpers: RowRules samples
@@ -159,7 +160,7 @@ def run_batch(model, tokenizer, batch: dict, device, report=None) -> dict:
         kwargs = {"stopping_criteria": [stops], "logits_processor": [RowRules(rows, start, eos, device)]}
     elif batch["shared"].get("stop"):
         kwargs = {"stop_strings": batch["shared"]["stop"], "tokenizer": tokenizer}
-    with torch.no_grad():
+    with torch.no_grad(), _no_eos(model, stops is not None):
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **kwargs)
     new = out[:, start:].tolist()
     if stops is not None:
@@ -180,6 +181,24 @@ def run_batch(model, tokenizer, batch: dict, device, report=None) -> dict:
         sequences.append(mine)
         reasons.append(why)
     return {"sequences": sequences, "finish": reasons}
+
+
+@contextlib.contextmanager
+def _no_eos(model, on: bool):
+    """generate without its own EOS rule, for RowStops to end each row at EOS (or not: ignore_eos). Setting the
+    batch's config to None is not enough: generate fills every None of the config it is given from the model's
+    generation config (`_prepare_generation_config`, transformers 5), so an ignore_eos row still ended at EOS
+    (20 tokens of the 24 asked, with finish_reason "length"). The model's own config goes without it meanwhile."""
+    if not on:
+        yield
+        return
+    config = model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = None
+    try:
+        yield
+    finally:
+        config.eos_token_id = saved
 
 
 def _strip_pad(seq: list[int], pad: int | None) -> list[int]:

@@ -21,6 +21,9 @@
     ds-inference bench predict [--scales 1,10] [--nprocs N]
                                           streamed vs accumulate-everything predict: peak RSS per rank and
                                           examples/s at 1x and 10x the test set
+    ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64]
+                                          the server at tp 2, batched vs --max_batch_size 1: req/s, tokens/s,
+                                          p50/p99 latency and time to first token, mean batch size
 Every bench repeats its measurements (--repeats, default 3) and gives min / median / max beside each ratio.
 """
 
@@ -168,6 +171,15 @@ def _serve(ns: argparse.Namespace) -> int:
     return serve_main(ns.args)
 
 
+def _bench_serve(ns: argparse.Namespace) -> int:
+    from .bench_serve import run_bench
+
+    run_bench(ns.models.split(","), _int_list(ns.concurrency, "--concurrency"), ns.requests, ns.repeats, ns.tp_size,
+              ns.max_wait_ms, ns.point_timeout, Path(ns.output_dir))
+    print(f"wrote {ns.output_dir}/bench_serve.json, bench_serve.md, bench_serve.png")
+    return 0
+
+
 def _summary(ns: argparse.Namespace) -> int:
     """One line per results file of the newest run in OUTPUT_DIR; files of earlier runs are named, not shown."""
     out = Path(ns.output_dir)
@@ -280,6 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--modes", default="single,full,shard-aware,shard-aware-get-slice,pre-sharded",
                      help="the loading paths to run, comma-separated (single, the reference, always runs)")
     mem.set_defaults(func=_bench_memory)
+    bserve = bsub.add_parser("serve", help="serve at tp 2: batched vs one request at a time, at each concurrency")
+    bserve.add_argument("--models", default="gpt2,t5", help="embedded models to serve: gpt2, t5")
+    bserve.add_argument("--concurrency", default="1,4,16,64", help="clients at once, comma-separated")
+    bserve.add_argument("--requests", type=int, default=64, help="requests per point (each concurrency, each repeat)")
+    bserve.add_argument("--repeats", type=int, default=3)
+    bserve.add_argument("--tp_size", type=int, default=2)
+    bserve.add_argument("--max_wait_ms", type=float, default=20.0)
+    bserve.add_argument("--point_timeout", type=float, default=120.0, help="a point stops sending after this long")
+    bserve.add_argument("--output-dir", default="bench_out")
+    bserve.set_defaults(func=_bench_serve)
     shard = sub.add_parser("shard", help="write a pre-sharded copy of a model directory (one file per rank)")
     shard.add_argument("model_dir")
     shard.add_argument("--tp-size", type=int, required=True)

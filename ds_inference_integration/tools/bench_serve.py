@@ -1,0 +1,247 @@
+"""`ds-inference bench serve`: `ds-inference serve` at tp 2 on this machine, a fixed request set sent at each
+concurrency (streamed, as `vllm bench serve` sends it: `ignore_eos`, `stream_options.include_usage`), side by
+side with the same server at `--max_batch_size 1` (one request at a time, as the handler this project grew from
+served), for the embedded GPT-2 and T5.
+
+Per model, mode and concurrency, over repeats (min / median / max): requests/s, output tokens/s, p50 / p99
+latency, p50 / p99 time to first token, and the mean batch size (from the server's /metrics). Every load loop
+is bounded: `--requests` per point, and a point stops sending after `--point_timeout` seconds.
+
+    ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import InferenceSetupError
+from ..extras import optional_import
+from ..run.files import write_text_atomic
+from ..run.ranks import free_port
+from ..topology import threads_per_rank
+from .bench import REPO, spread
+
+MODELS = {"gpt2": ("gpt2-num2words-en-ro", 24), "t5": ("t5-num2words-en-ro", 24)}
+MODES = {"batched": [], "one_at_a_time": ["--max_batch_size", "1"]}
+
+
+def _prompts(model: str) -> list[str]:
+    if model == "t5":
+        lines = (REPO / "examples" / "data" / "num2words" / "test.json").read_text(encoding="utf-8").splitlines()
+        return ["translate English to Romanian: " + json.loads(line)["translation"]["en"] for line in lines]
+    return (REPO / "examples" / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
+
+
+class _Server:
+    def __init__(self, model_dir: Path, args: list[str], log_dir: Path, tp_size: int):
+        self.port = free_port()
+        self.log = open(log_dir / f"front-{self.port}.log", "w")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(tp_size)), "TOKENIZERS_PARALLELISM": "false",
+               "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "ds_inference_integration.tools.cli", "serve",
+                                      str(model_dir), "--tp_size", str(tp_size), "--port", str(self.port),
+                                      "--log_dir", str(log_dir / f"ranks-{self.port}"), *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while self._health() != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise InferenceSetupError(f"bench serve: the server did not come up; its log: {self.log.name}")
+            time.sleep(0.3)
+
+    def _health(self) -> int:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+            c.request("GET", "/health")
+            return c.getresponse().status
+        except OSError:
+            return 0
+
+    def batches(self) -> tuple[float, float]:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        c.request("GET", "/metrics")
+        text = c.getresponse().read().decode()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        return float(values["ds_inference_batch_size_sum"]), float(values["ds_inference_batch_size_count"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def _one(port: int, body: dict, timeout: float) -> dict:
+    """One streamed completion: latency, time to first token (the first chunk with text), output tokens (the
+    usage chunk)."""
+    start = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        return {"ok": False, "status": r.status}
+    first, tokens = None, 0
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("choices") and first is None and chunk["choices"][0].get("text"):
+            first = time.perf_counter() - start
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    c.close()
+    return {"ok": True, "latency": time.perf_counter() - start, "ttft": first, "tokens": tokens}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def _point(server: _Server, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+           point_timeout: float) -> dict:
+    bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}} for i in range(requests)]
+    sums = server.batches()
+    deadline = time.monotonic() + point_timeout
+    start = time.perf_counter()
+
+    def send(body):
+        if time.monotonic() > deadline:
+            return {"ok": False, "status": "skipped: --point_timeout"}
+        return _one(server.port, body, timeout=max(1.0, deadline - time.monotonic()))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(send, bodies))
+    wall = time.perf_counter() - start
+    after = server.batches()
+    ok = [r for r in results if r["ok"]]
+    if not ok:
+        raise InferenceSetupError(f"bench serve: no request succeeded at concurrency {concurrency}: {results[0]}")
+    return {"requests_ok": len(ok), "requests": requests, "req_per_s": len(ok) / wall,
+            "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "latency_p50": _pct([r["latency"] for r in ok], 0.5), "latency_p99": _pct([r["latency"] for r in ok], 0.99),
+            "ttft_p50": _pct([r["ttft"] or r["latency"] for r in ok], 0.5),
+            "ttft_p99": _pct([r["ttft"] or r["latency"] for r in ok], 0.99),
+            "mean_batch_size": (after[0] - sums[0]) / max(1.0, after[1] - sums[1])}
+
+
+METRICS = ("req_per_s", "output_tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "ttft_p99", "mean_batch_size")
+
+
+def run_bench(models: list[str], concurrencies: list[int], requests: int, repeats: int, tp_size: int,
+              max_wait_ms: float, point_timeout: float, output_dir: Path) -> dict:
+    for name in models:
+        if name not in MODELS:
+            raise InferenceSetupError(f"--models {name!r} is unknown; valid: {', '.join(MODELS)}")
+    optional_import("fastapi", "ds-inference bench serve")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    results: dict = {"command": "ds-inference bench serve " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else
+                     "ds-inference bench serve", "date": time.strftime("%Y-%m-%d"), "tp_size": tp_size,
+                     "max_wait_ms": max_wait_ms, "requests_per_point": requests, "cpus": os.cpu_count(), "points": []}
+    for name in models:
+        directory, max_tokens = MODELS[name]
+        prompts = _prompts(name)
+        for mode, extra in MODES.items():
+            server = _Server(REPO / "examples" / "models" / directory, [*extra, "--max_wait_ms", str(max_wait_ms),
+                                                                        "--max_queue", str(max(concurrencies) * 2)],
+                             log_dir, tp_size)
+            try:
+                _point(server, prompts, 4, 8, max_tokens, point_timeout)  # warm-up, not counted
+                for concurrency in concurrencies:
+                    runs = [_point(server, prompts, concurrency, requests, max_tokens, point_timeout)
+                            for _ in range(repeats)]
+                    point = {"model": name, "mode": mode, "concurrency": concurrency,
+                             **{m: spread([r[m] for r in runs]) for m in METRICS},
+                             "requests_ok": min(r["requests_ok"] for r in runs)}
+                    results["points"].append(point)
+                    print(f"{name:5} {mode:14} c={concurrency:<3} {point['req_per_s']['median']:8.1f} req/s  "
+                          f"p99 {point['latency_p99']['median'] * 1000:7.0f} ms  batch "
+                          f"{point['mean_batch_size']['median']:.1f}", flush=True)
+            finally:
+                server.stop()
+    results["ratios"] = _ratios(results["points"])
+    write_text_atomic(output_dir / "bench_serve.json", json.dumps(results, indent=1) + "\n")
+    write_text_atomic(output_dir / "bench_serve.md", _table(results))
+    _plot(results, output_dir / "bench_serve.png")
+    return results
+
+
+def _ratios(points: list[dict]) -> list[dict]:
+    """Batched against one-at-a-time per model and concurrency: the req/s ratio and the p99 ratio (medians)."""
+    by = {(p["model"], p["mode"], p["concurrency"]): p for p in points}
+    out = []
+    for (model, mode, c), p in by.items():
+        single = by.get((model, "one_at_a_time", c))
+        if mode != "batched" or single is None:
+            continue
+        out.append({"model": model, "concurrency": c,
+                    "req_per_s_ratio": p["req_per_s"]["median"] / single["req_per_s"]["median"],
+                    "latency_p99_ratio": p["latency_p99"]["median"] / single["latency_p99"]["median"],
+                    "latency_p50_ms_batched": p["latency_p50"]["median"] * 1000,
+                    "latency_p50_ms_one_at_a_time": single["latency_p50"]["median"] * 1000})
+    return out
+
+
+def _table(results: dict) -> str:
+    lines = [f"`{results['command']}` ({results['date']}, tp {results['tp_size']}, {results['cpus']} CPUs, "
+             f"{results['requests_per_point']} requests per point, medians of repeats with min-max)", "",
+             "| model | mode | concurrency | req/s | output tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | "
+             "p99 TTFT ms | mean batch |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(s, scale=1.0, digits=1):
+        return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
+
+    for p in results["points"]:
+        lines.append(f"| {p['model']} | {p['mode']} | {p['concurrency']} | {f(p['req_per_s'])} | "
+                     f"{f(p['output_tokens_per_s'], digits=0)} | {f(p['latency_p50'], 1000, 0)} | "
+                     f"{f(p['latency_p99'], 1000, 0)} | {f(p['ttft_p50'], 1000, 0)} | {f(p['ttft_p99'], 1000, 0)} | "
+                     f"{f(p['mean_batch_size'])} |")
+    lines += ["", "| model | concurrency | req/s batched / one at a time | p99 latency batched / one at a time |",
+              "|---|---|---|---|"]
+    for r in results["ratios"]:
+        lines.append(f"| {r['model']} | {r['concurrency']} | {r['req_per_s_ratio']:.2f}x | {r['latency_p99_ratio']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: dict, path: Path) -> None:
+    optional_import("matplotlib", "ds-inference bench serve's plot").use("Agg")
+    plt = optional_import("matplotlib.pyplot", "ds-inference bench serve's plot")
+    models = sorted({p["model"] for p in results["points"]})
+    fig, axes = plt.subplots(1, 2 * len(models), figsize=(6 * len(models), 3.6), squeeze=False)
+    for m, model in enumerate(models):
+        for k, (metric, label) in enumerate((("req_per_s", "requests/s"), ("latency_p99", "p99 latency (s)"))):
+            ax = axes[0][2 * m + k]
+            for mode in MODES:
+                pts = [p for p in results["points"] if p["model"] == model and p["mode"] == mode]
+                xs = [p["concurrency"] for p in pts]
+                ax.errorbar(xs, [p[metric]["median"] for p in pts],
+                            yerr=[[p[metric]["median"] - p[metric]["min"] for p in pts],
+                                  [p[metric]["max"] - p[metric]["median"] for p in pts]], marker="o", label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_title(f"{model}: {label}")
+            ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
