@@ -23,14 +23,15 @@ BIN = Path(sys.executable).parent
 
 
 class ServerProc:
-    def __init__(self, model: Path, args: list[str], log_dir: Path, ranks: int):
+    def __init__(self, model: Path, args: list[str], log_dir: Path, ranks: int, http: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / "front.log", "w+")
         env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ,
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "OMP_NUM_THREADS": str(threads_per_rank(ranks)), "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
-        self.proc = subprocess.Popen([str(BIN / "ds-inference"), "serve", str(model), "--port", str(self.port),
+        port = ["--port", str(self.port)] if http else []
+        self.proc = subprocess.Popen([str(BIN / "ds-inference"), "serve", str(model), *port,
                                       "--log_dir", str(log_dir / "ranks"), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.monotonic()

@@ -5,7 +5,9 @@ its ranks, and the tests check none is left."""
 
 import json
 import os
+import shutil
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -41,6 +43,21 @@ def run_generation_greedy(tmp_path_factory):
     return (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
 
 
+@pytest.fixture(scope="module")
+def run_generation_sampled(tmp_path_factory):
+    """Seeded sampling at batch size 1: prompt i is sampled with seed 42 + i (the Trainer seeds batch i so)."""
+    out = tmp_path_factory.mktemp("run_generation_sampled")
+    run_in_process(["--max_new_tokens", "24", "--do_sample", "--seed", "42", "--per_device_eval_batch_size", "1",
+                    "--report_to", "none"], out, script=EXAMPLES / "run_generation.py")
+    return (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+
+
+def _sampled_bodies():
+    """Request i: seed 42 + i, HF's sampling defaults for this model (temperature 1, top-k 50)."""
+    return [{"prompt": p, "max_tokens": 24, "temperature": 1.0, "top_k": 50, "seed": 42 + i}
+            for i, p in enumerate(PROMPTS)]
+
+
 def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -48,9 +65,11 @@ def _metric(url: str, name: str) -> float:
     return sum(float(v) for k, v in series if k == name or k.startswith(name + "{"))
 
 
-def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2, run_generation_greedy):
+def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2, run_generation_greedy,
+                                                                          run_generation_sampled):
     """The 40 embedded prompts, 16 clients at once, greedy: each text equals the single-process run_generation.py
-    line for it; and they were batched (fewer batches than requests)."""
+    line for it; and they were batched (fewer batches than requests). Seeded sampling (a seed per request):
+    each text equals run_generation.py's with that seed, though the server batches the requests together."""
     batches_before = _metric(gpt2.url, "ds_inference_batch_size_count")
     bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
     answers = post_all(gpt2.url + "/v1/completions", bodies, concurrency=16)
@@ -61,6 +80,9 @@ def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2,
     assert batches < len(PROMPTS) / 2, batches
     usage = answers[0][1]["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    sampled = post_all(gpt2.url + "/v1/completions", _sampled_bodies(), concurrency=16)
+    got = [a["choices"][0]["text"].strip() for _, a in sampled]
+    assert got == run_generation_sampled and got != run_generation_greedy
 
 
 def test_openai_sdk_completes_streams_and_lists_the_model(gpt2):
@@ -150,10 +172,12 @@ def _post_later(url, body, into: list, timeout=60):
 
 
 def test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server(tmp_path):
-    """--max_queue 2 with batches held 3 s (--max_wait_ms): the third request gets 429 in under 100 ms. Then a
+    """--max_queue 2 with batches held 3 s (--max_wait_ms, no --adaptive_wait): the third request gets 429 in
+    under 100 ms; a client that goes away while its request waits takes it out of the queue. Then a
     rank is SIGKILLed while a request waits: it gets 503 with x-should-retry false, /health turns 503 (or the
     server is gone), and the server exits non-zero within 10 s with no process left."""
     server = _server(tmp_path, GPT2, ["--tp_size", "2", "--max_queue", "2", "--max_wait_ms", "3000",
+                                      "--adaptive_wait", "false",
                                       "--max_batch_size", "8", "--inference_timeout", "20"])
     try:
         url = server.url + "/v1/completions"
@@ -168,6 +192,18 @@ def test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server(tmp_pat
         for t in threads:
             t.join(30)
         assert [a[1] for a in answers] == [200, 200]
+
+        # a client that goes away while its request waits: out of the queue, never batched
+        batches = _metric(server.url, "ds_inference_batch_size_count")
+        body = json.dumps({"prompt": "five =", "max_tokens": 4}).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.5)
+            assert _metric(server.url, "ds_inference_queue_depth") == 1
+        time.sleep(3.5)  # gone before its batch would have left
+        assert _metric(server.url, "ds_inference_batch_size_count") == batches
+        assert _metric(server.url, "ds_inference_queue_depth") == 0
 
         waiting: list = []
         thread = _post_later(url, {"prompt": "five =", "max_tokens": 4}, waiting)
@@ -193,7 +229,8 @@ def test_a_stopped_rank_gets_open_requests_503_within_the_timeout(tmp_path):
     """SIGSTOP on rank 1 while a batch runs: the open request gets 503 within --inference_timeout (+ the watch's
     period), and the server exits non-zero within 10 s after, leaving no process (the stopped rank included)."""
     timeout = 6
-    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--inference_timeout", str(timeout), "--max_wait_ms", "1000"])
+    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--inference_timeout", str(timeout), "--max_wait_ms", "1000",
+                                       "--adaptive_wait", "false"])
     try:
         url = server.url + "/v1/completions"
         waiting: list = []
@@ -212,25 +249,46 @@ def test_a_stopped_rank_gets_open_requests_503_within_the_timeout(tmp_path):
         server.stop()
 
 
-def test_sigterm_drains_open_requests_then_exits_0(tmp_path):
-    """SIGTERM while three requests wait: /health turns 503, a new request gets 503, the three are answered 200,
-    and the server exits 0 with no process left."""
-    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--max_wait_ms", "1500"])
+def test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key(tmp_path):
+    """A copy of the GPT-2 with a chat template, --api_key, --inference_timeout 3: idle for longer than the
+    timeout, the replica still answers (keep-alives); without the key 401; a chat completion equals the
+    completion of the templated prompt. Then SIGTERM while three requests wait: /health turns 503, a new request
+    gets 503, the three are answered 200, and the server exits 0 with no process left."""
+    model = tmp_path / "gpt2-chat"
+    shutil.copytree(GPT2, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    server = _server(tmp_path, model, ["--tp_size", "2", "--max_wait_ms", "1500", "--adaptive_wait", "false",
+                                       "--inference_timeout", "3", "--api_key", "sesame"])
+    key = {"Authorization": "Bearer sesame"}
     try:
         url = server.url + "/v1/completions"
+        time.sleep(4.5)  # idle past --inference_timeout
+        status, body, _ = request("POST", url, {"prompt": "five =", "max_tokens": 8})
+        assert status == 401 and "api key" in body["error"]["message"].lower(), body
+        status, done, _ = request("POST", url, {"prompt": PROMPTS[0], "max_tokens": 8}, headers=key)
+        assert status == 200, done
+        status, chat, _ = request("POST", server.url + "/v1/chat/completions", headers=key, body={
+            "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8})
+        assert status == 200 and chat["object"] == "chat.completion", chat
+        assert chat["choices"][0]["message"] == {"role": "assistant", "content": done["choices"][0]["text"]}
+
         answers: list = []
-        threads = [_post_later(url, {"prompt": p, "max_tokens": 8}, answers) for p in PROMPTS[:3]]
+        threads = [threading.Thread(target=lambda p=p: answers.append(
+            request("POST", url, {"prompt": p, "max_tokens": 8}, headers=key)[0])) for p in PROMPTS[:3]]
+        for t in threads:
+            t.start()
         time.sleep(0.4)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         health, _ = get(server.url + "/health", timeout=5)
-        status, body = post(url, {"prompt": "five =", "max_tokens": 2}, timeout=5)
+        status, body, _ = request("POST", url, {"prompt": "five =", "max_tokens": 2}, headers=key, timeout=5)
         for t in threads:
             t.join(60)
-        assert sorted(a[1] for a in answers) == [200, 200, 200], answers
+        assert answers == [200, 200, 200], answers
         assert health == 503 and status in (503, 0), (health, status, body)
         assert server.proc.wait(30) == 0, server.output()[-2000:]
-        time.sleep(0.5)
         assert not server.group_alive()
     finally:
         server.stop()
@@ -261,16 +319,53 @@ def test_translation_sources_come_back_as_run_translation_predicts_them_greedy_a
     assert not server.group_alive()
 
 
-def test_dp2_x_tp2_serves_the_prompts_as_one_process(tmp_path, run_generation_greedy):
+def test_dp2_x_tp2_serves_the_prompts_as_one_process(tmp_path, run_generation_greedy, run_generation_sampled):
     """Two replicas of two ranks: the 40 prompts at concurrency 16 come back as run_generation.py writes them,
-    and both replicas took batches."""
+    greedy and with a seed per request, and both replicas took batches."""
     server = _server(tmp_path, GPT2, ["--tp_size", "2", "--dp_size", "2"], ranks=4)
     try:
         bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
         answers = post_all(server.url + "/v1/completions", bodies, concurrency=16)
         assert [a["choices"][0]["text"].strip() for _, a in answers] == run_generation_greedy
+        sampled = post_all(server.url + "/v1/completions", _sampled_bodies(), concurrency=16)
+        assert [a["choices"][0]["text"].strip() for _, a in sampled] == run_generation_sampled
         for replica in ("0", "1"):
             assert _metric(server.url, f'ds_inference_batches_total{{replica="{replica}"}}') > 0
     finally:
         server.stop()
     assert not server.group_alive()
+
+
+def test_a_replica_spanning_two_nodes_serves_as_one_process_and_a_lost_worker_ends_it(tmp_path, run_generation_greedy):
+    """Two "nodes" on this machine: the front on node 0 with one rank, `--worker` on node 1 with the other, joined
+    through --master_addr/--master_port as two machines would be. The prompts come back as run_generation.py
+    writes them; then the worker node is lost (SIGKILL to it: its rank dies with it): the open request gets 503,
+    the front exits non-zero, and no process is left on either side."""
+    from ds_inference_integration.run.ranks import free_port
+
+    port = str(free_port())
+    nodes = ["--tp_size", "2", "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", port,
+             "--inference_timeout", "20", "--max_wait_ms", "1000", "--adaptive_wait", "false"]
+    worker_dir = tmp_path / "worker"
+    worker_dir.mkdir()
+    worker = ServerProc(GPT2, [*nodes, "--node_rank", "1", "--worker"], worker_dir, 2, http=False)
+    front = ServerProc(GPT2, [*nodes, "--node_rank", "0"], tmp_path, 2)
+    try:
+        front.wait_ready()
+        bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
+        answers = post_all(front.url + "/v1/completions", bodies, concurrency=16)
+        assert [a["choices"][0]["text"].strip() for _, a in answers] == run_generation_greedy
+        assert "ranks 1 to 1 of tp 2" in worker.output()
+
+        waiting: list = []
+        thread = _post_later(front.url + "/v1/completions", {"prompt": "five =", "max_tokens": 4}, waiting)
+        time.sleep(0.3)
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        thread.join(40)
+        assert waiting and waiting[0][1] == 503, waiting
+        front.proc.wait(30)
+        assert front.proc.returncode not in (0, None)
+        assert not front.group_alive() and not worker.group_alive()
+    finally:
+        front.stop()
+        worker.stop()

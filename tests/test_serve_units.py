@@ -23,6 +23,7 @@ def _job(rows=1, width=4, new=8, key=BatchKey(), at=0.0):
 
 def test_a_batch_leaves_full_or_after_max_wait_and_only_with_its_key():
     q = Queue(max_batch_size=4, max_batch_tokens=None, max_wait_ms=20, max_queue=10)
+    q.expect = 3  # the batch before held three requests: wait for as many
     a, b = _job(rows=2, at=0.0), _job(rows=1, at=0.001)
     beams = _job(rows=1, key=BatchKey(num_beams=4, max_new_tokens=8), at=0.002)
     for j in (a, beams, b):
@@ -31,12 +32,24 @@ def test_a_batch_leaves_full_or_after_max_wait_and_only_with_its_key():
     assert q.next_deadline() == pytest.approx(0.020)
     batch = q.take(now=0.021)
     assert batch.jobs == [a, b]  # the beam job waits for a batch of its own kind, in order
+    q.expect = 2
     assert q.take(now=0.021) is None and q.take(now=0.0225).jobs == [beams]  # its own 20 ms
+    q.expect = 3
     c, d, e = _job(rows=3, at=1.0), _job(rows=1, at=1.0), _job(rows=1, at=1.0)
     for j in (c, d, e):
         q.add(j)
     assert q.take(now=1.0).jobs == [c, d]  # full at 4 rows: leaves at once
-    assert q.take(now=1.0) is None and len(q) == 1
+    assert q.take(now=1.0) is None and len(q) == 1  # one request, where the batch before had two
+    q.add(_job(rows=1, at=1.001))
+    assert len(q.take(now=1.002).jobs) == 2  # as many as the batch before: no need to wait longer
+
+
+def test_one_client_alone_never_waits():
+    """Concurrency 1: each batch holds the one request, so the next leaves as soon as it arrives."""
+    q = Queue(max_batch_size=32, max_batch_tokens=None, max_wait_ms=20, max_queue=10)
+    for t in (0.0, 0.5, 1.0):
+        q.add(_job(at=t))
+        assert q.take(now=t) is not None
 
 
 def test_the_padded_token_budget_closes_a_batch():

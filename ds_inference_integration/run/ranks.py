@@ -29,23 +29,26 @@ def free_port() -> int:
 
 
 def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, extra_env: dict | None = None,
-                first_device: int = 0) -> list[subprocess.Popen]:
+                first_device: int = 0, world: tuple[int, int, str, int] | None = None) -> list[subprocess.Popen]:
     """`python -m module args...` as ranks 0..n-1 of one world. Rank 0 prints to this process's output; every
     other rank writes to `log_dir/rank-R.log`, a file, not a pipe: a rank that prints more than a pipe holds
     would block (and its peers wait for the timeout) if nobody read the pipe while it runs. `first_device`: the
     first GPU of this world, where several worlds share a machine (`serve --dp_size`: replica r starts at r x T);
-    `extra_env` is added to every rank's environment."""
-    port = free_port()
+    `extra_env` is added to every rank's environment. `world`: (world size, this machine's first rank, master
+    address, master port) where the world spans machines (`serve --nnodes`); by default the n ranks are the world,
+    on 127.0.0.1 at a free port."""
+    world_size, first, host, port = world or (n, 0, "127.0.0.1", free_port())
     procs = []
-    for rank in range(n):
+    for local in range(n):
+        rank = first + local
         env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
                **os.environ,
                # this interpreter's tools first (its venv's ninja): two ninja versions hash DeepSpeed's JIT build
                # commands differently, and alternating between them rebuilds the op (~55 s) every time
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "LOCAL_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-               **(extra_env or {})}
+               "WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(local), "LOCAL_SIZE": str(n),
+               "MASTER_ADDR": host, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+               DS_PARENT_ENV: str(os.getpid()), **(extra_env or {})}
         if first_device:
             env["DS_INFERENCE_FIRST_DEVICE"] = str(first_device)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(n)))
@@ -59,6 +62,26 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, ex
             log.close()  # the child holds its own descriptor
         procs.append(proc)
     return procs
+
+
+DS_PARENT_ENV = "DS_INFERENCE_PARENT_PID"  # the process that started this rank (start_ranks)
+
+
+def end_with_parent() -> None:
+    """This rank dies with the process that started it (`start_ranks` sets DS_INFERENCE_PARENT_PID): Linux's
+    parent-death signal, so that a server killed with SIGKILL leaves no rank behind (its ranks would otherwise
+    keep a replica's ports and memory until they reached a timeout). Checked after setting it, for a parent that
+    died before."""
+    parent = os.environ.get(DS_PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):
+        os._exit(1)
 
 
 def init_rank(timeout: float, device_type: str | None = None):

@@ -26,6 +26,7 @@ from ..extras import optional_import
 from .batching import Job, Queue
 from .protocol import ChatRequest, CompletionRequest, GenerateRequest, ModelLimits, ServeError, one_line, plan_rows
 from .server import Server
+from .settings import engine_settings
 
 fastapi = optional_import("fastapi", "ds-inference serve")
 responses = optional_import("fastapi.responses", "ds-inference serve")
@@ -33,6 +34,7 @@ fastapi_exceptions = optional_import("fastapi.exceptions", "ds-inference serve")
 uvicorn = optional_import("uvicorn", "ds-inference serve")
 
 logger = logging.getLogger("ds_inference_integration.serve")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/live", "/metrics")
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -308,13 +310,12 @@ class Api:
             raise ServeError(400, f"model {self.model_id!r} has no chat template, so it cannot chat; valid: "
                                   "POST /v1/completions with a prompt", "messages", "no_chat_template")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:  # the template's text, then its tokens without special ones added: the template writes its own
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages (roles out of order...)
             raise ServeError(400, f"messages: the chat template refused them: {' '.join(str(e).split())[:200]}",
                              "messages") from None
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return await self.respond(request, body, [list(ids)], chat=True)
 
     async def generate(self, request, body: GenerateRequest):
@@ -391,12 +392,6 @@ def build_app(api: Api):
         logger.exception("serve: unexpected error")
         return error_response(ServeError(500, f"internal error: {type(error).__name__}: {' '.join(str(error).split())[:200]}"))
 
-    @app.middleware("http")
-    async def _count(request, call_next):
-        response = await call_next(request)
-        server.metrics.request(request.url.path, response.status_code)
-        return response
-
     @app.get("/health")
     async def health():
         if server.state == "ready":
@@ -431,7 +426,32 @@ def build_app(api: Api):
     async def generate(body: GenerateRequest, request: fastapi.Request):
         return await api.generate(request, body)
 
-    return app
+    return _CountStatuses(app, server.metrics)
+
+
+class _CountStatuses:
+    """Requests by route and status for /metrics, as plain ASGI: Starlette's BaseHTTPMiddleware (`@app.middleware`)
+    wraps the request's receive channel, and `request.is_disconnected()` then never saw a client that went away
+    (its request stayed queued and was generated; tests/test_serve.py)."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            path = scope["path"]  # an unknown path is "other": a label per path a client makes up would grow forever
+            self.metrics.request(path if path in ROUTES else "other", status[0])
 
 
 class _Uvicorn(uvicorn.Server):
@@ -454,6 +474,8 @@ def main(argv: list[str]) -> int:
     from .settings import parse
 
     model_dir, serve_args, inference_args = parse(argv)
+    if serve_args.worker:
+        raise InferenceSetupError("--worker runs through `ds-inference serve MODEL_DIR --worker ...`")
     config = AutoConfig.from_pretrained(model_dir)
     if inference_args.injection_policy != "autotp":  # the policy file and head counts, before any rank starts
         policy_for_run(inference_args.injection_policy, config, inference_args.tp_size)
@@ -473,11 +495,12 @@ def main(argv: list[str]) -> int:
                                   f"({e.strerror}); valid: a free port (0: any)") from None
     model_id = serve_args.served_model_name or Path(model_dir).resolve().name
     log_dir = Path(serve_args.log_dir or tempfile.mkdtemp(prefix="ds-inference-serve-"))
-    settings = {"model_dir": str(Path(model_dir).resolve()),
-                "inference": {k: getattr(inference_args, k) for k in inference_args.__dataclass_fields__}}
-    queue = Queue(serve_args.max_batch_size, serve_args.max_batch_tokens, serve_args.max_wait_ms, serve_args.max_queue)
+    settings = engine_settings(model_dir, inference_args)
+    queue = Queue(serve_args.max_batch_size, serve_args.max_batch_tokens, serve_args.max_wait_ms, serve_args.max_queue,
+                  serve_args.adaptive_wait)
+    nodes = (serve_args.nnodes, serve_args.master_addr, serve_args.master_port)
     server = Server(lambda on_message, on_lost: Replicas(settings, inference_args.tp_size, serve_args.dp_size,
-                                                         log_dir, on_message, on_lost),
+                                                         log_dir, on_message, on_lost, nodes),
                     queue, tokenizer, inference_args.inference_timeout, serve_args.drain_timeout,
                     bool(getattr(config, "is_encoder_decoder", False)))
     api = Api(server, tokenizer, model_id, model_limits(config, generation_config, serve_args), serve_args.api_key,

@@ -3,8 +3,16 @@
 A request joins the queue as one Job (its rows). A batch is the oldest job plus the next jobs with the same
 BatchKey (what rows of one batch must share), in arrival order, and it leaves when it holds `max_batch_size`
 rows, when the next job would take it past the padded-token budget (`max_batch_tokens`: rows x (longest
-prompt + most new tokens), the cost of a padded batch, as TGI counts it), or when its oldest job has waited
-`max_wait_ms`; and only to an idle replica (while every replica is busy it keeps filling).
+prompt + most new tokens), the cost of a padded batch, as TGI counts it), when its oldest job has waited
+`max_wait_ms`, or (`--adaptive_wait`, the default) when it holds as many requests as the batch before it did;
+and only to an idle replica (while every replica is busy it keeps filling).
+
+The last rule is ours: waiting helps only while more requests are coming, and the batch before is the best
+guess of how many. One client alone (concurrency 1) then never waits: with the `max_wait_ms` rule alone its
+latency was 31 ms above one-request-at-a-time's (p50 367 against 336 ms, 20 ms of it the wait; `ds-inference
+bench serve --models gpt2 --concurrency 1`, 2026-12-04). Clients that come back together after their batch
+(concurrency 4, 16) are waited for, up to `max_wait_ms`, and a load that grows makes the batches grow, since
+requests that arrive while a batch runs wait for the next one.
 
 Why not continuous batching (rows joining and leaving a running batch at every step, as vLLM and TGI do): it
 needs a decode loop of our own with a per-row KV cache (paged attention), written for every architecture and
@@ -62,10 +70,13 @@ class Batch:
 class Queue:
     """The waiting jobs and the batching rule (no I/O: the server's dispatcher calls `take` when a replica is idle)."""
 
-    def __init__(self, max_batch_size: int, max_batch_tokens: int | None, max_wait_ms: float, max_queue: int):
+    def __init__(self, max_batch_size: int, max_batch_tokens: int | None, max_wait_ms: float, max_queue: int,
+                 adaptive_wait: bool = True):
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.max_wait, self.max_queue = max_wait_ms / 1000.0, max_queue
         self.waiting: list[Job] = []
+        self.adaptive = adaptive_wait
+        self.expect = 1  # requests in the last batch taken: how many to wait for (with adaptive_wait)
         self._batch_ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -105,15 +116,18 @@ class Queue:
         return jobs, full
 
     def take(self, now: float | None = None) -> Batch | None:
-        """The batch that leaves now (a full one, or one whose oldest job has waited `max_wait_ms`), or None."""
+        """The batch that leaves now (a full one, one with as many requests as the last, or one whose oldest job
+        has waited `max_wait_ms`), or None."""
         if not self.waiting:
             return None
         now = time.monotonic() if now is None else now
         jobs, full = self._fill()
-        if not full and now - jobs[0].arrived < self.max_wait:
+        enough = self.adaptive and len(jobs) >= self.expect
+        if not full and not enough and now - jobs[0].arrived < self.max_wait:
             return None
         for job in jobs:
             self.waiting.remove(job)
+        self.expect = len(jobs)
         return Batch(id=next(self._batch_ids), key=jobs[0].key, jobs=jobs)
 
     def next_deadline(self) -> float | None:

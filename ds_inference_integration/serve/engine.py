@@ -214,9 +214,10 @@ def main(argv: list[str]) -> None:
     from ..arguments import DeepSpeedInferenceArguments
     from ..load.loaders import load_model, model_class_for
     from ..predict.lockstep import check_lockstep
-    from ..run.ranks import init_rank
+    from ..run.ranks import end_with_parent, init_rank
     from ..shard.setup import setup_inference
 
+    end_with_parent()  # a front (or worker) killed with SIGKILL takes its ranks with it
     settings = json.loads(argv[0])
     inference_args = DeepSpeedInferenceArguments(**settings["inference"])
     topology, device = init_rank(timeout=inference_args.inference_timeout)
@@ -256,16 +257,18 @@ def main(argv: list[str]) -> None:
                 conn.send({"op": "alive"})
             continue
         batches += 1
-        inputs = {"input_ids": torch.tensor(message["input_ids"]), "attention_mask": torch.tensor(message["attention_mask"])}
-        if topology.tp_size > 1 and inference_args.lockstep_guard:
-            check_lockstep(inputs, topology, setup.groups.tp, device, batches)
         report = None
         if leader:
             def report(step, tokens, finished, _id=message["id"]):
                 conn.send({"op": "tokens", "id": _id, "step": step, "tokens": tokens, "finished": finished})
         try:
+            inputs = {"input_ids": torch.tensor(message["input_ids"]),
+                      "attention_mask": torch.tensor(message["attention_mask"])}
+            if topology.tp_size > 1 and inference_args.lockstep_guard:
+                check_lockstep(inputs, topology, setup.groups.tp, device, batches)
             result = run_batch(model, tokenizer, message, device, report)
-        except (ValueError, RuntimeError) as e:  # the same bad batch on every rank: answered, the replica goes on
+        except ValueError as e:  # this batch refused alike on every rank (generate's checks): answered, goes on
+            # (anything else, a broken collective above all, ends the rank: the front answers 503 and exits)
             if leader:
                 conn.send({"op": "failed", "id": message["id"], "message": f"{type(e).__name__}: {e}"})
             continue

@@ -20,6 +20,8 @@ from pathlib import Path
 from ..run.ranks import start_ranks
 from .engine import AUTHKEY_ENV, FRONT_ENV
 
+ENGINE = "ds_inference_integration.serve.engine"
+
 
 class Replica:
     def __init__(self, index: int, procs: list[subprocess.Popen], log_dir: Path):
@@ -70,8 +72,10 @@ class Replicas:
     """Start R replicas of T ranks; `on_message(replica, message)` and `on_lost(replica, why)` are called from
     reader threads (the server hands them to its event loop)."""
 
-    def __init__(self, settings: dict, tp_size: int, dp_size: int, log_dir: Path, on_message, on_lost):
+    def __init__(self, settings: dict, tp_size: int, dp_size: int, log_dir: Path, on_message, on_lost,
+                 nodes: tuple[int, str, int | None] = (1, "127.0.0.1", None)):
         self.settings, self.tp_size, self.dp_size, self.log_dir = settings, tp_size, dp_size, log_dir
+        self.nnodes, self.master_addr, self.master_port = nodes
         self.on_message, self.on_lost = on_message, on_lost
         self.replicas: list[Replica] = []
         self.authkey = os.urandom(16)
@@ -83,8 +87,11 @@ class Replicas:
             log_dir = self.log_dir / f"replica-{r}"
             log_dir.mkdir(parents=True, exist_ok=True)
             env = {FRONT_ENV: f"{host}:{port}", AUTHKEY_ENV: self.authkey.hex()}
-            procs = start_ranks(self.tp_size, "ds_inference_integration.serve.engine", [json.dumps(self.settings)],
-                                log_dir, extra_env=env, first_device=r * self.tp_size)
+            world = None
+            if self.nnodes > 1:  # this node's share of the replica: ranks 0.. of it; the --worker nodes start the rest
+                world = (self.tp_size, 0, self.master_addr, self.master_port)
+            procs = start_ranks(self.tp_size // self.nnodes, ENGINE, [json.dumps(self.settings)], log_dir,
+                                extra_env=env, first_device=r * self.tp_size, world=world)
             self.replicas.append(Replica(r, procs, log_dir))
         threading.Thread(target=self._accept, daemon=True, name="serve-accept").start()
 

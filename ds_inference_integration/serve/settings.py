@@ -22,6 +22,9 @@ class ServeArguments:
         default=None, metadata={"help": "Padded tokens per batch at most: rows x (longest prompt + most new tokens)."})
     max_wait_ms: float = field(default=20.0, metadata={"help": "A batch leaves at the latest when its oldest request "
                                                                  "has waited this long."})
+    adaptive_wait: bool = field(default=True, metadata={"help": "A batch also leaves once it holds as many requests "
+                                                                "as the batch before it (false: only full, over the "
+                                                                "token budget, or after --max_wait_ms)."})
     max_queue: int = field(default=256, metadata={"help": "Requests waiting at most; more get 429 at once."})
     max_n: int = field(default=8, metadata={"help": "Largest n (outputs per prompt) a request may ask for."})
     max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request gives none (OpenAI's default)."})
@@ -30,6 +33,14 @@ class ServeArguments:
     api_key: str | None = field(default=None, metadata={"help": "Require `Authorization: Bearer KEY` on the API."})
     drain_timeout: float = field(default=60.0, metadata={"help": "SIGTERM: seconds to finish open requests."})
     log_dir: str | None = field(default=None, metadata={"help": "Where ranks other than 0 log (default: a temp dir)."})
+    nnodes: int = field(default=1, metadata={"help": "Machines one replica spans (tensor parallelism across nodes); "
+                                                     "the front runs on node 0, `--worker` on the others."})
+    node_rank: int = field(default=0, metadata={"help": "This machine's index, 0 to --nnodes - 1."})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "With --nnodes > 1: node 0's address, which every "
+                                                                    "node's ranks reach."})
+    master_port: int | None = field(default=None, metadata={"help": "With --nnodes > 1: the rendezvous port on node 0."})
+    worker: bool = field(default=False, metadata={"help": "Run only this node's ranks of the replica (nodes 1.."
+                                                          "--nnodes - 1); no HTTP front."})
 
 
 def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArguments]:
@@ -65,4 +76,34 @@ def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArgum
                                       "0.0.0.0 (every interface), or one of this machine's addresses") from None
     if inference.tp_size is None:
         inference.tp_size = 1
+    check_nodes(serve, inference.tp_size)
     return model_dir, serve, inference
+
+
+def check_nodes(serve: ServeArguments, tp_size: int) -> None:
+    if serve.nnodes < 1 or not 0 <= serve.node_rank < serve.nnodes:
+        raise InferenceSetupError(f"--nnodes {serve.nnodes} --node_rank {serve.node_rank} is invalid; valid: --nnodes 1 "
+                                  "or more, --node_rank 0 to --nnodes - 1")
+    if serve.nnodes == 1:
+        if serve.worker or serve.node_rank:
+            raise InferenceSetupError("--worker (or a --node_rank) needs --nnodes 2 or more: a one-node replica has "
+                                      "no worker nodes")
+        return
+    if tp_size % serve.nnodes:
+        raise InferenceSetupError(f"--tp_size {tp_size} does not split over --nnodes {serve.nnodes}; valid: a tp size "
+                                  "that is a multiple of the node count (the same number of ranks on every node)")
+    if serve.dp_size != 1:
+        raise InferenceSetupError(f"--dp_size {serve.dp_size} with --nnodes {serve.nnodes}: a replica that spans nodes "
+                                  "is served alone; valid: --dp_size 1 (more replicas: more servers behind a balancer)")
+    if serve.master_port is None:
+        raise InferenceSetupError("--nnodes > 1 needs --master_port: the rendezvous port on node 0 that every node's "
+                                  "ranks connect to")
+    if (serve.node_rank == 0) == serve.worker:
+        raise InferenceSetupError(f"--node_rank {serve.node_rank}{' --worker' if serve.worker else ''}: node 0 runs the "
+                                  "front (no --worker), every other node --worker")
+
+
+def engine_settings(model_dir: str, inference: DeepSpeedInferenceArguments) -> dict:
+    """What every rank of a replica is started with (the engine's one argument, as JSON)."""
+    return {"model_dir": str(Path(model_dir).resolve()),
+            "inference": {k: getattr(inference, k) for k in inference.__dataclass_fields__}}

@@ -161,23 +161,32 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
     for name in models:
         directory, max_tokens = MODELS[name]
         prompts = _prompts(name)
-        for mode, extra in MODES.items():
-            server = _Server(REPO / "examples" / "models" / directory, [*extra, "--max_wait_ms", str(max_wait_ms),
-                                                                        "--max_queue", str(max(concurrencies) * 2)],
-                             log_dir, tp_size)
-            try:
-                _point(server, prompts, 4, 8, max_tokens, point_timeout)  # warm-up, not counted
-                for concurrency in concurrencies:
-                    runs = [_point(server, prompts, concurrency, requests, max_tokens, point_timeout)
-                            for _ in range(repeats)]
+        # Both servers run at once and the modes alternate point by point (one idle server costs a keep-alive a
+        # second), so that a drift of the machine over the run falls on both alike.
+        servers = {}
+        try:
+            for mode, extra in MODES.items():
+                servers[mode] = _Server(REPO / "examples" / "models" / directory,
+                                        [*extra, "--max_wait_ms", str(max_wait_ms), "--max_queue",
+                                         str(max(concurrencies) * 2)], log_dir, tp_size)
+                _point(servers[mode], prompts, 4, 8, max_tokens, point_timeout)  # warm-up, not counted
+            for concurrency in concurrencies:
+                runs = {mode: [] for mode in MODES}
+                for _ in range(repeats):
+                    for mode in MODES:
+                        runs[mode].append(_point(servers[mode], prompts, concurrency, requests, max_tokens,
+                                                 point_timeout))
+                for mode in MODES:
                     point = {"model": name, "mode": mode, "concurrency": concurrency,
-                             **{m: spread([r[m] for r in runs]) for m in METRICS},
-                             "requests_ok": min(r["requests_ok"] for r in runs)}
+                             **{m: spread([r[m] for r in runs[mode]]) for m in METRICS},
+                             "requests_ok": min(r["requests_ok"] for r in runs[mode])}
                     results["points"].append(point)
                     print(f"{name:5} {mode:14} c={concurrency:<3} {point['req_per_s']['median']:8.1f} req/s  "
-                          f"p99 {point['latency_p99']['median'] * 1000:7.0f} ms  batch "
+                          f"p50 {point['latency_p50']['median'] * 1000:6.0f} ms  p99 "
+                          f"{point['latency_p99']['median'] * 1000:6.0f} ms  batch "
                           f"{point['mean_batch_size']['median']:.1f}", flush=True)
-            finally:
+        finally:
+            for server in servers.values():
                 server.stop()
     results["ratios"] = _ratios(results["points"])
     write_text_atomic(output_dir / "bench_serve.json", json.dumps(results, indent=1) + "\n")

@@ -166,6 +166,10 @@ def _serve(ns: argparse.Namespace) -> int:
         parser = HfArgumentParser((ServeArguments, DeepSpeedInferenceArguments), prog="ds-inference serve MODEL_DIR")
         parser.print_help()
         return 0
+    if "--worker" in ns.args:  # a worker node's ranks: no HTTP front, no [serve] extra needed
+        from ..serve.worker import main as worker_main
+
+        return worker_main(ns.args)
     from ..serve.app import main as serve_main  # the [serve] extra: one line if it is missing
 
     return serve_main(ns.args)
