@@ -231,7 +231,12 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
            "test_a_full_disk_ends_every_rank_in_one_line_and_the_same_command_resumes": 52,
            "test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes": 50,
            "test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_process": 41,
-           "test_the_2026_families_match_the_unsharded_model": 25}
+           "test_the_2026_families_match_the_unsharded_model": 25,
+           "test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams": 21,
+           "test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server": 18,
+           "test_dp2_x_tp2_serves_the_prompts_as_one_process": 16,
+           "test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key": 16,
+           "test_a_stopped_rank_gets_open_requests_503_within_the_timeout": 16}
 
 
 def pytest_collection_modifyitems(config, items):

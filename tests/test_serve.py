@@ -8,12 +8,13 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
 
 import pytest
-from serving import ServerProc, get, post, post_all, request
+from serving import BIN, ServerProc, get, post, post_all, request
 
 from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, run_in_process
 
@@ -369,3 +370,21 @@ def test_a_replica_spanning_two_nodes_serves_as_one_process_and_a_lost_worker_en
     finally:
         front.stop()
         worker.stop()
+
+
+def test_a_presharded_directory_serves_as_its_source(tmp_path, run_generation_greedy):
+    """`ds-inference shard` writes the GPT-2 for tp 2; `serve` of that directory loads each rank's file (the rank
+    says so) and answers the prompts as run_generation.py does with the source."""
+    out = tmp_path / "gpt2_tp2"
+    done = subprocess.run([str(BIN / "ds-inference"), "shard", str(GPT2), "--tp-size", "2", str(out)],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    server = _server(tmp_path, out, ["--tp_size", "2"])
+    try:
+        bodies = [{"prompt": p, "max_tokens": 24} for p in PROMPTS]
+        answers = post_all(server.url + "/v1/completions", bodies, concurrency=16)
+        assert [a["choices"][0]["text"].strip() for _, a in answers] == run_generation_greedy
+        assert "model loaded pre-sharded: read" in server.output()
+    finally:
+        server.stop()
+    assert not server.group_alive()

@@ -22,8 +22,7 @@ def _job(rows=1, width=4, new=8, key=BatchKey(), at=0.0):
 
 
 def test_a_batch_leaves_full_or_after_max_wait_and_only_with_its_key():
-    q = Queue(max_batch_size=4, max_batch_tokens=None, max_wait_ms=20, max_queue=10)
-    q.expect = 3  # the batch before held three requests: wait for as many
+    q = Queue(max_batch_size=4, max_batch_tokens=None, max_wait_ms=20, max_queue=10, adaptive_wait=False)
     a, b = _job(rows=2, at=0.0), _job(rows=1, at=0.001)
     beams = _job(rows=1, key=BatchKey(num_beams=4, max_new_tokens=8), at=0.002)
     for j in (a, beams, b):
@@ -32,24 +31,44 @@ def test_a_batch_leaves_full_or_after_max_wait_and_only_with_its_key():
     assert q.next_deadline() == pytest.approx(0.020)
     batch = q.take(now=0.021)
     assert batch.jobs == [a, b]  # the beam job waits for a batch of its own kind, in order
-    q.expect = 2
     assert q.take(now=0.021) is None and q.take(now=0.0225).jobs == [beams]  # its own 20 ms
-    q.expect = 3
     c, d, e = _job(rows=3, at=1.0), _job(rows=1, at=1.0), _job(rows=1, at=1.0)
     for j in (c, d, e):
         q.add(j)
     assert q.take(now=1.0).jobs == [c, d]  # full at 4 rows: leaves at once
-    assert q.take(now=1.0) is None and len(q) == 1  # one request, where the batch before had two
-    q.add(_job(rows=1, at=1.001))
-    assert len(q.take(now=1.002).jobs) == 2  # as many as the batch before: no need to wait longer
+    assert q.take(now=1.0) is None and len(q) == 1
 
 
 def test_one_client_alone_never_waits():
-    """Concurrency 1: each batch holds the one request, so the next leaves as soon as it arrives."""
+    """Concurrency 1 (adaptive wait): one request open at a time, so it leaves as soon as it arrives."""
     q = Queue(max_batch_size=32, max_batch_tokens=None, max_wait_ms=20, max_queue=10)
     for t in (0.0, 0.5, 1.0):
-        q.add(_job(at=t))
-        assert q.take(now=t) is not None
+        job = _job(at=t)
+        q.add(job)
+        assert q.take(now=t).jobs == [job]
+        q.remove(job)  # answered
+
+
+def test_clients_that_come_back_apart_are_waited_for_together():
+    """16 clients split into two halves, 8 running while the other 8 wait: when the running batch ends, the next
+    waits (up to max_wait_ms from then) for the 8 coming back instead of leaving with the 8 already there, whose
+    wait counted from their arrival had run out: that kept 16 clients in batches of 8 and 8 for good (T5)."""
+    q = Queue(max_batch_size=32, max_batch_tokens=None, max_wait_ms=20, max_queue=100)
+    a = [_job(at=0.0) for _ in range(8)]
+    for j in a:
+        q.add(j)
+    assert q.take(now=0.0).jobs == a
+    b = [_job(at=0.05) for _ in range(8)]  # arrive while a runs: 16 open
+    for j in b:
+        q.add(j)
+    for j in a:
+        q.remove(j)  # a is answered; the replica is idle since 0.3
+    assert q.take(now=0.3, idle_since=0.3) is None  # b's 8 are here (queued 250 ms), a's 8 are on their way back
+    back = [_job(at=0.301) for _ in range(8)]
+    for j in back:
+        q.add(j)
+    assert q.take(now=0.302, idle_since=0.3).jobs == b + back
+    assert q.take(now=0.4) is None and not q.waiting
 
 
 def test_the_padded_token_budget_closes_a_batch():
@@ -151,3 +170,23 @@ def test_streamed_text_never_passes_a_stop_string_and_adds_up_to_the_final_text(
     final, stopped = Texts(tokenizer, (" de mii",)).final(tokens)
     assert stopped and final == "cinci sute" and final.startswith(sent) and " de" not in sent
     assert sent + texts.rest(tokens) == final
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "serve needs a model directory first"),
+    (["/nonexistent", "--tp_size", "2"], "has no config.json"),
+    ([str(GPT2), "--tp_size", "3"], "not divisible by --tp_size 3"),
+    ([str(GPT2), "--max_batch_size", "0"], "--max_batch_size 0 is out of range"),
+    ([str(GPT2), "--host", "example.com"], "is not an IP address"),
+    ([str(GPT2), "--tp_size", "2", "--nnodes", "2"], "needs --master_port"),
+    ([str(GPT2), "--tp_size", "2", "--nnodes", "2", "--master_port", "1", "--worker"], "node 0 runs the front"),
+    ([str(GPT2), "--tp_size", "3", "--nnodes", "2", "--master_port", "1", "--node_rank", "1", "--worker"],
+     "does not split over --nnodes 2"),
+    ([str(GPT2), "--inference_dtype", "fp8"], "--inference_dtype"),
+])
+def test_bad_serve_flags_are_one_line_before_anything_starts(args, says, capsys):
+    from ds_inference_integration.tools.cli import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err

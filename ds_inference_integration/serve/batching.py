@@ -4,15 +4,21 @@ A request joins the queue as one Job (its rows). A batch is the oldest job plus 
 BatchKey (what rows of one batch must share), in arrival order, and it leaves when it holds `max_batch_size`
 rows, when the next job would take it past the padded-token budget (`max_batch_tokens`: rows x (longest
 prompt + most new tokens), the cost of a padded batch, as TGI counts it), when its oldest job has waited
-`max_wait_ms`, or (`--adaptive_wait`, the default) when it holds as many requests as the batch before it did;
-and only to an idle replica (while every replica is busy it keeps filling).
+`max_wait_ms`, or (`--adaptive_wait`, the default) when it holds every request the clients are likely to send
+now; and only to an idle replica (while every replica is busy it keeps filling).
 
-The last rule is ours: waiting helps only while more requests are coming, and the batch before is the best
-guess of how many. One client alone (concurrency 1) then never waits: with the `max_wait_ms` rule alone its
-latency was 31 ms above one-request-at-a-time's (p50 367 against 336 ms, 20 ms of it the wait; `ds-inference
-bench serve --models gpt2 --concurrency 1`, 2026-12-04). Clients that come back together after their batch
-(concurrency 4, 16) are waited for, up to `max_wait_ms`, and a load that grows makes the batches grow, since
-requests that arrive while a batch runs wait for the next one.
+The wait counts from when a replica was free to take the batch: requests that queued while every replica was busy
+have waited, but not for a batch to fill. Counted from their arrival instead, they left the moment a batch ended,
+before the clients of that batch came back, and 16 clients settled into batches of 8 and 8 for good (T5, mean
+batch 9.1 and 18.4 req/s, against 16.0 and 37.1 for GPT-2, whose clients happened to start together;
+`ds-inference bench serve`, 2026-12-04).
+
+The adaptive rule is ours too: waiting helps only while more requests are coming. The guess: the most requests
+open at once (waiting or running) over the last 30 seconds, less those running now. One client alone
+(concurrency 1) then never waits: with the `max_wait_ms` rule alone its latency was 31 ms above
+one-request-at-a-time's (p50 367 against 336 ms, 20 ms of it the wait; `ds-inference bench serve --models gpt2
+--concurrency 1`, 2026-12-04). A load that grows makes batches grow: requests that arrive while a batch runs
+wait for the next one.
 
 Why not continuous batching (rows joining and leaving a running batch at every step, as vLLM and TGI do): it
 needs a decode loop of our own with a per-row KV cache (paged attention), written for every architecture and
@@ -25,6 +31,7 @@ until its longest row ends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -32,6 +39,11 @@ from dataclasses import dataclass, field
 from .protocol import BatchKey, Row
 
 _ids = itertools.count(1)
+# How far back the adaptive wait looks for the most requests open at once. With 5 s, each point of `bench serve`
+# (64 requests from 16 clients, after the other server's point) began with a batch of 1, then 15, then 16s: mean
+# batch 12.8 and 28 req/s, against 16.0 and 37 when the clients' first burst was waited for (2026-12-04). The cost
+# of a longer memory: a lone client, for that long after a burst, waits up to --max_wait_ms per request.
+PEAK_SECONDS = 30.0
 
 
 @dataclass(eq=False)  # a job is itself (a set member, a queue entry), not its values
@@ -76,7 +88,8 @@ class Queue:
         self.max_wait, self.max_queue = max_wait_ms / 1000.0, max_queue
         self.waiting: list[Job] = []
         self.adaptive = adaptive_wait
-        self.expect = 1  # requests in the last batch taken: how many to wait for (with adaptive_wait)
+        self.running: set[Job] = set()  # taken, not finished
+        self._open: collections.deque = collections.deque()  # (time, requests open then), the last PEAK_SECONDS
         self._batch_ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -87,12 +100,22 @@ class Queue:
 
     def add(self, job: Job) -> None:
         self.waiting.append(job)
+        self._open.append((job.arrived, len(self.waiting) + len(self.running)))
 
     def remove(self, job: Job) -> bool:
+        """A job that ended (answered, failed, or its client went away): out of the queue or of the running set."""
+        self.running.discard(job)
         if job in self.waiting:
             self.waiting.remove(job)
             return True
         return False
+
+    def expected(self, now: float) -> int:
+        """How many requests a batch that leaves now should hold: the most open at once lately, less those running."""
+        while self._open and self._open[0][0] < now - PEAK_SECONDS:
+            self._open.popleft()
+        peak = max((n for _, n in self._open), default=1)
+        return max(1, peak - len(self.running))
 
     def _fill(self) -> tuple[list[Job], bool]:
         """The next batch's jobs, and whether it is full (no more rows or tokens fit)."""
@@ -115,21 +138,21 @@ class Queue:
             full = rows >= self.max_batch_size
         return jobs, full
 
-    def take(self, now: float | None = None) -> Batch | None:
-        """The batch that leaves now (a full one, one with as many requests as the last, or one whose oldest job
-        has waited `max_wait_ms`), or None."""
+    def take(self, now: float | None = None, idle_since: float = 0.0) -> Batch | None:
+        """The batch that leaves now to a replica idle since `idle_since` (a full one, one holding the requests
+        expected, or one whose oldest job has waited `max_wait_ms` since that replica was free), or None."""
         if not self.waiting:
             return None
         now = time.monotonic() if now is None else now
         jobs, full = self._fill()
-        enough = self.adaptive and len(jobs) >= self.expect
-        if not full and not enough and now - jobs[0].arrived < self.max_wait:
+        enough = self.adaptive and len(jobs) >= self.expected(now)
+        if not full and not enough and now - max(jobs[0].arrived, idle_since) < self.max_wait:
             return None
         for job in jobs:
             self.waiting.remove(job)
-        self.expect = len(jobs)
+        self.running.update(jobs)
         return Batch(id=next(self._batch_ids), key=jobs[0].key, jobs=jobs)
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, idle_since: float = 0.0) -> float | None:
         """When the oldest job's wait ends (monotonic seconds), or None with nothing waiting."""
-        return self.waiting[0].arrived + self.max_wait if self.waiting else None
+        return max(self.waiting[0].arrived, idle_since) + self.max_wait if self.waiting else None

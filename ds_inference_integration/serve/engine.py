@@ -126,6 +126,8 @@ def _generation_config(model, batch: dict, pad_token_id: int | None):
     config.min_length = 0
     if shared.get("repetition_penalty") is not None:
         config.repetition_penalty = shared["repetition_penalty"]
+    if shared.get("length_penalty") is not None:
+        config.length_penalty = shared["length_penalty"]
     if pad_token_id is not None:
         config.pad_token_id = pad_token_id
     if shared["num_beams"] == 1:

@@ -29,7 +29,7 @@ class Replica:
         self.conn = None
         self.state = "loading"  # loading, idle, busy, broken
         self.batch = None
-        self.last_heard = time.monotonic()
+        self.last_heard = self.idle_since = time.monotonic()
 
     def send(self, message: dict) -> None:
         self.conn.send(message)

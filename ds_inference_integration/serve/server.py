@@ -91,8 +91,11 @@ class Server:
         for job in list(self.open_jobs):
             self._fail_job(job, error)
         self.queue.waiting.clear()
-        self.replicas.kill()
         self.exit_code = EXIT_LOAD_FAILED if loading else EXIT_BROKEN
+        self.loop.call_later(0.1, self._end)  # the 503s go out first; ending the ranks can take their 2 s grace
+
+    def _end(self) -> None:
+        self.replicas.kill()
         self.on_exit()
 
     # ----- requests
@@ -121,12 +124,14 @@ class Server:
 
     def _fail_job(self, job: Job, error: ServeError) -> None:
         self.open_jobs.discard(job)
+        self.queue.remove(job)
         if not job.done.done():
             job.done.set_result(error)
         job.events.put_nowait(("error", error, None))
 
     def _finish_job(self, job: Job) -> None:
         self.open_jobs.discard(job)
+        self.queue.remove(job)
         if not job.done.done():
             job.done.set_result(None)
         self.metrics.finished(job)
@@ -134,13 +139,13 @@ class Server:
     # ----- replicas
     async def _dispatch(self) -> None:
         while True:
-            idle = [r for r in self.replicas.replicas if r.state == "idle"]
+            idle = sorted((r for r in self.replicas.replicas if r.state == "idle"), key=lambda r: r.idle_since)
             if idle and self.state in ("ready", "draining"):
-                batch = self.queue.take()
+                batch = self.queue.take(idle_since=idle[0].idle_since)
                 if batch is not None:
                     self._send(idle[0], batch)
                     continue
-            deadline = self.queue.next_deadline() if idle else None
+            deadline = self.queue.next_deadline(idle[0].idle_since) if idle else None
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.wakeup.clear()
             try:
@@ -191,7 +196,7 @@ class Server:
         replica.last_heard = time.monotonic()
         op = message["op"]
         if op == "ready":
-            replica.state = "idle"
+            replica.state, replica.idle_since = "idle", time.monotonic()
             logger.info("replica %d ready: %s", replica.index, message.get("report", ""))
             if self.state == "loading" and all(r.state != "loading" for r in self.replicas.replicas):
                 self.state = "ready"
@@ -238,7 +243,7 @@ class Server:
                 self._finish_job(job)
 
     def _batch_over(self, replica: Replica) -> None:
-        replica.state, replica.batch = "idle", None
+        replica.state, replica.batch, replica.idle_since = "idle", None, time.monotonic()
         self.wakeup.set()
 
     def _on_lost(self, replica: Replica, why: str) -> None:

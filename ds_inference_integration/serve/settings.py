@@ -53,7 +53,12 @@ def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArgum
         raise InferenceSetupError("serve needs a model directory first; usage: ds-inference serve MODEL_DIR "
                                   "--tp_size T [--dp_size R] [--port 8000]")
     model_dir, rest = argv[0], argv[1:]
-    parser = HfArgumentParser((ServeArguments, DeepSpeedInferenceArguments))
+    parser = HfArgumentParser((ServeArguments, DeepSpeedInferenceArguments), prog="ds-inference serve MODEL_DIR")
+
+    def one_line(message: str):  # argparse's own errors (a bad choice, an unknown flag): one line, not the usage
+        raise InferenceSetupError(f"{message}; valid: see `ds-inference serve --help`")
+
+    parser.error = one_line
     serve, inference = parse_args_into_dataclasses(parser, rest)
     inference.deepspeed_inference = True
     if not Path(model_dir, "config.json").is_file():

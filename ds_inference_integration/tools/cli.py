@@ -325,7 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # its flags are the server's and the flag family's dataclasses (HfArgumentParser)
+        ns = argparse.Namespace(args=argv[1:], func=_serve)
+    else:
+        ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
     except InferenceSetupError as e:
