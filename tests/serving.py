@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ds_inference_integration.run.ranks import free_port
+from ds_inference_integration.run.ranks import free_port, stop_session
 from ds_inference_integration.topology import threads_per_rank
 
 BIN = Path(sys.executable).parent
@@ -69,17 +68,7 @@ class ServerProc:
 
     def stop(self) -> None:
         """SIGTERM (the server drains and ends its ranks), then SIGKILL for whatever is left of the group."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        stop_session(self.proc, grace=30)
         self.log.close()
 
 
@@ -122,3 +111,30 @@ def post_all(url: str, bodies: list[dict], concurrency: int, timeout: float = 12
     """POST every body with `concurrency` clients at once; answers in the bodies' order."""
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(lambda b: post(url, b, timeout), bodies))
+
+
+def listening(pids: list[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on, read from /proc: 127.0.0.1 is "127.0.0.1",
+    every interface "0.0.0.0" or "::"."""
+    import ipaddress
+
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # /proc prints 32-bit words host-order
+            found.append((str(ipaddress.ip_address(raw[:width])), int(port, 16)))
+    return found

@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from serving import BIN, ServerProc, get, post, post_all, request
+from serving import BIN, ServerProc, get, listening, post, post_all, request
 
 from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, run_in_process
 
@@ -135,6 +135,14 @@ BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a w
     ("/generate with beams fewer than sequences", "POST", "/generate",
      {"inputs": "five =", "parameters": {"num_beams": 2, "num_return_sequences": 3}}, 400, "num_return_sequences"),
 ]
+
+
+def test_nothing_listens_beyond_localhost(gpt2):
+    """The front, its ranks' rendezvous store, their gloo connections, the leaders' socket: every listening socket
+    of the server's processes is on 127.0.0.1 (torch's own store listened on every interface)."""
+    sockets = listening(gpt2.group_alive(within=0))
+    assert (("127.0.0.1", gpt2.port)) in sockets and len(sockets) >= 3, sockets
+    assert {address for address, _ in sockets} == {"127.0.0.1"}, sockets
 
 
 def test_bad_requests_get_one_line_4xx_and_the_server_goes_on(gpt2):

@@ -102,8 +102,42 @@ def init_rank(timeout: float, device_type: str | None = None):
         local = int(os.environ.get("LOCAL_RANK", topology.rank)) + int(os.environ.get("DS_INFERENCE_FIRST_DEVICE", 0))
         device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(process_group_backend(cuda), timeout=datetime.timedelta(seconds=timeout))
+    backend, deadline = process_group_backend(cuda), datetime.timedelta(seconds=timeout)
+    store = _loopback_store(topology.rank, topology.world_size, deadline)
+    if store is None:
+        dist.init_process_group(backend, timeout=deadline)
+    else:
+        dist.init_process_group(backend, store=store, rank=topology.rank, world_size=topology.world_size,
+                                timeout=deadline)
     return topology, device
+
+
+def _loopback_store(rank: int, world_size: int, timeout):
+    """The rendezvous store, with rank 0's listening on the loopback address only, where the world is this machine
+    (MASTER_ADDR 127.x or localhost): torch's own (`init_process_group` from the environment) listens on every
+    interface (`::`, seen in /proc/net/tcp6 while `serve` ran), so a server bound to 127.0.0.1 still had a port
+    open to the network. Every rank then passes a store of its own making: torch prefixes the keys of a store it
+    makes itself ("default_pg") and not those of one it is given, so a rank 0 given its store and peers left to
+    torch waited for each other's keys until the timeout. None (torch's default) for a world across machines."""
+    import ipaddress
+    import socket
+
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if world_size < 2 or not loopback or not port:
+        return None
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.bind(("127.0.0.1" if host == "localhost" else host, int(port)))
+    listener.listen(max(128, world_size))
+    # detach: the store owns the descriptor from here on (the socket object, collected, would close it)
+    return dist.TCPStore(host, int(port), world_size, True, timeout=timeout, master_listen_fd=listener.detach())
 
 
 def process_group_backend(cuda: bool, environ=os.environ) -> str:
@@ -116,6 +150,25 @@ def process_group_backend(cuda: bool, environ=os.environ) -> str:
         return "gloo"
     local = int(environ.get("LOCAL_SIZE") or environ.get("LOCAL_WORLD_SIZE") or environ.get("WORLD_SIZE") or 1)
     return "nccl" if local <= torch.cuda.device_count() else "gloo"
+
+
+def stop_session(proc: subprocess.Popen, grace: float) -> int:
+    """End a process started in its own session (`start_new_session=True`: a server with its ranks): SIGTERM, up to
+    `grace` seconds for it to end by itself (a server drains), then SIGKILL for whatever is left of its process
+    group. Returns its exit code."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.wait()
 
 
 def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[int]:

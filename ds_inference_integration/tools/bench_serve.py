@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 from ..errors import InferenceSetupError
 from ..extras import optional_import
 from ..run.files import write_text_atomic
-from ..run.ranks import free_port
+from ..run.ranks import free_port, stop_session
 from ..topology import threads_per_rank
 from .bench import REPO, spread
 
@@ -74,17 +73,7 @@ class _Server:
         return float(values["ds_inference_batch_size_sum"]), float(values["ds_inference_batch_size_count"])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        stop_session(self.proc, grace=60)
         self.log.close()
 
 
