@@ -303,26 +303,47 @@ def test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key(
         server.stop()
 
 
-def test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams(tmp_path):
-    """The 203 embedded test sources, 16 clients at once, to serve at tp 2: line for line what run_translation.py
-    predicts in one process, greedy and with 4 beams (max_length 128: 127 new tokens after the start token)."""
+@pytest.fixture(scope="module")
+def run_translation_single(tmp_path_factory):
+    """run_translation.py in one process on the 203 embedded test sources, greedy and with 4 beams."""
     refs = {}
     for beams in (1, 4):
-        out = tmp_path / f"single_{beams}"
+        out = tmp_path_factory.mktemp(f"translation_single_{beams}")
         run_in_process(["--do_predict", "--per_device_eval_batch_size", "16", "--num_beams", str(beams),
                         *TRANSLATE_ARGS], out)
         refs[beams] = (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+    return refs
+
+
+def _translations_come_back(url: str, refs: dict) -> None:
     sources = [json.loads(line)["translation"]["en"]
                for line in (EXAMPLES / "data" / "num2words" / "test.json").read_text(encoding="utf-8").splitlines()]
     assert len(sources) == len(refs[1]) == 203
+    for beams in (1, 4):
+        bodies = [{"inputs": PREFIX + s, "parameters": {"num_beams": beams, "max_new_tokens": 127}} for s in sources]
+        answers = post_all(url + "/generate", bodies, concurrency=16, timeout=120)
+        assert {s for s, _ in answers} == {200}, answers[:2]
+        assert [a["generated_text"].strip() for _, a in answers] == refs[beams], beams
+
+
+def test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams(tmp_path,
+                                                                                        run_translation_single):
+    """The 203 embedded test sources, 16 clients at once, to serve at tp 2: line for line what run_translation.py
+    predicts in one process, greedy and with 4 beams (max_length 128: 127 new tokens after the start token)."""
     server = _server(tmp_path, T5, ["--tp_size", "2", "--max_batch_size", "16"])
     try:
-        for beams in (1, 4):
-            bodies = [{"inputs": PREFIX + s, "parameters": {"num_beams": beams, "max_new_tokens": 127}}
-                      for s in sources]
-            answers = post_all(server.url + "/generate", bodies, concurrency=16, timeout=120)
-            assert {s for s, _ in answers} == {200}, answers[:2]
-            assert [a["generated_text"].strip() for _, a in answers] == refs[beams], beams
+        _translations_come_back(server.url, run_translation_single)
+    finally:
+        server.stop()
+    assert not server.group_alive()
+
+
+@pytest.mark.slow
+def test_translation_at_dp2_x_tp2(tmp_path, run_translation_single):
+    """The same at dp 2 x tp 2 (four ranks and the front on this machine's two cores: in make test-all)."""
+    server = _server(tmp_path, T5, ["--tp_size", "2", "--dp_size", "2", "--max_batch_size", "16"], ranks=4)
+    try:
+        _translations_come_back(server.url, run_translation_single)
     finally:
         server.stop()
     assert not server.group_alive()
@@ -396,3 +417,23 @@ def test_a_presharded_directory_serves_as_its_source(tmp_path, run_generation_gr
     finally:
         server.stop()
     assert not server.group_alive()
+
+
+@pytest.mark.slow
+def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
+    """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests, one repeat): every point has
+    its figures, the ratios are there, the plot opens, and no server is left."""
+    done = subprocess.run([str(BIN / "ds-inference"), "bench", "serve", "--models", "gpt2", "--concurrency", "1,4",
+                           "--requests", "8", "--repeats", "1", "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "bench_serve.json").read_text())
+    assert {(p["mode"], p["concurrency"]) for p in result["points"]} == {
+        (m, c) for m in ("batched", "one_at_a_time") for c in (1, 4)}
+    assert all(p["requests_ok"] == 8 and p["req_per_s"]["median"] > 0 for p in result["points"])
+    assert [r["concurrency"] for r in result["ratios"]] == [1, 4]
+    assert "| gpt2 | batched | 4 |" in (tmp_path / "bench_serve.md").read_text()
+    from PIL import Image
+
+    with Image.open(tmp_path / "bench_serve.png") as png:
+        assert png.size[0] >= 600  # two panels (req/s, p99) for the one model
