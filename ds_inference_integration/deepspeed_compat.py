@@ -291,6 +291,39 @@ def _any_rank(forward):
     return read
 
 
+# DeepSpeed 0.19's LmHeadLinearAllreduce clones the whole output head before it cuts this rank's columns out of
+# the copy (`module.weight.clone()`, layers.py), to untie it from a tied input embedding; and `set_lm_head`
+# (replace_module.py) ties a head still on `meta` back to the embedding first, so a placeholder does not avoid the
+# copy. Where the loader reads the head's own shard after the split anyway (a pre-sharded rank file stores it),
+# the copy is thrown away: for a 32-layer Llama with a tied 8192 x 2048 fp32 embedding at tp 2 it was 0.045 of a
+# pre-sharded rank's 0.2 s to a ready model (timers, 2026-12-04). While DeepSpeed shards, a head it replaces is
+# given a `meta` weight of the same shape instead of the copy; DeepSpeed's cut of it (its record of the split) is
+# then meta too, and the loader fills it.
+@contextlib.contextmanager
+def lm_head_not_copied(read_after: bool):
+    """While DeepSpeed shards: a split output head gets a meta weight, not a copy, when `read_after` (the loader
+    fills every meta parameter after the split); otherwise nothing changes."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LmHeadLinearAllreduce
+
+    if not read_after:
+        yield
+        return
+    original = LmHeadLinearAllreduce.__init__
+
+    def placeholder(self, module, mp_group, **kwargs):
+        self.name = "lm_head"  # as DeepSpeed's own __init__ does, before the split
+        module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+        if getattr(module, "bias", None) is not None:
+            module.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+        LinearAllreduce.__init__(self, module, mp_group, **kwargs)
+
+    LmHeadLinearAllreduce.__init__ = placeholder
+    try:
+        yield
+    finally:
+        LmHeadLinearAllreduce.__init__ = original
+
+
 # DeepSpeed 0.19 routes a layer to its Yuan-specific code by the text of the module: `'Yuan' in str(self.module)`
 # (module_inject/auto_tp.py `_replace`: v_proj becomes a Yuan_LinearLayer, o_proj a Yuan_LinearAllreduce; also
 # replace_module.py and auto_tp.py's attribute update). str() of a module holds its class names, so transformers'

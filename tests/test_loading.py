@@ -472,3 +472,26 @@ def test_the_pending_load_is_registered_not_stored_on_the_model(tmp_path):
     assert isinstance(pending, PendingLoad) and isinstance(pending.loader, ShardAwareLoader) and pending.start > 0
     assert not [k for k in vars(skeleton) if "loader" in k]
     assert pending_load(AutoModelForCausalLM.from_pretrained(path)) is None
+
+
+def test_a_split_output_head_is_not_copied_where_the_loader_reads_its_shard_after():
+    """`deepspeed_compat.lm_head_not_copied`: DeepSpeed copies the whole (tied) output head before it cuts this
+    rank's columns from the copy; where a pre-sharded rank file holds the head's shard, it gets a meta weight
+    instead (the loader fills every meta parameter after the split), and the embedding it was tied to is left as
+    it was. Elsewhere DeepSpeed's copy stands. (Predictions through it: test_presharded_predictions_equal_the_source.)"""
+    from deepspeed.module_inject.layers import LmHeadLinearAllreduce
+    from torch import nn
+
+    from ds_inference_integration.deepspeed_compat import lm_head_not_copied
+
+    for read_after in (True, False):
+        embedding = nn.Embedding(16, 4)
+        head = nn.Linear(4, 16, bias=False)
+        head.weight = embedding.weight  # tied, as a Llama with tie_word_embeddings
+        with lm_head_not_copied(read_after):
+            split = LmHeadLinearAllreduce(head, None)
+        assert split.weight.is_meta is read_after and tuple(split.weight.shape) == (16, 4)
+        assert split.weight is not embedding.weight and not embedding.weight.is_meta
+        if not read_after:
+            assert torch.equal(split.weight, embedding.weight)
+    assert LmHeadLinearAllreduce(nn.Linear(4, 16, bias=False), None).weight.is_meta is False  # restored after

@@ -22,6 +22,7 @@ from ..deepspeed_compat import (
     autotp_replacements,
     buffers_kept_apart,
     kv_heads_seen_by_deepspeed,
+    lm_head_not_copied,
     lm_head_reads_any_rank,
     modules_kept_apart,
     modules_printed_once,
@@ -322,7 +323,8 @@ def shard_model(
     kept = buffers_kept_apart(model, dtype)
     dtypes = parameter_dtypes(model)
     with kv_heads_seen_by_deepspeed(model.config, heads), yuan_named_apart(model), modules_kept_apart(model, apart), \
-            modules_printed_once(), autotp_replacements() as seen:
+            modules_printed_once(), lm_head_not_copied(isinstance(loader, PreShardedLoader)), \
+            autotp_replacements() as seen:
         try:
             engine = deepspeed.init_inference(model, **kwargs)
         except Exception as e:
