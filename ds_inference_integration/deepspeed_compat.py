@@ -298,7 +298,10 @@ def _any_rank(forward):
 # the copy is thrown away: for a 32-layer Llama with a tied 8192 x 2048 fp32 embedding at tp 2 it was 0.045 of a
 # pre-sharded rank's 0.2 s to a ready model (timers, 2026-12-04). While DeepSpeed shards, a head it replaces is
 # given a `meta` weight of the same shape instead of the copy; DeepSpeed's cut of it (its record of the split) is
-# then meta too, and the loader fills it.
+# then meta too, and the loader fills it. DeepSpeed's last `set_lm_head` (after every layer is replaced) ties a head
+# whose weight is on meta to the embedding again, the new head included when the policy pass replaced it first
+# (ProphetNet: rank 1's head, cut to [96, 0], came back whole, [96, 64], and its forward failed); the placeholder
+# is put back where that happened.
 @contextlib.contextmanager
 def lm_head_not_copied(read_after: bool):
     """While DeepSpeed shards: a split output head gets a meta weight, not a copy, when `read_after` (the loader
@@ -309,6 +312,7 @@ def lm_head_not_copied(read_after: bool):
         yield
         return
     original = LmHeadLinearAllreduce.__init__
+    placed: list[tuple[nn.Module, nn.Parameter]] = []
 
     def placeholder(self, module, mp_group, **kwargs):
         self.name = "lm_head"  # as DeepSpeed's own __init__ does, before the split
@@ -316,12 +320,16 @@ def lm_head_not_copied(read_after: bool):
         if getattr(module, "bias", None) is not None:
             module.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=False)
         LinearAllreduce.__init__(self, module, mp_group, **kwargs)
+        placed.append((self, self.weight))
 
     LmHeadLinearAllreduce.__init__ = placeholder
     try:
         yield
     finally:
         LmHeadLinearAllreduce.__init__ = original
+        for head, weight in placed:
+            if head.weight is not weight:  # tied to the embedding again by set_lm_head
+                head._parameters["weight"] = weight
 
 
 # DeepSpeed 0.19 routes a layer to its Yuan-specific code by the text of the module: `'Yuan' in str(self.module)`
