@@ -419,6 +419,86 @@ def test_a_presharded_directory_serves_as_its_source(tmp_path, run_generation_gr
     assert not server.group_alive()
 
 
+def _random_phi3(path):
+    """A random Phi-3 (no policy file: its policy is derived, fused qkv and gate_up) with the embedded GPT-2's
+    72-word tokenizer."""
+    import transformers as tr
+
+    config = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=72, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+                             initializer_range=0.2)
+    import torch
+
+    torch.manual_seed(0)
+    tr.AutoModelForCausalLM.from_config(tr.Phi3Config(**config)).save_pretrained(path)
+    for f in GPT2.glob("tokenizer*"):
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def test_a_derived_policy_is_checked_before_ready_a_wrong_one_refused(tmp_path):
+    """The ranks shard as predict does, derived policies checked numerically against the unsharded layers before
+    /health turns 200. A wrong derivation (GPT-2's, forced with `--injection_policy derive`: DeepSpeed's parser
+    does not see its Conv1D layers, the matrix says so) ends the server with exit 2 before it is ready, one
+    `error:` line per rank naming the layer, no traceback, no process left. A right one (a random Phi-3) serves
+    what one process generates, greedy, token for token (fp32)."""
+    wrong = ServerProc(GPT2, ["--tp_size", "2", "--injection_policy", "derive"], tmp_path, 2)
+    try:
+        assert wrong.proc.wait(timeout=120) == 2
+        out = wrong.output() + (tmp_path / "ranks" / "replica-0" / "rank-1.log").read_text()  # rank 0 prints with the front
+        lines = [line for line in out.splitlines() if line.startswith("error: the policy derived for model_type 'gpt2'")]
+        assert sorted(line.rsplit(" [rank ", 1)[1] for line in lines) == ["0]", "1]"], out[-3000:]
+        assert all("the sharded forward fails in transformer.h.0.attn" in line for line in lines)
+        assert "Traceback" not in out and "ds-inference serve: exiting 2" in out
+    finally:
+        wrong.stop()
+    assert not wrong.group_alive()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = _random_phi3(tmp_path / "phi3")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    expected = []
+    for prompt in PROMPTS[:8]:
+        ids = tokenizer(prompt, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    (tmp_path / "ok").mkdir()
+    server = _server(tmp_path / "ok", model_dir, ["--tp_size", "2"])
+    try:
+        out = server.output()
+        assert "the policy derived for model_type 'phi3'" in out and "checked numerically" in out, out[-3000:]
+        got = [post(server.url + "/v1/completions", {"prompt": p, "max_tokens": 16})[1]["choices"][0]["text"].strip()
+               for p in PROMPTS[:8]]  # one at a time: each batch one row, as the reference
+        assert got == expected
+    finally:
+        server.stop()
+    assert not server.group_alive()
+
+
+@pytest.mark.slow
+def test_bf16_with_fp32_sums_serves_as_one_process(tmp_path):
+    """`--inference_dtype bf16 --reduce_dtype fp32` at tp 2. The rule for half precision (docs/half-precision.md):
+    outputs may part from one device only where the top choices are within rounding; for this trained model
+    `ds-inference bench parting` measured none of 40 parting at tp 2, nor between batch sizes on one device, so
+    every line must equal run_generation.py --bf16 in one process."""
+    ref = tmp_path / "one_process_bf16"
+    run_in_process(["--max_new_tokens", "24", "--bf16", "--use_cpu", "--report_to", "none"], ref,
+                   script=EXAMPLES / "run_generation.py")
+    (tmp_path / "serve").mkdir()
+    server = _server(tmp_path / "serve", GPT2, ["--tp_size", "2", "--inference_dtype", "bf16", "--reduce_dtype", "fp32"])
+    try:
+        assert "bfloat16 at tp 2, row-parallel sums in fp32" in server.output()
+        answers = post_all(server.url + "/v1/completions", [{"prompt": p, "max_tokens": 24} for p in PROMPTS],
+                           concurrency=16)
+        assert [a["choices"][0]["text"].strip() for _, a in answers] == \
+            (ref / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+    finally:
+        server.stop()
+    assert not server.group_alive()
+
+
 @pytest.mark.slow
 def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
     """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests, one repeat): every point has
