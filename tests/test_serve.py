@@ -134,6 +134,15 @@ BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a w
     ("an unknown route", "GET", "/v2/whatever", None, 404, "route"),
     ("/generate with beams fewer than sequences", "POST", "/generate",
      {"inputs": "five =", "parameters": {"num_beams": 2, "num_return_sequences": 3}}, 400, "num_return_sequences"),
+    # fields that would change the answer, which were accepted and ignored (200 with other text than asked for)
+    ("logit_bias", "POST", "/v1/completions", {"prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("stop_token_ids", "POST", "/v1/completions", {"prompt": "a", "stop_token_ids": [7]}, 400, "stop_token_ids"),
+    ("best_of more than n, sampled", "POST", "/v1/completions", {"prompt": "a", "best_of": 3, "temperature": 1},
+     400, "best_of"),
+    ("min_p", "POST", "/v1/completions", {"prompt": "a", "min_p": 0.1, "temperature": 1}, 400, "min_p"),
+    ("a JSON schema", "POST", "/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("an empty body", "POST", "/v1/completions", b"", 400, "empty"),
 ]
 
 
@@ -148,13 +157,22 @@ def test_nothing_listens_beyond_localhost(gpt2):
 def test_bad_requests_get_one_line_4xx_and_the_server_goes_on(gpt2):
     for what, method, path, body, status, word in BAD:
         raw = body if isinstance(body, bytes) else None
-        got, answer, _ = request(method, gpt2.url + path, None if raw else body, raw=raw, timeout=30)
+        got, answer, _ = request(method, gpt2.url + path, None if raw is not None else body, raw=raw, timeout=30)
         assert got == status, (what, got, answer)
         message = answer["error"]["message"]
         assert "\n" not in message and word in message.lower(), (what, message)
         assert set(answer["error"]) == {"message", "type", "param", "code"}
         ok, good = post(gpt2.url + "/v1/completions", {"prompt": "five =", "max_tokens": 3})
         assert ok == 200 and good["choices"][0]["text"], (what, good)
+    # the field a type error names is the error's param, as OpenAI's
+    assert request("POST", gpt2.url + "/v1/completions", {"prompt": "a", "max_tokens": "many"})[1]["error"]["param"] \
+        == "max_tokens"
+    # the same fields at their neutral values change nothing, and are accepted
+    neutral = {"logit_bias": {}, "stop_token_ids": [], "best_of": 1, "min_p": 0, "suffix": None,
+               "response_format": {"type": "text"}, "skip_special_tokens": True, "include_stop_str_in_output": False}
+    plain = post(gpt2.url + "/v1/completions", {"prompt": "five =", "max_tokens": 6})
+    assert post(gpt2.url + "/v1/completions", {"prompt": "five =", "max_tokens": 6, **neutral})[1]["choices"] == \
+        plain[1]["choices"]
 
 
 def test_generate_route_beams_and_sequences(gpt2):

@@ -24,7 +24,16 @@ from pathlib import Path
 from ..errors import InferenceSetupError
 from ..extras import optional_import
 from .batching import Job, Queue
-from .protocol import ChatRequest, CompletionRequest, GenerateRequest, ModelLimits, ServeError, one_line, plan_rows
+from .protocol import (
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ModelLimits,
+    ServeError,
+    check_not_served,
+    one_line,
+    plan_rows,
+)
 from .server import Server
 from .settings import engine_settings
 
@@ -160,6 +169,7 @@ class Api:
             if getattr(body, name) not in (None, 0, 0.0):
                 raise ServeError(400, f"{name} {getattr(body, name)} is not served; valid: 0 (repetition_penalty "
                                       "is)", name)
+        check_not_served(body)
 
     def plan_openai(self, body, prompts):
         extra = body.model_extra or {}
@@ -375,7 +385,7 @@ def build_app(api: Api):
 
     @app.exception_handler(fastapi_exceptions.RequestValidationError)
     async def _invalid(request, error):
-        return error_response(ServeError(400, one_line(error)))
+        return error_response(ServeError(400, *one_line(error)))
 
     @app.exception_handler(404)
     async def _not_found(request, error):

@@ -5,7 +5,8 @@ into rows for the batcher.
 
 Defaults as the clients people use expect them: fields OpenAI's API and vLLM's server accept are accepted
 (unknown fields too, as vLLM does: benchmarks send extensions); `ignore_eos` and `min_tokens` are honoured;
-`logprobs`, `echo` and non-zero presence/frequency penalties are refused in one line rather than ignored.
+`logprobs`, `echo`, non-zero presence/frequency penalties and the fields in `NOT_SERVED` are refused in one line
+rather than ignored.
 Greedy or sampled follows the request's `temperature` (0: greedy) and, where it gives none, the model's
 generation config (greedy for the embedded models), as vLLM's `--generation-config auto` does."""
 
@@ -105,17 +106,48 @@ class GenerateRequest(_Body):
     stream: bool = False
 
 
-def one_line(error) -> str:
-    """A pydantic ValidationError (or FastAPI's RequestValidationError) as one line naming the field."""
+def one_line(error) -> tuple[str, str | None]:
+    """A pydantic ValidationError (or FastAPI's RequestValidationError) as one line naming the field, and the
+    field's path (OpenAI's `param`)."""
     errors = error.errors()
     first = errors[0] if errors else {"loc": (), "msg": str(error)}
+    if first.get("type") == "json_invalid":  # FastAPI's location is the character, not a field
+        where = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return f"the body is not valid JSON ({where}); valid: a JSON object", None
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    if not loc and first.get("type") == "missing":
+        return "the body is empty; valid: a JSON object", None
     # a union's alternatives each add their type name to the location: keep the field's own path
     loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "list", "function-after")]
     where = ".".join(loc) or "body"
     value = first.get("input")
     shown = "" if isinstance(value, dict) or value is None else f" (got {value!r:.60})"
-    return f"{where}: {first.get('msg', 'invalid')}{shown}"
+    return f"{where}: {first.get('msg', 'invalid')}{shown}", (where if loc else None)
+
+
+# Fields of OpenAI's API and vLLM's that change what comes back, which this server does not do: given any value but
+# their neutral ones they are refused in one line, not ignored (a client relying on `logit_bias` or `stop_token_ids`
+# would otherwise get other text with a 200). Unknown fields are still accepted, as vLLM accepts them.
+NOT_SERVED: dict[str, tuple] = {
+    "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0), "stop_token_ids": (None, []),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "logits_processors": (None, []), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "tools": (None, []), "functions": (None, []),
+    "response_format": (None, {"type": "text"}), "n_beams": (None,), "prompt_embeds": (None,),
+}
+
+
+def check_not_served(body) -> None:
+    """A field this server does not do, given a value that would change the answer: one 400 line naming it."""
+    for name, value in (body.model_extra or {}).items():
+        neutral = NOT_SERVED.get(name)
+        if neutral is not None and not any(value == v and type(value) is type(v) or value is v for v in neutral):
+            shown = ", ".join("null" if v is None else repr(v) for v in neutral)
+            raise ServeError(400, f"{name} {value!r:.60} is not served here; valid: leave it out ({shown})", name)
+    if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
+        raise ServeError(400, f"best_of {body.best_of} (the best of several samples by log probability) is not served; "
+                              f"valid: best_of null or equal to n ({body.n}), or use_beam_search true", "best_of")
 
 
 @dataclass(frozen=True)
