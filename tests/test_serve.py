@@ -300,6 +300,12 @@ def test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key(
             "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8})
         assert status == 200 and chat["object"] == "chat.completion", chat
         assert chat["choices"][0]["message"] == {"role": "assistant", "content": done["choices"][0]["text"]}
+        # an image part would vanish in a text model's template, and an empty conversation makes no tokens: one line
+        # each naming the messages (they were "prompt 0 is empty after tokenization", param "prompt")
+        for content in ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}], ""):
+            status, refused, _ = request("POST", server.url + "/v1/chat/completions", headers=key, body={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 8})
+            assert status == 400 and refused["error"]["param"].startswith("messages"), refused
 
         answers: list = []
         threads = [threading.Thread(target=lambda p=p: answers.append(

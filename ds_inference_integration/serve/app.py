@@ -319,6 +319,11 @@ class Api:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServeError(400, f"model {self.model_id!r} has no chat template, so it cannot chat; valid: "
                                   "POST /v1/completions with a prompt", "messages", "no_chat_template")
+        for i, m in enumerate(body.messages):  # a served model reads text; an image part would vanish in the template
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.get("type", "text") != "text" or not isinstance(part.get("text", ""), str):
+                    raise ServeError(400, f"messages.{i}.content.{j}: a part of type {part.get('type')!r} is not "
+                                          "served (a text model); valid: parts of type 'text'", f"messages.{i}.content")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:  # the template's text, then its tokens without special ones added: the template writes its own
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -326,6 +331,9 @@ class Api:
             raise ServeError(400, f"messages: the chat template refused them: {' '.join(str(e).split())[:200]}",
                              "messages") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ServeError(400, "messages: the chat template made no tokens of them; valid: messages with text",
+                             "messages")
         return await self.respond(request, body, [list(ids)], chat=True)
 
     async def generate(self, request, body: GenerateRequest):
