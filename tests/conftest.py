@@ -237,7 +237,7 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
            "test_dp2_x_tp2_serves_the_prompts_as_one_process": 16,
            "test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key": 16,
            "test_a_stopped_rank_gets_open_requests_503_within_the_timeout": 16,
-           "test_a_derived_policy_is_checked_before_ready_a_wrong_one_refused": 27}
+           "test_a_wrong_derived_policy_is_refused_before_ready": 12}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -143,6 +143,8 @@ BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a w
     ("a JSON schema", "POST", "/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("an empty body", "POST", "/v1/completions", b"", 400, "empty"),
+    ("beam search with fewer beams than n", "POST", "/v1/completions",
+     {"prompt": "a", "use_beam_search": True, "best_of": 1, "n": 2}, 400, "best_of"),
 ]
 
 
@@ -425,6 +427,7 @@ def test_a_replica_spanning_two_nodes_serves_as_one_process_and_a_lost_worker_en
         worker.stop()
 
 
+@pytest.mark.slow  # the pre-sharded path itself is make test's: test_loading.py, through run_translation.py
 def test_a_presharded_directory_serves_as_its_source(tmp_path, run_generation_greedy):
     """`ds-inference shard` writes the GPT-2 for tp 2; `serve` of that directory loads each rank's file (the rank
     says so) and answers the prompts as run_generation.py does with the source."""
@@ -460,12 +463,11 @@ def _random_phi3(path):
     return path
 
 
-def test_a_derived_policy_is_checked_before_ready_a_wrong_one_refused(tmp_path):
-    """The ranks shard as predict does, derived policies checked numerically against the unsharded layers before
+def test_a_wrong_derived_policy_is_refused_before_ready(tmp_path):
+    """The ranks shard as predict does, a derived policy checked numerically against the unsharded layers before
     /health turns 200. A wrong derivation (GPT-2's, forced with `--injection_policy derive`: DeepSpeed's parser
     does not see its Conv1D layers, the matrix says so) ends the server with exit 2 before it is ready, one
-    `error:` line per rank naming the layer, no traceback, no process left. A right one (a random Phi-3) serves
-    what one process generates, greedy, token for token (fp32)."""
+    `error:` line per rank naming the layer, no traceback, no process left."""
     wrong = ServerProc(GPT2, ["--tp_size", "2", "--injection_policy", "derive"], tmp_path, 2)
     try:
         assert wrong.proc.wait(timeout=120) == 2
@@ -478,6 +480,11 @@ def test_a_derived_policy_is_checked_before_ready_a_wrong_one_refused(tmp_path):
         wrong.stop()
     assert not wrong.group_alive()
 
+
+@pytest.mark.slow
+def test_a_right_derived_policy_serves_as_one_process(tmp_path):
+    """A random Phi-3 (no policy file: derived, fused qkv and gate_up), its policy checked numerically before ready,
+    serves what one process generates, greedy, token for token (fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = _random_phi3(tmp_path / "phi3")
@@ -488,8 +495,7 @@ def test_a_derived_policy_is_checked_before_ready_a_wrong_one_refused(tmp_path):
         ids = tokenizer(prompt, return_tensors="pt")
         out = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
         expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
-    (tmp_path / "ok").mkdir()
-    server = _server(tmp_path / "ok", model_dir, ["--tp_size", "2"])
+    server = _server(tmp_path, model_dir, ["--tp_size", "2"])
     try:
         out = server.output()
         assert "the policy derived for model_type 'phi3'" in out and "checked numerically" in out, out[-3000:]

@@ -175,6 +175,9 @@ class Api:
         extra = body.model_extra or {}
         num_beams = extra.get("num_beams")
         if body.use_beam_search:
+            if body.best_of is not None and body.best_of < body.n:  # vLLM's rule: best_of beams, n of them returned
+                raise ServeError(400, f"best_of {body.best_of} is less than n {body.n} with use_beam_search; valid: "
+                                      f"best_of null or {body.n} to 16", "best_of")
             num_beams = body.best_of or max(body.n, 2)
         if num_beams is not None and (not isinstance(num_beams, int) or isinstance(num_beams, bool)):
             raise ServeError(400, f"num_beams {num_beams!r} is not an integer; valid: 1 to 16", "num_beams")
