@@ -136,7 +136,8 @@ BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a w
      {"inputs": "five =", "parameters": {"num_beams": 2, "num_return_sequences": 3}}, 400, "num_return_sequences"),
     # fields that would change the answer, which were accepted and ignored (200 with other text than asked for)
     ("logit_bias", "POST", "/v1/completions", {"prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
-    ("stop_token_ids", "POST", "/v1/completions", {"prompt": "a", "stop_token_ids": [7]}, 400, "stop_token_ids"),
+    ("stop_token_ids outside the vocabulary", "POST", "/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]},
+     400, "vocabulary"),
     ("best_of more than n, sampled", "POST", "/v1/completions", {"prompt": "a", "best_of": 3, "temperature": 1},
      400, "best_of"),
     ("min_p", "POST", "/v1/completions", {"prompt": "a", "min_p": 0.1, "temperature": 1}, 400, "min_p"),
@@ -170,11 +171,21 @@ def test_bad_requests_get_one_line_4xx_and_the_server_goes_on(gpt2):
     assert request("POST", gpt2.url + "/v1/completions", {"prompt": "a", "max_tokens": "many"})[1]["error"]["param"] \
         == "max_tokens"
     # the same fields at their neutral values change nothing, and are accepted
-    neutral = {"logit_bias": {}, "stop_token_ids": [], "best_of": 1, "min_p": 0, "suffix": None,
+    neutral = {"logit_bias": {}, "best_of": 1, "min_p": 0, "suffix": None,
                "response_format": {"type": "text"}, "skip_special_tokens": True, "include_stop_str_in_output": False}
     plain = post(gpt2.url + "/v1/completions", {"prompt": "five =", "max_tokens": 6})
     assert post(gpt2.url + "/v1/completions", {"prompt": "five =", "max_tokens": 6, **neutral})[1]["choices"] == \
         plain[1]["choices"]
+    # stop_token_ids are honoured (they were ignored): the row ends at the first, kept in the text, finish "stop"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    text = plain[1]["choices"][0]["text"]
+    third = tokenizer(text, add_special_tokens=False)["input_ids"][2]
+    status, stopped = post(gpt2.url + "/v1/completions", {"prompt": "five =", "max_tokens": 6, "stop_token_ids": [third]})
+    choice = stopped["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop" and text.startswith(choice["text"]), (choice, text)
+    assert tokenizer(choice["text"], add_special_tokens=False)["input_ids"][-1] == third
 
 
 def test_generate_route_beams_and_sequences(gpt2):

@@ -14,7 +14,7 @@ from ds_inference_integration.serve.protocol import BatchKey, ModelLimits, Row, 
 GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
 T5 = EXAMPLES / "models" / "t5-num2words-en-ro"
 LIMITS = ModelLimits(encoder_decoder=False, max_positions=64, max_source_positions=None, max_n=4, max_batch_size=8,
-                     default_max_tokens=16)
+                     default_max_tokens=16, vocab_size=72)
 
 
 def _job(rows=1, width=4, new=8, key=BatchKey(), at=0.0):
@@ -160,6 +160,34 @@ def test_ignore_eos_and_min_tokens_hold_per_row():
     assert alone["sequences"][0][0] == ignored and alone["finish"][0] == ["length"]
     assert eos not in least[:21] and len(least) >= 22
     assert model.generation_config.eos_token_id == eos  # given back
+
+
+def test_stop_token_ids_end_their_row_and_wait_for_min_tokens():
+    """vLLM's `stop_token_ids` (clients send a chat model's end-of-turn id; it was accepted and ignored: the row ran
+    to max_tokens): a row ends at the first of its ids, which stays in its tokens, with finish "stop", and not
+    before its min_tokens; the row beside it, without them, runs on; the ids are checked against the vocabulary."""
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(GPT2).eval()
+    ids = tokenizer("five =")["input_ids"]
+    free = run_batch(model, tokenizer, _batch(tokenizer, [Row(prompt_ids=ids, max_new_tokens=12)], False), "cpu")
+    seq = free["sequences"][0][0]
+    stop = seq[3]  # a token the row makes at its 4th step
+    first = seq.index(stop)
+    rows = [Row(prompt_ids=ids, max_new_tokens=12, stop_token_ids=(stop,)), Row(prompt_ids=ids, max_new_tokens=12),
+            Row(prompt_ids=ids, max_new_tokens=12, stop_token_ids=(stop,), min_tokens=first + 2)]
+    out = run_batch(model, tokenizer, _batch(tokenizer, rows, False), "cpu")
+    stopped, beside, held = (out["sequences"][i][0] for i in range(3))
+    assert stopped == seq[:first + 1] and out["finish"][0] == ["stop"]
+    assert beside == seq
+    assert stop not in held[:first + 1] and len(held) > first + 1
+    _, planned = plan_rows([ids], limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=1, stop=None,
+                           seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False, stop_token_ids=[stop])
+    assert planned[0].stop_token_ids == (stop,) and planned[0].wire()["stop_token_ids"] == [stop]
+    for bad, says in (([LIMITS.vocab_size], "not in the vocabulary"), (["7"], "list of token ids"), ([-1], "vocabulary")):
+        with pytest.raises(ServeError, match=says):
+            plan_rows([ids], limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=1, stop=None,
+                      seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False, stop_token_ids=bad)
 
 
 def test_streamed_text_never_passes_a_stop_string_and_adds_up_to_the_final_text():

@@ -56,7 +56,7 @@ def error_response(error: ServeError):
     return responses.JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-def model_limits(config, generation_config, serve_args) -> ModelLimits:
+def model_limits(config, generation_config, serve_args, vocab_size: int | None = None) -> ModelLimits:
     def first(*names):
         for name in names:
             value = getattr(config, name, None)
@@ -73,7 +73,7 @@ def model_limits(config, generation_config, serve_args) -> ModelLimits:
     return ModelLimits(encoder_decoder=encoder_decoder, max_positions=positions, max_source_positions=source,
                        max_n=serve_args.max_n, max_batch_size=serve_args.max_batch_size,
                        default_max_tokens=serve_args.max_tokens,
-                       model_greedy=not bool(getattr(generation_config, "do_sample", False)))
+                       model_greedy=not bool(getattr(generation_config, "do_sample", False)), vocab_size=vocab_size)
 
 
 class Texts:
@@ -186,7 +186,7 @@ class Api:
                          top_p=body.top_p, top_k=body.top_k, n=body.n, stop=body.stop, seed=body.seed,
                          ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, num_beams=num_beams or 1,
                          stream=body.stream, repetition_penalty=body.repetition_penalty,
-                         length_penalty=body.length_penalty)
+                         length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"))
 
     async def wait(self, job: Job, request) -> None:
         """Until the job is done; a client that goes away cancels it."""
@@ -524,8 +524,8 @@ def main(argv: list[str]) -> int:
                                                          log_dir, on_message, on_lost, nodes),
                     queue, tokenizer, inference_args.inference_timeout, serve_args.drain_timeout,
                     bool(getattr(config, "is_encoder_decoder", False)))
-    api = Api(server, tokenizer, model_id, model_limits(config, generation_config, serve_args), serve_args.api_key,
-              generation_config)
+    limits = model_limits(config, generation_config, serve_args, len(tokenizer))
+    api = Api(server, tokenizer, model_id, limits, serve_args.api_key, generation_config)
     app = build_app(api)
     uv = _Uvicorn(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                  lifespan="on"))

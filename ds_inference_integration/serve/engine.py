@@ -51,8 +51,10 @@ class RowRules:
         produced = input_ids.shape[1] - self.start
         scores = scores.clone()
         for i, row in enumerate(self.rows):
-            if self.eos and produced < row.get("min_tokens", 0):
-                scores[i, self.eos] = -float("inf")
+            if produced < row.get("min_tokens", 0):  # EOS and the row's stop tokens wait for its minimum (vLLM's rule)
+                held = [*self.eos, *row.get("stop_token_ids", ())]
+                if held:
+                    scores[i, held] = -float("inf")
             g = self.generators[i]
             if g is None:
                 continue
@@ -96,6 +98,8 @@ class RowStops:
             tokens[i] = last
             reason = None
             if last in self.eos and not row.get("ignore_eos") and produced >= row.get("min_tokens", 0):
+                reason = "stop"
+            elif last in row.get("stop_token_ids", ()) and produced >= row.get("min_tokens", 0):
                 reason = "stop"
             elif row.get("stop") and self._hits_stop(new[i], row["stop"]):
                 reason = "stop"

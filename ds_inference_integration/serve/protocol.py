@@ -4,7 +4,8 @@ against the served model (positions, limits, what cannot be combined), and the c
 into rows for the batcher.
 
 Defaults as the clients people use expect them: fields OpenAI's API and vLLM's server accept are accepted
-(unknown fields too, as vLLM does: benchmarks send extensions); `ignore_eos` and `min_tokens` are honoured;
+(unknown fields too, as vLLM does: benchmarks send extensions); `ignore_eos`, `min_tokens` and `stop_token_ids`
+are honoured;
 `logprobs`, `echo`, non-zero presence/frequency penalties and the fields in `NOT_SERVED` are refused in one line
 rather than ignored.
 Greedy or sampled follows the request's `temperature` (0: greedy) and, where it gives none, the model's
@@ -129,7 +130,7 @@ def one_line(error) -> tuple[str, str | None]:
 # their neutral ones they are refused in one line, not ignored (a client relying on `logit_bias` or `stop_token_ids`
 # would otherwise get other text with a 200). Unknown fields are still accepted, as vLLM accepts them.
 NOT_SERVED: dict[str, tuple] = {
-    "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0), "stop_token_ids": (None, []),
+    "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
     "bad_words": (None, []), "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
@@ -177,6 +178,7 @@ class Row:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: end the row at any of these (kept in its text), not before min_tokens
     prompt_index: int = 0  # which prompt of its request
     # filled as it runs
     tokens: list[int] = field(default_factory=list)
@@ -186,7 +188,7 @@ class Row:
     def wire(self) -> dict:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                "stop": list(self.stop)}
+                "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
 
 
 @dataclass
@@ -201,6 +203,7 @@ class ModelLimits:
     max_batch_size: int
     default_max_tokens: int
     model_greedy: bool = True
+    vocab_size: int | None = None  # the tokenizer's: token ids a request may name
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -222,11 +225,25 @@ def _range(name: str, value, low, high=None, valid: str = "") -> None:
         raise ServeError(400, f"{name} {value} is out of range; valid: {valid}", name)
 
 
+def _stop_token_ids(ids, vocab_size: int | None) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ServeError(400, f"stop_token_ids {ids!r:.60} is not a list of token ids; valid: a list of integers",
+                         "stop_token_ids")
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        valid = f"0 to {vocab_size - 1}" if vocab_size is not None else "0 or more"
+        raise ServeError(400, f"stop_token_ids: token id {bad[0]} is not in the vocabulary; valid: {valid}",
+                         "stop_token_ids")
+    return tuple(ids)
+
+
 def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int | None, temperature: float | None,
               top_p: float | None, top_k: int | None, n: int, stop, seed: int | None, ignore_eos: bool,
               min_tokens: int, num_beams: int, stream: bool, repetition_penalty: float | None = None,
               length_penalty: float | None = None, do_sample: bool | None = None,
-              names: dict | None = None) -> tuple[BatchKey, list[Row]]:
+              names: dict | None = None, stop_token_ids: list[int] | None = None) -> tuple[BatchKey, list[Row]]:
     """The rows of one request (a prompt x n, or one row per prompt under beam search, which returns n
     sequences of it), checked against the model and the server's limits; every problem is one ServeError."""
     names = {"max_tokens": "max_tokens", "n": "n", "min_tokens": "min_tokens", "num_beams": "num_beams",
@@ -261,6 +278,10 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     if beams and sampled and temperature is not None and temperature > 0:
         raise ServeError(400, "sampling with beam search is not served; valid: num_beams 1 to sample, or "
                          "temperature 0 with beams", "temperature")
+    stop_ids = _stop_token_ids(stop_token_ids, limits.vocab_size)
+    if beams and stop_ids:
+        raise ServeError(400, "stop_token_ids with beam search: beams share generate's own end; valid: num_beams 1",
+                         "stop_token_ids")
     if beams and ignore_eos:
         raise ServeError(400, "ignore_eos with beam search: beams end at EOS by design; valid: num_beams 1",
                          "ignore_eos")
@@ -301,5 +322,5 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
             rows.append(Row(prompt_ids=list(ids), max_new_tokens=max_tokens, temperature=temp,
                             top_p=top_p if top_p is not None else 1.0, top_k=max(top_k or 0, 0),
                             seed=(base + j) % 2**63, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                            stop=stops, prompt_index=p))
+                            stop=stops, stop_token_ids=stop_ids, prompt_index=p))
     return key, rows
