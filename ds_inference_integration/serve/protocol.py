@@ -5,9 +5,8 @@ into rows for the batcher.
 
 Defaults as the clients people use expect them: fields OpenAI's API and vLLM's server accept are accepted
 (unknown fields too, as vLLM does: benchmarks send extensions); `ignore_eos`, `min_tokens` and `stop_token_ids`
-are honoured;
-`logprobs`, `echo`, non-zero presence/frequency penalties and the fields in `NOT_SERVED` are refused in one line
-rather than ignored.
+are honoured; `logprobs`, `echo`, non-zero presence/frequency penalties and the fields in `NOT_SERVED` are refused
+in one line rather than ignored.
 Greedy or sampled follows the request's `temperature` (0: greedy) and, where it gives none, the model's
 generation config (greedy for the embedded models), as vLLM's `--generation-config auto` does."""
 
