@@ -196,6 +196,26 @@ def test_generate_route_beams_and_sequences(gpt2):
     assert one["generated_text"][0] != one["generated_text"][1]
     status, many = post(gpt2.url + "/generate", {"inputs": PROMPTS[:3], "parameters": {"max_new_tokens": 24}})
     assert status == 200 and [type(m["generated_text"]) for m in many] == [str] * 3
+    # other generate settings are passed to generate (they were accepted and ignored): what transformers' generate
+    # gives with them in one process, greedy and with beams; a setting that is not served is one line
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(GPT2), AutoModelForCausalLM.from_pretrained(GPT2).eval()
+    ids = tokenizer(PROMPTS[0], return_tensors="pt")
+    wants = []
+    for extra in ({"no_repeat_ngram_size": 1}, {"num_beams": 3, "no_repeat_ngram_size": 2, "early_stopping": True}):
+        with torch.no_grad():
+            want = model.generate(**ids, max_new_tokens=24, do_sample=False, **extra)
+        wants.append(tokenizer.decode(want[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+        status, got = post(gpt2.url + "/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 24, **extra}})
+        assert status == 200 and got["generated_text"] == wants[-1], (extra, got, wants[-1])
+    assert wants[0] != post(gpt2.url + "/generate", {"inputs": PROMPTS[0], "parameters": {
+        "max_new_tokens": 24}})[1]["generated_text"]  # the setting changed the text
+    for bad, says in (({"typical_p": 0.5}, "not served"), ({"no_repeat_ngram_size": -1}, "greater than"),
+                      ({"bad_words_ids": [[10**6]]}, "vocabulary"), ({"return_full_text": True}, "not served")):
+        status, refused = post(gpt2.url + "/generate", {"inputs": PROMPTS[0], "parameters": bad})
+        assert status == 400 and says in refused["error"]["message"], (bad, refused)
 
 
 def _server(tmp_path, model, args, ranks=2):

@@ -31,6 +31,7 @@ from .protocol import (
     ModelLimits,
     ServeError,
     check_not_served,
+    generate_settings,
     one_line,
     plan_rows,
 )
@@ -358,7 +359,8 @@ class Api:
                               top_p=p.top_p, top_k=p.top_k, n=p.num_return_sequences, stop=p.stop, seed=p.seed,
                               ignore_eos=p.ignore_eos, min_tokens=p.min_new_tokens, num_beams=p.num_beams,
                               stream=False, repetition_penalty=p.repetition_penalty,
-                              length_penalty=p.length_penalty, do_sample=p.do_sample, names=names)
+                              length_penalty=p.length_penalty, do_sample=p.do_sample, names=names,
+                              generate=generate_settings(p, self.generation_config, self.limits.vocab_size))
         job = self.server.submit(key, rows)
         await self.wait(job, request)
         k = p.num_return_sequences

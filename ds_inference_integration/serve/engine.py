@@ -121,6 +121,7 @@ class RowStops:
 def _generation_config(model, batch: dict, pad_token_id: int | None):
     config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
     shared = batch["shared"]
+    config.update(**shared.get("generate", {}))  # /generate's other settings (protocol.GENERATE_PASSED), checked
     config.num_beams = shared["num_beams"]
     config.num_return_sequences = shared["num_return_sequences"]
     config.do_sample = False  # sampling is per row, in RowRules

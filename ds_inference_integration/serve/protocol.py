@@ -12,6 +12,7 @@ generation config (greedy for the embedded models), as vLLM's `--generation-conf
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -138,6 +139,68 @@ NOT_SERVED: dict[str, tuple] = {
 }
 
 
+# generate settings /generate passes on (through the batch's generation config: rows batched together share them),
+# with the type each must have: the logits processors generate builds from its config, which run before each row's
+# own sampling. The explicit fields of GenerateParameters are the rest; generate's sampling warpers (typical_p, min_p,
+# ...) are not here, because a row samples in the server's own per-row processor (serve/engine.py RowRules), after.
+_TokenId = pydantic.NonNegativeInt
+GENERATE_PASSED: dict[str, object] = {
+    "no_repeat_ngram_size": pydantic.NonNegativeInt, "encoder_no_repeat_ngram_size": pydantic.NonNegativeInt,
+    "bad_words_ids": list[pydantic.conlist(_TokenId, min_length=1)], "encoder_repetition_penalty": pydantic.PositiveFloat,
+    "early_stopping": bool, "forced_bos_token_id": _TokenId, "forced_eos_token_id": _TokenId | list[_TokenId],
+    "suppress_tokens": list[_TokenId], "begin_suppress_tokens": list[_TokenId],
+    "exponential_decay_length_penalty": tuple[pydantic.NonNegativeInt, pydantic.PositiveFloat],
+    "renormalize_logits": bool, "remove_invalid_values": bool}
+_TOKEN_FIELDS = ("bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
+                 "begin_suppress_tokens")
+# what TGI's clients send that would change the answer: refused unless neutral (`details` is always answered)
+GENERATE_NOT_SERVED: dict[str, tuple] = {"return_full_text": (None, False), "watermark": (None, False),
+                                         "best_of": (None, 1), "top_n_tokens": (None, 0), "truncate": (None,),
+                                         "decoder_input_details": (None, False)}
+
+
+def _token_ids(value) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    return [t for v in value for t in _token_ids(v)] if isinstance(value, (list, tuple)) else []
+
+
+def generate_settings(parameters, generation_config, vocab_size: int | None = None) -> dict:
+    """The generate settings of a /generate request beyond its explicit fields, checked: one of GENERATE_PASSED, of
+    its type, token ids in the vocabulary, and valid for generate with the request's beams (generate's own strict
+    check); or one 400 line naming it."""
+    from transformers import GenerationConfig
+
+    passed = {}
+    for name, value in (parameters.model_extra or {}).items():
+        neutral = GENERATE_NOT_SERVED.get(name)
+        if neutral is not None and not any(value == v and type(value) is type(v) or value is v for v in neutral):
+            raise ServeError(400, f"parameters.{name} {value!r:.60} is not served here; valid: leave it out",
+                             f"parameters.{name}")
+        if name in GENERATE_PASSED:
+            try:
+                value = pydantic.TypeAdapter(GENERATE_PASSED[name]).validate_python(value, strict=False)
+            except pydantic.ValidationError as e:
+                raise ServeError(400, f"parameters.{name} {value!r:.60}: {one_line(e)[0].split(': ', 1)[-1]}",
+                                 f"parameters.{name}") from None
+            bad = [t for t in (_token_ids(value) if name in _TOKEN_FIELDS else []) if vocab_size and t >= vocab_size]
+            if bad:
+                raise ServeError(400, f"parameters.{name}: token id {bad[0]} is not in the vocabulary; valid: 0 to "
+                                      f"{vocab_size - 1}", f"parameters.{name}")
+            passed[name] = list(value) if isinstance(value, tuple) else value
+        elif hasattr(GenerationConfig(), name) and value is not None:
+            raise ServeError(400, f"parameters.{name} is not served here; valid: the explicit parameters, or one of "
+                                  f"{', '.join(GENERATE_PASSED)}", f"parameters.{name}")
+    if passed:
+        try:
+            config = GenerationConfig(**{**generation_config.to_dict(), **passed, "num_beams": parameters.num_beams})
+            config.validate(strict=True)
+        except Exception as e:  # noqa: BLE001 - generate's own check, in its words
+            raise ServeError(400, f"parameters: generate refuses {sorted(passed)}: {' '.join(str(e).split())[:200]}",
+                             "parameters") from None
+    return passed
+
+
 def check_not_served(body) -> None:
     """A field this server does not do, given a value that would change the answer: one 400 line naming it."""
     for name, value in (body.model_extra or {}).items():
@@ -162,6 +225,7 @@ class BatchKey:
     min_tokens: int = 0  # beams only
     repetition_penalty: float | None = None
     length_penalty: float | None = None
+    generate: tuple[tuple[str, str], ...] = ()  # other generate settings (/generate), as (name, JSON value)
 
 
 @dataclass
@@ -242,7 +306,8 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
               top_p: float | None, top_k: int | None, n: int, stop, seed: int | None, ignore_eos: bool,
               min_tokens: int, num_beams: int, stream: bool, repetition_penalty: float | None = None,
               length_penalty: float | None = None, do_sample: bool | None = None,
-              names: dict | None = None, stop_token_ids: list[int] | None = None) -> tuple[BatchKey, list[Row]]:
+              names: dict | None = None, stop_token_ids: list[int] | None = None,
+              generate: dict | None = None) -> tuple[BatchKey, list[Row]]:
     """The rows of one request (a prompt x n, or one row per prompt under beam search, which returns n
     sequences of it), checked against the model and the server's limits; every problem is one ServeError."""
     names = {"max_tokens": "max_tokens", "n": "n", "min_tokens": "min_tokens", "num_beams": "num_beams",
@@ -310,7 +375,8 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     key = BatchKey(num_beams=num_beams, num_return_sequences=n if beams else 1,
                    max_new_tokens=max_tokens if beams else 0, stop=stops if beams else (),
                    min_tokens=min_tokens if beams else 0, repetition_penalty=repetition_penalty,
-                   length_penalty=length_penalty if beams else None)
+                   length_penalty=length_penalty if beams else None,
+                   generate=tuple(sorted((k, json.dumps(v)) for k, v in (generate or {}).items())))
     temp = 0.0
     if sampled and not beams:
         temp = temperature if temperature is not None else 1.0

@@ -8,6 +8,7 @@ answering: every open request 503, every rank ended, exit non-zero)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -175,7 +176,8 @@ class Server:
         shared = {"num_beams": key.num_beams, "num_return_sequences": key.num_return_sequences,
                   "max_new_tokens": key.max_new_tokens or max(r.max_new_tokens for r in rows),
                   "stop": list(key.stop), "min_tokens": key.min_tokens,
-                  "repetition_penalty": key.repetition_penalty, "length_penalty": key.length_penalty}
+                  "repetition_penalty": key.repetition_penalty, "length_penalty": key.length_penalty,
+                  "generate": {k: json.loads(v) for k, v in key.generate}}
         replica.state, replica.batch = "busy", batch
         batch.started = time.monotonic()
         self.metrics.batch(len(rows), len(self.queue), replica.index)
