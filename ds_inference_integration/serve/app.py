@@ -33,6 +33,7 @@ from .protocol import (
     check_not_served,
     generate_settings,
     one_line,
+    outside_vocabulary,
     plan_rows,
 )
 from .server import Server
@@ -154,7 +155,7 @@ class Api:
             ids = [list(p) for p in prompt]
         vocab = len(self.tokenizer)
         for i, p in enumerate(ids):
-            bad = [t for t in p if not 0 <= t < vocab]
+            bad = outside_vocabulary(p, vocab)
             if bad:
                 raise ServeError(400, f"prompt {i}: token id {bad[0]} is not in the vocabulary; valid: 0 to {vocab - 1}",
                                  "prompt")

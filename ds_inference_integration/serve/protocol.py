@@ -159,6 +159,16 @@ GENERATE_NOT_SERVED: dict[str, tuple] = {"return_full_text": (None, False), "wat
                                          "decoder_input_details": (None, False)}
 
 
+def _neutral(value, neutrals: tuple) -> bool:
+    """Whether `value` is one of a not-served field's neutral values (of the same type: 0 is not False)."""
+    return any(value == v and type(value) is type(v) or value is v for v in neutrals)
+
+
+def outside_vocabulary(ids, vocab_size: int | None) -> list[int]:
+    """The token ids of `ids` that name no token of a `vocab_size` vocabulary (negative ones included)."""
+    return [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+
+
 def _token_ids(value) -> list[int]:
     if isinstance(value, int):
         return [value]
@@ -171,10 +181,10 @@ def generate_settings(parameters, generation_config, vocab_size: int | None = No
     check); or one 400 line naming it."""
     from transformers import GenerationConfig
 
-    passed = {}
+    passed, defaults = {}, GenerationConfig()
     for name, value in (parameters.model_extra or {}).items():
         neutral = GENERATE_NOT_SERVED.get(name)
-        if neutral is not None and not any(value == v and type(value) is type(v) or value is v for v in neutral):
+        if neutral is not None and not _neutral(value, neutral):
             raise ServeError(400, f"parameters.{name} {value!r:.60} is not served here; valid: leave it out",
                              f"parameters.{name}")
         if name in GENERATE_PASSED:
@@ -183,12 +193,12 @@ def generate_settings(parameters, generation_config, vocab_size: int | None = No
             except pydantic.ValidationError as e:
                 raise ServeError(400, f"parameters.{name} {value!r:.60}: {one_line(e)[0].split(': ', 1)[-1]}",
                                  f"parameters.{name}") from None
-            bad = [t for t in (_token_ids(value) if name in _TOKEN_FIELDS else []) if vocab_size and t >= vocab_size]
+            bad = outside_vocabulary(_token_ids(value), vocab_size) if name in _TOKEN_FIELDS else []
             if bad:
                 raise ServeError(400, f"parameters.{name}: token id {bad[0]} is not in the vocabulary; valid: 0 to "
                                       f"{vocab_size - 1}", f"parameters.{name}")
             passed[name] = list(value) if isinstance(value, tuple) else value
-        elif hasattr(GenerationConfig(), name) and value is not None:
+        elif hasattr(defaults, name) and value is not None:
             raise ServeError(400, f"parameters.{name} is not served here; valid: the explicit parameters, or one of "
                                   f"{', '.join(GENERATE_PASSED)}", f"parameters.{name}")
     if passed:
@@ -205,7 +215,7 @@ def check_not_served(body) -> None:
     """A field this server does not do, given a value that would change the answer: one 400 line naming it."""
     for name, value in (body.model_extra or {}).items():
         neutral = NOT_SERVED.get(name)
-        if neutral is not None and not any(value == v and type(value) is type(v) or value is v for v in neutral):
+        if neutral is not None and not _neutral(value, neutral):
             shown = ", ".join("null" if v is None else repr(v) for v in neutral)
             raise ServeError(400, f"{name} {value!r:.60} is not served here; valid: leave it out ({shown})", name)
     if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
@@ -294,7 +304,7 @@ def _stop_token_ids(ids, vocab_size: int | None) -> tuple[int, ...]:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ServeError(400, f"stop_token_ids {ids!r:.60} is not a list of token ids; valid: a list of integers",
                          "stop_token_ids")
-    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    bad = outside_vocabulary(ids, vocab_size)
     if bad:
         valid = f"0 to {vocab_size - 1}" if vocab_size is not None else "0 or more"
         raise ServeError(400, f"stop_token_ids: token id {bad[0]} is not in the vocabulary; valid: {valid}",
