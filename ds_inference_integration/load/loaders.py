@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import InferenceSetupError
+from ..run.collector import collector_paused
 from .checkpoint import SafetensorsCheckpoint, ranges_of
 from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
 from .slices import take
@@ -577,6 +578,13 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
     with only this rank's shard (see the module docstring). `mode` (default: `--loading`): auto, full,
     shard-aware, pre-sharded; auto takes the first that the directory allows, in the order pre-sharded,
     shard-aware, full."""
+    with collector_paused():  # a full collection inside would walk every object of the process (run/collector.py)
+        return _load_model(model_cls, model_dir, config, inference_args, training_args, dtype, mode,
+                           from_pretrained_kwargs)
+
+
+def _load_model(model_cls, model_dir, config, inference_args, training_args, dtype, mode,
+                from_pretrained_kwargs) -> nn.Module:
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)

@@ -35,6 +35,7 @@ from ..deepspeed_compat import (
 from ..errors import first_line, sharding_failure
 from ..policy.derive import derive_policy, derived_summary
 from ..policy.schema import AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
+from ..run.collector import collector_paused
 from ..topology import ModelParallelUnit, ProcessGroups, Topology
 from .attention import HeadLayout, split_fused_qkv, split_heads, whole
 from .experts import experts_modules, split_experts
@@ -272,6 +273,11 @@ def shard_model(
     part of each split tensor read from the checkpoint. A policy nobody has checked (derived, `autotp`,
     or a file outside the shipped `policies/`) is checked numerically here first (`policy/verify.py`),
     unless `verify` is False (`policy check` compares the whole model itself)."""
+    with collector_paused():  # DeepSpeed builds a module per split linear: no full collection among them
+        return _shard_model(model, args, topology, groups, policy, dtype, device, verify)
+
+
+def _shard_model(model, args, topology, groups, policy, dtype, device, verify) -> tuple[nn.Module, ShardReport]:
     import deepspeed
 
     from ..load.loaders import PreShardedLoader, loaded, pending_load, policy_id

@@ -21,6 +21,7 @@ path that defers reads to first use shows it there. The run fails if any path's 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -82,7 +83,6 @@ def build_config_model(spec: str, out: Path, dtype_name: str = "fp32") -> Path:
 
 def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", dtype_name: str = "fp32") -> int:
     import importlib
-    import os
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -250,6 +250,11 @@ def _bench_memory(config_spec: str, tp: int, out_dir: Path, model_dir: str | Non
     if "pre-sharded" in modes and run_shard(str(src), tp, str(presharded), dtype=dtype, timeout=timeout) != 0:
         return 1
     shard_seconds = time.perf_counter() - t0
+    # The files just written go to disk first: the kernel writing back 12 GB of them (the model, then its rank
+    # files) while the first repeats ran took CPU from the paths being timed (2 cores; pre-sharded ready over one
+    # process: 0.95x (0.73, 1.13) in 3 repeats right after writing, 0.69x (0.58, 0.84) in 8 alternating repeats
+    # on the same files minutes later, 2026-12-04).
+    os.sync()
     rows = []
     import torch
 
@@ -303,8 +308,6 @@ if __name__ == "__main__":
         build_config_model(sys.argv[2], Path(sys.argv[3]), sys.argv[4])
         sys.exit(0)
     if len(sys.argv) == 7 and sys.argv[1] == "--worker":
-        import os
-
         rank = os.environ.get("RANK", "0")
         sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4].replace("{rank}", rank), sys.argv[5], sys.argv[6]))
     print("usage: ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] [--tp-size N]", file=sys.stderr)
