@@ -51,6 +51,7 @@ class Run:
 
 
 FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: the fault hooks, never in the package
+WORKERS = Path(__file__).resolve().parent / "workers"  # scripts a test runs as a user would, with their own main
 
 
 def run_example(args: list[str], output_dir: Path, nprocs: int | None = None, launcher: str = "torchrun",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
+from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, WORKERS, assert_ok, run_example, run_in_process
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
 from ds_inference_integration.load.loaders import is_skeleton, load_model, pending_load
@@ -25,7 +25,6 @@ from tiny_models import save_decoder
 ON = DeepSpeedInferenceArguments(deepspeed_inference=True)
 
 
-WORKERS = Path(__file__).resolve().parent / "workers"
 
 
 def cli(*args, timeout=300, env=None):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEFAULT_MODEL, TRANSLATE_ARGS, run_example, run_in_process, save_tiny_model
+from conftest import DEFAULT_MODEL, TRANSLATE_ARGS, WORKERS, run_example, run_in_process, save_tiny_model
 from ds_inference_integration.predict.length_grouping import unsort
 
 SOURCES = ["one hundred", "seven", "twenty two", "nine thousand", "forty", "three", "eleven", "sixty five", "two"]
@@ -133,7 +133,8 @@ def test_replica_loader_refuses_iterable_data_across_replicas_and_never_dispatch
 
     config = SimpleNamespace(dispatch_batches=True)
     fake = SimpleNamespace(process_groups=SimpleNamespace(mesh=object()), topology=Topology.create(4, 0, 2),
-                           accelerator=SimpleNamespace(dataloader_config=config), eval_dataset=None)
+                           accelerator=SimpleNamespace(dataloader_config=config), eval_dataset=None,
+                           args=SimpleNamespace(dataloader_drop_last=False))
     seen = []
     loader = DeepSpeedInferenceMixin._replica_loader(fake, lambda d: seen.append(config.dispatch_batches) or d,
                                                      [1, 2, 3], "test_dataset")
@@ -141,6 +142,11 @@ def test_replica_loader_refuses_iterable_data_across_replicas_and_never_dispatch
     with pytest.raises(InferenceSetupError, match=r"test_dataset is an IterableDataset \(Stream\), which cannot be "
                                                   r"split between 2 data-parallel replicas; valid: .* --tp_size 4"):
         DeepSpeedInferenceMixin._replica_loader(fake, lambda d: d, Stream(), "test_dataset")
+    with pytest.raises(InferenceSetupError, match=r"--dataloader_drop_last drops a short last batch of each of 2 "
+                                                  r"data-parallel replicas.*valid: without --dataloader_drop_last, or "
+                                                  r"--tp_size 4 \(one replica\)"):
+        DeepSpeedInferenceMixin._replica_loader(SimpleNamespace(**{**vars(fake), "args": SimpleNamespace(
+            dataloader_drop_last=True)}), lambda d: d, [1, 2, 3], "test_dataset")
     one_replica = SimpleNamespace(**{**vars(fake), "topology": Topology.create(2, 0, 2)})
     assert isinstance(DeepSpeedInferenceMixin._replica_loader(one_replica, lambda d: d, Stream(), "test_dataset"),
                       Stream)
@@ -158,3 +164,46 @@ def test_the_row_check_is_exact(tiny_t5, tmp_path):
     trainer._replica_gather = lambda d: recursively_apply(lambda t: torch.cat([t, t]), d)
     with pytest.raises(RuntimeError, match=r"predictions: gathered 18 rows for 9 examples x 1 row\(s\) each"):
         trainer.predict(data, max_new_tokens=4)
+
+
+@pytest.mark.launched
+def test_a_causal_lms_eval_loss_and_logits_at_dp_2_and_tp_2_are_one_process_s(tmp_path):
+    """A user's own script with the plain `DeepSpeedInferenceTrainer` (tests/workers/causal_lm_eval.py: a random
+    Llama, 13 examples, batch 4). transformers 5 divides a loss-kwargs model's batch loss by the tokens of every
+    process's batch (`average_tokens_across_devices`): where the replicas' last batches differ in size, eval_loss at
+    dp 2 was 6.5691 against one process's 6.5979. Now eval_loss and test_loss equal one process's exactly at dp 2
+    (the same batches, whole on each replica) and within 1e-6 relative at tp 2; logits exactly / within 1e-4."""
+    from tiny_models import save_decoder
+
+    model = save_decoder("llama_kv2", tmp_path / "model")
+    script = WORKERS / "causal_lm_eval.py"
+    common = ["--report_to", "none", "--use_cpu", "--per_device_eval_batch_size", "4"]
+    results = {}
+    for name, nprocs, extra in (("single", None, []), ("dp2", 2, ["--deepspeed_inference", "--tp_size", "1"]),
+                                ("tp2", 2, ["--deepspeed_inference"])):
+        out = tmp_path / name
+        run = run_example([*common, *extra], out, nprocs=nprocs, script=script, env={"MODEL_DIR": str(model)})
+        assert run.returncode == 0, run.output[-3000:]
+        results[name] = (json.loads((out / "result.json").read_text()), np.load(out / "logits.npy"))
+    (single, single_logits), (dp2, dp2_logits), (tp2, tp2_logits) = results["single"], results["dp2"], results["tp2"]
+    assert dp2 == single, (dp2, single)
+    assert np.array_equal(dp2_logits, single_logits)
+    for key in single:
+        assert abs(tp2[key] - single[key]) <= 1e-6 * single[key], (tp2, single)
+    assert np.abs(tp2_logits - single_logits).max() <= 1e-4
+
+
+def test_dataloader_drop_last_predicts_the_rows_of_upstreams_trainer(tiny_t5, tmp_path):
+    """`--dataloader_drop_last` (a training flag that upstream's Trainer applies to evaluation too) drops the short
+    last batch: upstream's Seq2SeqTrainer predicts 8 of these 9 sources at batch 4. Ours failed its row check
+    ("gathered 8 rows for 9 examples"), in one process, without the flag; now the same 8 rows and metrics."""
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer
+
+    trainer, data = make_trainer(tiny_t5, tmp_path / "ours", dataloader_drop_last=True)
+    ours = trainer.predict(data)
+    upstream = Seq2SeqTrainer(model=trainer.model, args=trainer.args, processing_class=trainer.processing_class,
+                              data_collator=DataCollatorForSeq2Seq(trainer.processing_class, model=trainer.model))
+    theirs = upstream.predict(data)
+    assert len(ours.predictions) == len(theirs.predictions) == 8
+    assert np.array_equal(ours.predictions, theirs.predictions) and np.array_equal(ours.label_ids, theirs.label_ids)
+    assert ours.metrics["test_loss"] == theirs.metrics["test_loss"]

@@ -166,6 +166,12 @@ class DeepSpeedInferenceMixin:
                 f"{self.topology.dp_size} data-parallel replicas; valid: a map-style dataset (datasets.Dataset, "
                 f"e.g. from `Dataset.from_generator`), or --tp_size {self.topology.world_size} (one replica)"
             )
+        if getattr(self.args, "dataloader_drop_last", False) and self.topology.dp_size > 1:
+            raise InferenceSetupError(
+                f"--dataloader_drop_last drops a short last batch of each of {self.topology.dp_size} data-parallel "
+                "replicas, not one process's last batch, so the rows predicted would not be one process's; valid: "
+                f"without --dataloader_drop_last, or --tp_size {self.topology.world_size} (one replica)"
+            )
         config = self.accelerator.dataloader_config
         dispatch = config.dispatch_batches
         config.dispatch_batches = False
@@ -253,17 +259,54 @@ class DeepSpeedInferenceMixin:
         self.gather_function = self._replica_gather
         dataset = getattr(dataloader, "dataset", None)
         self._loop_examples = len(dataset) if hasattr(dataset, "__len__") else None
+        self._evaluating = True  # each batch's loss over its own label tokens: see _get_num_items_in_batch
         try:
             output = super().evaluation_loop(dataloader, *args, **kwargs)
         finally:
             self._loop_examples = None
+            self._evaluating = False
         n, k = output.num_samples, self._rows_per_example()
+        if getattr(self.args, "dataloader_drop_last", False):  # upstream's loop drops a short last batch of each
+            n -= n % (self.args.eval_batch_size * self.topology.dp_size)  # process, and counts it in num_samples
         for name, rows, per in (("predictions", output.predictions, k), ("label_ids", output.label_ids, 1)):
             for count in _row_counts(rows):
                 if count != n * per:
                     raise RuntimeError(f"{name}: gathered {count} rows for {n} examples x {per} row(s) each; rows "
                                        "were lost or duplicated")
         return output
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """While evaluating, the label tokens of this batch alone, as one process counts them for the same batch.
+
+        With `average_tokens_across_devices` (transformers 5's default), a model that takes loss kwargs (Llama,
+        GPT-2...) divides its batch's loss sum by the tokens of every process's batch, divided by the TP size, and
+        `compute_loss` multiplies by the process count over the TP size: a replica's loss is its batch mean only
+        where every replica's batch holds as many tokens. The last ones do not, and eval_loss parted from one
+        process's (a random Llama, 13 examples, batch 4, dp 2: 6.5691 against 6.5979, 2026-12-04). So the count is
+        taken without the all-process sum, and upstream's division by the ranks that share a batch (which assumes
+        that sum) undone; `compute_loss` scales only with the sum. The replicas' batch means are then weighed as one
+        process weighs its batches (_gather_batch_loss). Training keeps upstream's count."""
+        if not getattr(self, "_evaluating", False):
+            return super()._get_num_items_in_batch(batch_samples, device)
+        averaged = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            count = super()._get_num_items_in_batch(batch_samples, device)
+        finally:
+            self.args.average_tokens_across_devices = averaged
+        if count is not None:
+            count = count * (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
+        return count
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if not getattr(self, "_evaluating", False):
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        averaged = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False  # no all-process scale for a count that is not summed
+        try:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        finally:
+            self.args.average_tokens_across_devices = averaged
 
     def _rows_per_example(self) -> int:
         """Rows of predictions per example: `num_return_sequences` when generating, else 1."""
