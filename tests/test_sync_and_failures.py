@@ -1,6 +1,9 @@
 """Data parallel x tensor parallel, deterministic sampling, the lock-step guard, a rank that dies or
 raises, and bad input: never a hang, never a lost or duplicated prediction."""
 
+import subprocess
+import sys
+
 import pytest
 
 from conftest import TRANSLATE_ARGS, assert_ok, load_example, run_example, run_in_process
@@ -309,3 +312,35 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, npro
     assert errors and all(re.match(r"error: rank 1 \(pid \d+ on .+\) stopped answering: no heartbeat for \d+ s "
                                    r"\(--inference_timeout 10\); ending the run \[rank [023]\]$", e) for e in errors)
     _no_results(tmp_path)
+
+
+TEARDOWN = """
+import atexit, os, sys
+import torch.distributed as dist
+from ds_inference_integration.run.lifecycle import tear_down_at_exit
+atexit.register(lambda: print("at exit, process group:", dist.is_initialized(), flush=True))  # runs after ours
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+tear_down_at_exit()
+tear_down_at_exit()  # once per process
+if sys.argv[2] == "raise":
+    raise ValueError("the script failed")
+"""
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_a_script_that_returns_destroys_its_process_group_at_exit(tmp_path, end):
+    """`run.lifecycle.tear_down_at_exit` (registered by setup_inference): a script that ends without run_main (the
+    README's three changes) had its process groups destroyed in the interpreter's teardown, which aborted a clean
+    dp 2 run in 1 of 10 ("terminate called without an active exception", exit -6, torchrun: failed). Now they are
+    destroyed at exit while Python is whole; after an uncaught exception they are left as before."""
+    from ds_inference_integration.run.ranks import free_port
+
+    script = tmp_path / "script.py"
+    script.write_text(TEARDOWN)
+    proc = subprocess.run([sys.executable, str(script), str(free_port()), end], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == (0 if end == "return" else 1), proc.stderr[-2000:]
+    assert f"at exit, process group: {end == 'raise'}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert (end == "raise") == ("ValueError: the script failed" in proc.stderr)

@@ -15,7 +15,7 @@ from ..deepspeed_compat import init_deepspeed_comm
 from ..load.loaders import check_model_kind
 from ..policy.derive import policy_for_model
 from ..policy.schema import Policy, check_head_counts, policy_for_run
-from ..run import watchdog
+from ..run import lifecycle, watchdog
 from ..topology import ProcessGroups, Topology, init_process_groups
 from .inject import ShardReport, shard_model
 
@@ -58,6 +58,8 @@ def setup_inference(model: nn.Module, inference_args: DeepSpeedInferenceArgument
         check_head_counts(policy, model.config, topology.tp_size)
     policy = policy_for_model(policy, model, topology.tp_size)  # a Policy or None (AutoTP) from here on
     groups = init_process_groups(topology, device.type, inf.inference_timeout)
+    if topology.world_size > 1:  # before the watchdog: exit handlers run last first, so it marks this rank done first
+        lifecycle.tear_down_at_exit()
     watchdog.start(topology.rank, topology.world_size, inf.inference_timeout)
     all_reduce = init_deepspeed_comm(topology) if groups.mesh is not None else None
     model, report = shard_model(model, inf, topology, groups, policy, dtype, device=device)
