@@ -107,6 +107,11 @@ def check_rendezvous_port() -> None:
     if dist.is_available() and dist.is_initialized():
         return  # the store is up already: this is a second parse in a running process
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As torch's store binds it: with SO_REUSEADDR, which a listener still refuses but a connection of an earlier
+    # run left in TIME_WAIT (about 60 s on Linux) does not. Without it, running the same deepspeed command again
+    # within a minute (as after a crash, to resume) was refused: "--master_port 29500 ... is in use" with nothing
+    # listening (2026-12-04).
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         probe.bind(("", int(port)))
     except OSError as e:

@@ -194,3 +194,30 @@ def test_the_fault_hook_is_not_in_the_package_and_long_sources_are_truncated_onc
     assert_ok(run)
     assert run.output.count("of 10 test sources are longer than --max_source_length 12 tokens and were truncated") == 1
     assert len(run.predictions()) == 10
+
+
+def test_a_port_an_earlier_run_left_in_time_wait_is_free_and_a_listened_one_is_not(monkeypatch):
+    """`check_rendezvous_port` (rank 0 under the deepspeed launcher): the same command run again within a minute found
+    its port held by the last run's connections in TIME_WAIT and was refused ("is in use", nothing listening),
+    though torch's store binds it with SO_REUSEADDR. A port another process listens on is still refused."""
+    import socket
+
+    from ds_inference_integration.argument_parser import check_rendezvous_port
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(InferenceSetupError, match=rf"--master_port {port} \(MASTER_PORT\) is in use on"):
+        check_rendezvous_port()
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the side that closes first keeps the connection in TIME_WAIT, on the store's port
+    client.close()
+    listener.close()
+    check_rendezvous_port()  # the earlier run is gone: the port is free for the store
