@@ -196,6 +196,44 @@ def test_the_fault_hook_is_not_in_the_package_and_long_sources_are_truncated_onc
     assert len(run.predictions()) == 10
 
 
+def _port_left_in_time_wait() -> int:
+    """A port whose listener is gone and whose last connection is in TIME_WAIT on it, as an earlier run leaves it."""
+    import socket
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the side that closes first keeps the connection in TIME_WAIT, on the store's port
+    client.close()
+    listener.close()
+    return port
+
+
+def test_our_own_rendezvous_store_restarts_on_a_port_an_earlier_run_left_in_time_wait(monkeypatch):
+    """`run.ranks._loopback_store` (serve's and the benches' ranks on one machine) binds its listener as torch's
+    store does, with SO_REUSEADDR: without it a restart on the same --master_port within a minute failed to bind."""
+    import datetime
+    import threading
+
+    from ds_inference_integration.run.ranks import _loopback_store
+
+    port = _port_left_in_time_wait()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    timeout = datetime.timedelta(seconds=10)
+    peer = []  # rank 1 joins, as the store waits for every rank
+    joining = threading.Thread(target=lambda: peer.append(_loopback_store(1, 2, timeout)))
+    joining.start()
+    store = _loopback_store(0, 2, timeout)
+    joining.join(10)
+    store.set("up", "1")
+    assert peer[0].get("up") == b"1"
+
+
 def test_a_port_an_earlier_run_left_in_time_wait_is_free_and_a_listened_one_is_not(monkeypatch):
     """`check_rendezvous_port` (rank 0 under the deepspeed launcher): the same command run again within a minute found
     its port held by the last run's connections in TIME_WAIT and was refused ("is in use", nothing listening),
@@ -204,20 +242,15 @@ def test_a_port_an_earlier_run_left_in_time_wait_is_free_and_a_listened_one_is_n
 
     from ds_inference_integration.argument_parser import check_rendezvous_port
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    port = listener.getsockname()[1]
-    monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    with pytest.raises(InferenceSetupError, match=rf"--master_port {port} \(MASTER_PORT\) is in use on"):
-        check_rendezvous_port()
-    client = socket.create_connection(("127.0.0.1", port))
-    served, _ = listener.accept()
-    served.close()  # the side that closes first keeps the connection in TIME_WAIT, on the store's port
-    client.close()
-    listener.close()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(InferenceSetupError, match=rf"--master_port {port} \(MASTER_PORT\) is in use on"):
+            check_rendezvous_port()
+    monkeypatch.setenv("MASTER_PORT", str(_port_left_in_time_wait()))
     check_rendezvous_port()  # the earlier run is gone: the port is free for the store

@@ -134,6 +134,8 @@ def _loopback_store(rank: int, world_size: int, timeout):
     if rank != 0:
         return dist.TCPStore(host, int(port), world_size, False, timeout=timeout)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # as torch's store binds: a restart within a minute finds the port's last connections in TIME_WAIT
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1" if host == "localhost" else host, int(port)))
     listener.listen(max(128, world_size))
     # detach: the store owns the descriptor from here on (the socket object, collected, would close it)
