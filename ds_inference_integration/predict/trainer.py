@@ -60,6 +60,7 @@ class DeepSpeedInferenceMixin:
         self.run_id = f"{datetime.datetime.now():%Y%m%dT%H%M%S.%f}-{uuid.uuid4().hex[:6]}"
         self._batch_index = -1
         self._local_batch_examples = 0
+        self._evaluating = False  # inside evaluation_loop: see _get_num_items_in_batch
         self.lockstep_seconds = 0.0
         if enabled:
             self._shard(policy)
@@ -286,7 +287,7 @@ class DeepSpeedInferenceMixin:
         taken without the all-process sum, and upstream's division by the ranks that share a batch (which assumes
         that sum) undone; `compute_loss` scales only with the sum. The replicas' batch means are then weighed as one
         process weighs its batches (_gather_batch_loss). Training keeps upstream's count."""
-        if not getattr(self, "_evaluating", False):
+        if not self._evaluating:
             return super()._get_num_items_in_batch(batch_samples, device)
         averaged = self.args.average_tokens_across_devices
         self.args.average_tokens_across_devices = False
@@ -299,7 +300,7 @@ class DeepSpeedInferenceMixin:
         return count
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        if not getattr(self, "_evaluating", False):
+        if not self._evaluating:
             return super().compute_loss(model, inputs, *args, **kwargs)
         averaged = self.args.average_tokens_across_devices
         self.args.average_tokens_across_devices = False  # no all-process scale for a count that is not summed
