@@ -333,7 +333,7 @@ if sys.argv[2] == "raise":
 def test_a_script_that_returns_destroys_its_process_group_at_exit(tmp_path, end):
     """`run.lifecycle.tear_down_at_exit` (registered by setup_inference): a script that ends without run_main (the
     README's three changes) had its process groups destroyed in the interpreter's teardown, which aborted a clean
-    dp 2 run in 1 of 10 ("terminate called without an active exception", exit -6, torchrun: failed). Now they are
+    dp 2 run in 2 of 13 ("terminate called without an active exception", exit -6, torchrun: failed). Now they are
     destroyed at exit while Python is whole; after an uncaught exception they are left as before."""
     from ds_inference_integration.run.ranks import free_port
 

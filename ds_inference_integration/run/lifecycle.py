@@ -30,7 +30,7 @@ def tear_down_at_exit(timeout: float = 10.0) -> None:
     process groups at exit, while the interpreter is still whole (once per process).
 
     Left to the interpreter's teardown, torch's process-group objects were destroyed after Python's: a user's
-    evaluation script that had written all its results aborted in 2 of 15 clean runs at dp 2 ("terminate called
+    evaluation script that had written all its results aborted in 2 of 13 clean runs at dp 2 ("terminate called
     without an active exception", SIGABRT, exit -6; tests/workers/causal_lm_eval.py under torchrun, 2 CPU ranks,
     2026-12-04), and torchrun then reports the job failed (pytorch#190489); with this, 0 of 30. After an uncaught
     exception nothing is done (a peer may be inside a collective; the run has failed anyway), and the destroy is
