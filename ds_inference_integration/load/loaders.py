@@ -572,19 +572,13 @@ def policy_id(policy) -> str:
     return f"{policy.name}:{policy_identity(policy)}"
 
 
+@collector_paused()  # a full collection inside would walk every object of the process (run/collector.py)
 def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=None, training_args=None,
                dtype: torch.dtype | None = None, mode: str | None = None, **from_pretrained_kwargs) -> nn.Module:
     """`model_cls.from_pretrained`, or under `--deepspeed_inference` a skeleton that `shard_model` fills
     with only this rank's shard (see the module docstring). `mode` (default: `--loading`): auto, full,
     shard-aware, pre-sharded; auto takes the first that the directory allows, in the order pre-sharded,
     shard-aware, full."""
-    with collector_paused():  # a full collection inside would walk every object of the process (run/collector.py)
-        return _load_model(model_cls, model_dir, config, inference_args, training_args, dtype, mode,
-                           from_pretrained_kwargs)
-
-
-def _load_model(model_cls, model_dir, config, inference_args, training_args, dtype, mode,
-                from_pretrained_kwargs) -> nn.Module:
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)

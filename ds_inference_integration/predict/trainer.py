@@ -260,12 +260,14 @@ class DeepSpeedInferenceMixin:
         self.gather_function = self._replica_gather
         dataset = getattr(dataloader, "dataset", None)
         self._loop_examples = len(dataset) if hasattr(dataset, "__len__") else None
-        self._evaluating = True  # each batch's loss over its own label tokens: see _get_num_items_in_batch
+        # each batch's loss over its own label tokens, as one process takes it: see _get_num_items_in_batch
+        averaged = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices, self._evaluating = False, True
         try:
             output = super().evaluation_loop(dataloader, *args, **kwargs)
         finally:
             self._loop_examples = None
-            self._evaluating = False
+            self.args.average_tokens_across_devices, self._evaluating = averaged, False
         n, k = output.num_samples, self._rows_per_example()
         if getattr(self.args, "dataloader_drop_last", False):  # upstream's loop drops a short last batch of each
             n -= n % (self.args.eval_batch_size * self.topology.dp_size)  # process, and counts it in num_samples
@@ -283,31 +285,14 @@ class DeepSpeedInferenceMixin:
         GPT-2...) divides its batch's loss sum by the tokens of every process's batch, divided by the TP size, and
         `compute_loss` multiplies by the process count over the TP size: a replica's loss is its batch mean only
         where every replica's batch holds as many tokens. The last ones do not, and eval_loss parted from one
-        process's (a random Llama, 13 examples, batch 4, dp 2: 6.5691 against 6.5979, 2026-12-04). So the count is
-        taken without the all-process sum, and upstream's division by the ranks that share a batch (which assumes
-        that sum) undone; `compute_loss` scales only with the sum. The replicas' batch means are then weighed as one
-        process weighs its batches (_gather_batch_loss). Training keeps upstream's count."""
-        if not self._evaluating:
-            return super()._get_num_items_in_batch(batch_samples, device)
-        averaged = self.args.average_tokens_across_devices
-        self.args.average_tokens_across_devices = False
-        try:
-            count = super()._get_num_items_in_batch(batch_samples, device)
-        finally:
-            self.args.average_tokens_across_devices = averaged
-        if count is not None:
+        process's (a random Llama, 13 examples, batch 4, dp 2: 6.5691 against 6.5979, 2026-12-04). So
+        `evaluation_loop` turns that averaging off (no all-process sum, no scale in `compute_loss`), and here
+        upstream's division by the ranks that share a batch, which assumes the sum, is undone. The replicas' batch
+        means are then weighed as one process weighs its batches (_gather_batch_loss). Training keeps upstream's."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if self._evaluating and count is not None:
             count = count * (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
         return count
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        if not self._evaluating:
-            return super().compute_loss(model, inputs, *args, **kwargs)
-        averaged = self.args.average_tokens_across_devices
-        self.args.average_tokens_across_devices = False  # no all-process scale for a count that is not summed
-        try:
-            return super().compute_loss(model, inputs, *args, **kwargs)
-        finally:
-            self.args.average_tokens_across_devices = averaged
 
     def _rows_per_example(self) -> int:
         """Rows of predictions per example: `num_return_sequences` when generating, else 1."""

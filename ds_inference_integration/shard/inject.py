@@ -257,6 +257,7 @@ def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
 
 # The whole step ------------------------------------------------------------------------------------
 
+@collector_paused()  # DeepSpeed builds a module per split linear: no full collection among them
 def shard_model(
     model: nn.Module,
     args: DeepSpeedInferenceArguments,
@@ -273,11 +274,6 @@ def shard_model(
     part of each split tensor read from the checkpoint. A policy nobody has checked (derived, `autotp`,
     or a file outside the shipped `policies/`) is checked numerically here first (`policy/verify.py`),
     unless `verify` is False (`policy check` compares the whole model itself)."""
-    with collector_paused():  # DeepSpeed builds a module per split linear: no full collection among them
-        return _shard_model(model, args, topology, groups, policy, dtype, device, verify)
-
-
-def _shard_model(model, args, topology, groups, policy, dtype, device, verify) -> tuple[nn.Module, ShardReport]:
     import deepspeed
 
     from ..load.loaders import PreShardedLoader, loaded, pending_load, policy_id
