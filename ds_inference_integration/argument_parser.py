@@ -9,16 +9,19 @@ the other commands that read only the flags should not pay.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
+from dataclasses import is_dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import HfArgumentParser
 
 from .arguments import DeepSpeedInferenceArguments, prepare_argv, run_defaults, world_size_from_env
 from .errors import InferenceSetupError
-from .run import output_dir
+from .run import lifecycle, output_dir
 
 
 class InferenceArgumentParser(HfArgumentParser):
@@ -29,17 +32,29 @@ class InferenceArgumentParser(HfArgumentParser):
 
     legacy: dict[str, bool]
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the first call of the library in an upstream-shaped script: from here an uncaught error ends the rank in
+        # one line, as in a script that runs through `run_main`
+        lifecycle.install_exit_rules()
+
     def parse_args_into_dataclasses(self, args=None, *rest, **kwargs):
         argv = list(sys.argv[1:] if args is None else args)
         argv, self.legacy = prepare_argv(argv)
         values, _ = argparse.ArgumentParser.parse_known_args(self, argv)  # no dataclass built yet
         check_settings(vars(values))
-        return super().parse_args_into_dataclasses(argv, *rest, **kwargs)
+        with _one_line():
+            outputs = super().parse_args_into_dataclasses(argv, *rest, **kwargs)
+        check_model_for_run(outputs)
+        return outputs
 
     def parse_dict(self, args: dict[str, Any], allow_extra_keys: bool = False):
         args = self._prepare_dict(dict(args))
         check_settings(args)
-        return super().parse_dict(args, allow_extra_keys=allow_extra_keys)
+        with _one_line():
+            outputs = super().parse_dict(args, allow_extra_keys=allow_extra_keys)
+        check_model_for_run(outputs)
+        return outputs
 
     def _prepare_dict(self, args: dict[str, Any]) -> dict[str, Any]:
         """The same preparation as `prepare_argv`, for arguments given as a dict (a .json / .yaml file)."""
@@ -56,6 +71,46 @@ class InferenceArgumentParser(HfArgumentParser):
                                         int(os.environ.get("RANK", "0"))).items():
             args.setdefault(name, value)
         return args
+
+
+def check_model_for_run(outputs) -> None:
+    """Under --deepspeed_inference, where the parsed arguments name a local model (a `model_name_or_path` field, as
+    every upstream example has, or its `config_name`): the policy for the run and the model's head counts against
+    the tp size, from its config.json, before the script loads any data or model (a wrong --tp_size was a failure
+    in the Trainer, after both). A hub id is checked by the Trainer, once the model is there."""
+    found = [o for o in outputs if is_dataclass(o)]
+    inference = next((o for o in found if isinstance(o, DeepSpeedInferenceArguments)), None)
+    if inference is None or not inference.deepspeed_inference:
+        return
+    model = next((o for o in found if getattr(o, "model_name_or_path", None)), None)
+    if model is None:
+        return
+    path = Path(getattr(model, "config_name", None) or model.model_name_or_path)
+    if not (path / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    from .policy.schema import policy_for_run
+    from .topology import Topology
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=bool(getattr(model, "trust_remote_code", False)))
+    except (OSError, ValueError):
+        return  # the script's own loading says what is wrong with it, as without the flag
+    topology = Topology.create(world_size_from_env(), int(os.environ.get("RANK", "0")), inference.tp_size)
+    policy_for_run(inference.injection_policy, config, topology.tp_size)
+
+
+@contextlib.contextmanager
+def _one_line():
+    """A bad or unknown argument (a ValueError from HfArgumentParser or from a dataclass's own checks, such as
+    TrainingArguments') as one `error:` line, not a traceback."""
+    try:
+        yield
+    except InferenceSetupError:
+        raise
+    except ValueError as e:
+        raise InferenceSetupError(" ".join(str(e).split())) from None
 
 
 # Settings a user can get wrong, checked on every rank before torch.distributed starts and before any model or data

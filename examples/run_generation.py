@@ -40,7 +40,6 @@ from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.data_files import check_data_file
 from ds_inference_integration.predict.metrics import GeneratedTokens
 from ds_inference_integration.run.files import atomic_path
-from ds_inference_integration.run.lifecycle import run_main
 from ds_inference_integration.run.memory import memory_mb
 
 logger = logging.getLogger(__name__)
@@ -160,4 +159,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main, sys.argv[1:]))
+    main(sys.argv[1:])

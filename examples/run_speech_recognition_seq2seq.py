@@ -49,7 +49,6 @@ from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.data_files import load_data_files
 from ds_inference_integration.predict.metrics import WordErrorRate
 from ds_inference_integration.predict.positions import check_lengths_fit
-from ds_inference_integration.run.lifecycle import run_main
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "numspeech"
@@ -303,4 +302,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main, sys.argv[1:]))
+    main(sys.argv[1:])

@@ -44,7 +44,6 @@ from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.data_files import check_texts, load_data_files
 from ds_inference_integration.predict.metrics import CorpusBleu
 from ds_inference_integration.predict.positions import check_lengths_fit, check_sources_fit
-from ds_inference_integration.run.lifecycle import run_main
 
 logger = logging.getLogger(__name__)
 
@@ -325,4 +324,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main, sys.argv[1:]))
+    main(sys.argv[1:])

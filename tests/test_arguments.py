@@ -254,3 +254,73 @@ def test_a_port_an_earlier_run_left_in_time_wait_is_free_and_a_listened_one_is_n
             check_rendezvous_port()
     monkeypatch.setenv("MASTER_PORT", str(_port_left_in_time_wait()))
     check_rendezvous_port()  # the earlier run is gone: the port is free for the store
+
+
+def test_the_parser_turns_upstreams_argument_errors_into_one_line(tmp_path):
+    """A user's copy of an upstream example calls the parser itself, without `arguments.parse_args_into_dataclasses`:
+    an unknown argument, or one a dataclass's own checks refuse (TrainingArguments'), was a ValueError and so a
+    traceback; now the library's one-line error, which the exit rules print as `error:` and exit 2."""
+    from transformers import TrainingArguments
+
+    from ds_inference_integration import InferenceArgumentParser
+
+    parser = InferenceArgumentParser((TrainingArguments, DeepSpeedInferenceArguments))
+    out = str(tmp_path / "out")
+    with pytest.raises(InferenceSetupError, match=r"not used by the HfArgumentParser: \['--no_such_flag', '1'\]"):
+        parser.parse_args_into_dataclasses(args=["--output_dir", out, "--no_such_flag", "1"])
+    with pytest.raises(InferenceSetupError, match="--load_best_model_at_end requires the save and eval strategy"):
+        parser.parse_args_into_dataclasses(args=["--output_dir", out, "--eval_strategy", "steps",
+                                                 "--load_best_model_at_end", "--save_strategy", "epoch"])
+
+
+@pytest.mark.launched
+def test_the_exit_rules_leave_an_interactive_session_alone():
+    """`install_exit_rules` ends a rank on an uncaught error; typed at the interpreter's prompt, the same error is
+    printed as Python prints it and the session goes on."""
+    import subprocess
+    import sys
+
+    lines = ["from ds_inference_integration.run.lifecycle import install_exit_rules",
+             "install_exit_rules()",
+             "from ds_inference_integration.errors import InferenceSetupError",
+             "raise InferenceSetupError('typed at the prompt')",
+             "print('the session goes on')"]
+    proc = subprocess.run([sys.executable, "-i", "-q"], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                          timeout=120)
+    assert "InferenceSetupError: typed at the prompt" in proc.stderr, proc.stderr[-2000:]
+    assert "the session goes on" in proc.stdout and proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_parser_checks_the_models_head_counts_before_any_data_or_model_loads(monkeypatch, tmp_path):
+    """Under the flag, where the parsed arguments name a local model (upstream's `model_name_or_path`), the parser
+    checks the policy and head counts against the tp size from its config.json: what the examples did with
+    `prepare_inference` before loading data, so that a user's copy of upstream's script gets it with the parser
+    line alone (before, a wrong --tp_size surfaced in the Trainer, after the data and the model had loaded)."""
+    from dataclasses import dataclass
+
+    from transformers import AutoConfig
+
+    from ds_inference_integration import InferenceArgumentParser, argument_parser, arguments
+
+    @dataclass
+    class ModelArguments:
+        model_name_or_path: str | None = None
+
+    for module in (arguments, argument_parser):  # a world of 2 for the preparation only
+        monkeypatch.setattr(module, "world_size_from_env", lambda: 2)
+    three, four = tmp_path / "three", tmp_path / "four"
+    AutoConfig.for_model("t5", num_heads=3).save_pretrained(three)
+    AutoConfig.for_model("t5", num_heads=4).save_pretrained(four)
+    out = str(tmp_path / "out")
+
+    def parse(model, *flags):
+        parser = InferenceArgumentParser((ModelArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
+        return parser.parse_args_into_dataclasses(args=["--output_dir", out, "--model_name_or_path", str(model),
+                                                        *flags])
+
+    with pytest.raises(InferenceSetupError, match=r"^t5: num_heads=3 is not divisible by --tp_size 2; valid tp sizes: "
+                                                  r"1, 3$"):
+        parse(three, "--deepspeed_inference")
+    parse(three)  # without the flag nothing is split
+    parse(four, "--deepspeed_inference")
+    parse(tmp_path / "a-hub-id", "--deepspeed_inference")  # not here: the Trainer checks it once it is loaded

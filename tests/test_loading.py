@@ -558,3 +558,21 @@ def test_no_garbage_collection_runs_while_a_model_is_loaded_or_sharded(tmp_path,
         gc.callbacks.remove(count)
         gc.set_threshold(*threshold)
     assert is_skeleton(skeleton)
+
+
+def test_load_model_names_a_model_its_auto_class_does_not_build_in_one_line(tmp_path):
+    """`load_model` with an Auto class that builds no model of the checkpoint's type (a decoder-only model given to a
+    seq2seq script): the one line the examples had from `prepare_inference`, now from the loader itself, before
+    any weight is read (transformers' own error is a ValueError listing every config class)."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, LlamaConfig, LlamaForCausalLM
+
+    from ds_inference_integration import InferenceSetupError
+    from ds_inference_integration.load.loaders import load_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=64)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(InferenceSetupError, match=r"llama holds a 'llama' model, which AutoModelForSeq2SeqLM does "
+                                                  r"not build; valid: one of its \d+ types, such as t5, bart"):
+        load_model(AutoModelForSeq2SeqLM, tmp_path / "llama")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import TRANSLATE_ARGS, assert_ok, load_example, run_example, run_in_process
+from conftest import TRANSLATE_ARGS, WORKERS, assert_ok, load_example, run_example, run_in_process
 
 ODD = ["--do_predict", "--max_predict_samples", "37", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS]
 
@@ -334,7 +334,7 @@ def test_a_script_that_returns_destroys_its_process_group_at_exit(tmp_path, end)
     """`run.lifecycle.tear_down_at_exit` (registered by setup_inference): a script that ends without run_main (the
     README's three changes) had its process groups destroyed in the interpreter's teardown, which aborted a clean
     dp 2 run in 2 of 13 ("terminate called without an active exception", exit -6, torchrun: failed). Now they are
-    destroyed at exit while Python is whole; after an uncaught exception they are left as before."""
+    destroyed at exit while Python is whole; after an uncaught exception they are left alone."""
     from ds_inference_integration.run.ranks import free_port
 
     script = tmp_path / "script.py"
@@ -342,5 +342,40 @@ def test_a_script_that_returns_destroys_its_process_group_at_exit(tmp_path, end)
     proc = subprocess.run([sys.executable, str(script), str(free_port()), end], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == (0 if end == "return" else 1), proc.stderr[-2000:]
-    assert f"at exit, process group: {end == 'raise'}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    assert (end == "raise") == ("ValueError: the script failed" in proc.stderr)
+    # after an uncaught exception the rank leaves at once by the exit rules (`install_exit_rules`), before any exit
+    # handler: nothing is destroyed while a peer may be inside a collective
+    assert ("at exit, process group: False" in proc.stdout) == (end == "return"), proc.stdout + proc.stderr[-2000:]
+    assert ("at exit" in proc.stdout) == (end == "return")
+    assert (end == "raise") == ("error: rank 0 failed: ValueError: the script failed" in proc.stderr)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("when", ["setup", "after_the_process_groups_start"])
+def test_a_script_with_the_three_changes_ends_each_rank_in_one_line(tmp_path, when):
+    """A user's script with the README's three changes and no `run_main` (tests/workers/causal_lm_eval.py), at 2
+    ranks: a setup error (3 heads at --tp_size 2) printed a 17-line traceback per rank around the one-line error, and
+    so did one raised after torch had started the process groups (and wrapped the exception hook): --dataloader_drop_last
+    at dp 2. Now each rank prints the one `error:` line and exits 2 (`run.lifecycle.install_exit_rules`, installed by
+    the parser), as the examples do through `run_main`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = tmp_path / "model"
+    LlamaForCausalLM(LlamaConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
+                                 intermediate_size=64, vocab_size=64, pad_token_id=0)).save_pretrained(model)
+    extra = ["--tp_size", "2"] if when == "setup" else ["--tp_size", "1", "--dataloader_drop_last"]
+    run = run_example(["--report_to", "none", "--use_cpu", "--per_device_eval_batch_size", "4",
+                       "--deepspeed_inference", *extra], tmp_path / "out", nprocs=2, script=WORKERS / "causal_lm_eval.py",
+                      env={"MODEL_DIR": str(model)}, timeout=120)
+    assert run.returncode != 0
+    want = ("llama: num_attention_heads=3 is not divisible by --tp_size 2; valid tp sizes: 1, 3" if when == "setup"
+            else "--dataloader_drop_last drops a short last batch of each of 2 data-parallel replicas")
+    lines = run.error_lines()
+    assert sorted(line[-len("[rank 0]"):] for line in lines) == ["[rank 0]", "[rank 1]"], run.output[-3000:]
+    assert all(want in line for line in lines), lines
+    import re
+
+    # no traceback frame of the script or the library: torchrun's own report of the exit code only
+    assert not re.search(r'File ".*(causal_lm_eval|ds_inference_integration)', run.output), run.output[-3000:]
+    assert "exitcode  : 2" in run.output

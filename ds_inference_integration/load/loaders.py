@@ -595,6 +595,8 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
                                              bf16=getattr(training_args, "bf16", False))
     dtype = dtype or torch.float32
     config = config or AutoConfig.from_pretrained(model_dir)
+    if hasattr(model_cls, "_model_mapping"):  # an Auto class: one line where it builds no model of this config
+        check_model_kind(config, model_cls, model_dir)
     start = time.perf_counter()
     reason = None
     if mode in ("auto", "pre-sharded"):

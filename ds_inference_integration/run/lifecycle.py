@@ -27,27 +27,22 @@ _REPORTED_KEY = "ds_inference_reported"
 
 def tear_down_at_exit(timeout: float = 10.0) -> None:
     """For a script that ends by returning rather than through `run_main` (the README's three changes): destroy the
-    process groups at exit, while the interpreter is still whole (once per process).
+    process groups at exit, while the interpreter is still whole (once per process), and end the rank by the
+    project's rules after an uncaught exception (`install_exit_rules`).
 
     Left to the interpreter's teardown, torch's process-group objects were destroyed after Python's: a user's
     evaluation script that had written all its results aborted in 2 of 13 clean runs at dp 2 ("terminate called
     without an active exception", SIGABRT, exit -6; tests/workers/causal_lm_eval.py under torchrun, 2 CPU ranks,
     2026-12-04), and torchrun then reports the job failed (pytorch#190489); with this, 0 of 30. After an uncaught
-    exception nothing is done (a peer may be inside a collective; the run has failed anyway), and the destroy is
+    exception nothing is destroyed (a peer may be inside a collective; the rank leaves at once), and the destroy is
     bounded by `timeout`."""
     import atexit
     import threading
 
+    install_exit_rules()
     if _teardown.get("registered"):
         return
     _teardown["registered"] = True
-    hook = sys.excepthook
-
-    def failed(*exc):
-        _teardown["failed"] = True
-        hook(*exc)
-
-    sys.excepthook = failed
 
     def destroy():
         if _teardown.get("failed") or not (dist.is_available() and dist.is_initialized()):
@@ -64,15 +59,70 @@ def tear_down_at_exit(timeout: float = 10.0) -> None:
 _teardown: dict = {}
 
 
+def install_exit_rules() -> None:
+    """`run_main`'s exit rules for a script that does not call it (the README's three changes: the parser and the
+    Trainer class call this): an uncaught exception ends the rank as `run_main` would, one `error:` line for the
+    library's errors and for a file system that said no, a traceback and a line otherwise, and the rank leaves at
+    once (`os._exit`) so that its peers stop instead of waiting in a collective. Once per process.
+
+    Without it, a user's script with the README's three changes (tests/workers/causal_lm_eval.py) at `--tp_size 2`
+    on a model of 3 heads printed a traceback of 17 lines per rank around the one-line error (torchrun, 2 CPU
+    ranks, 2026-12-04). Not in an interactive
+    interpreter (`sys.ps1`: an error there must not end the session) nor for Ctrl-C, which keep Python's own
+    handling. What it prints goes to the stderr of the moment it was installed: torch's process-group start wraps
+    the hook in one that collects the output in a buffer and prints it after the hook returns, which this one
+    never does."""
+    if _teardown.get("exit_rules"):
+        return
+    _teardown["exit_rules"] = True
+    previous, stream = sys.excepthook, sys.stderr
+
+    def on_uncaught(kind, error, tb):
+        if hasattr(sys, "ps1") or not isinstance(error, Exception):
+            previous(kind, error, tb)
+            return
+        _teardown["failed"] = True
+        sys.stderr = stream  # the watchdog's explanation too (it writes to sys.stderr): the rank exits from here
+        end_rank(error, stream)
+
+    sys.excepthook = on_uncaught
+
+
 def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
+def end_rank(e: BaseException, stream=None) -> None:
+    """End this rank after `e`, by the project's rules (see `run_main`); never returns."""
+    stream = stream or sys.stderr
+    rank = os.environ.get("RANK", "0")
+    if isinstance(e, (InferenceSetupError, LockstepError, RunFailure)):
+        # One write, starting on a fresh line: ranks share the launcher's stream (and tqdm's \r lines).
+        stream.write(f"\nerror: {e} [rank {rank}]\n")
+        stream.flush()
+        ranks = getattr(e, "ranks", None) or range(int(os.environ.get("WORLD_SIZE", "1")))
+        if len(ranks) > 1:  # a setup error is every rank's; a lock-step failure is its TP group's
+            wait_for_peers_to_report(int(rank), list(ranks), REPORT_GRACE_SECONDS)
+        _exit_now(1 if isinstance(e, RunFailure) else 2)
+    if _is_file_system_error(e):
+        # The file system said no (full, read-only, a directory gone): not a bug of the code, so one line
+        # naming the file, without a traceback. The other ranks see this one leave and stop.
+        where = f": {e.filename}" if e.filename else ""
+        stream.write(f"\nerror: {e.strerror or e} (errno {e.errno}){where}; nothing was claimed done: fix "
+                     f"it and re-run the same command [rank {rank}]\n")
+        stream.flush()
+        _exit_now(1)
+    traceback.print_exception(e, file=stream)
+    stream.write(f"\nerror: rank {rank} failed: {type(e).__name__}: {e}\n")
+    stream.flush()
+    watchdog.explain_failure()  # a peer that stopped answering is the likely cause: name it
+    _exit_now(1)
+
+
 def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
     """Run a script's `main(argv)` with the project's exit rules; returns 0 on success."""
-    rank = os.environ.get("RANK", "0")
     try:
         main(argv)
     except SystemExit as e:  # argparse's --help (code 0) and usage errors (code 2): its own message, its own code
@@ -82,27 +132,8 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
         if code == 0:
             return 0
         _exit_now(code)
-    except (InferenceSetupError, LockstepError, RunFailure) as e:
-        # One write, starting on a fresh line: ranks share the launcher's stream (and tqdm's \r lines).
-        sys.stderr.write(f"\nerror: {e} [rank {rank}]\n")
-        sys.stderr.flush()
-        ranks = getattr(e, "ranks", None) or range(int(os.environ.get("WORLD_SIZE", "1")))
-        if len(ranks) > 1:  # a setup error is every rank's; a lock-step failure is its TP group's
-            wait_for_peers_to_report(int(rank), list(ranks), REPORT_GRACE_SECONDS)
-        _exit_now(1 if isinstance(e, RunFailure) else 2)
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank now, never hang
-        if _is_file_system_error(e):
-            # The file system said no (full, read-only, a directory gone): not a bug of the code, so one line
-            # naming the file, without a traceback. The other ranks see this one leave and stop.
-            where = f": {e.filename}" if e.filename else ""
-            sys.stderr.write(f"\nerror: {e.strerror or e} (errno {e.errno}){where}; nothing was claimed done: fix "
-                             f"it and re-run the same command [rank {rank}]\n")
-            sys.stderr.flush()
-            _exit_now(1)
-        traceback.print_exc()
-        sys.stderr.write(f"\nerror: rank {rank} failed: {type(e).__name__}: {e}\n")
-        watchdog.explain_failure()  # a peer that stopped answering is the likely cause: name it
-        _exit_now(1)
+        end_rank(e)
     watchdog.finished()
     output_dir.release_all()
     if dist.is_available() and dist.is_initialized():

@@ -57,6 +57,7 @@ def setup_inference(model: nn.Module, inference_args: DeepSpeedInferenceArgument
     else:
         check_head_counts(policy, model.config, topology.tp_size)
     policy = policy_for_model(policy, model, topology.tp_size)  # a Policy or None (AutoTP) from here on
+    lifecycle.install_exit_rules()  # for a script that built its parser itself (the Trainer's own checks come first)
     groups = init_process_groups(topology, device.type, inf.inference_timeout)
     if topology.world_size > 1:  # before the watchdog: exit handlers run last first, so it marks this rank done first
         lifecycle.tear_down_at_exit()
