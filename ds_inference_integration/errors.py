@@ -1,5 +1,6 @@
 """The errors the library raises on purpose. Each message is one line; the exit rules (`run.lifecycle`: `run_main`,
-or `install_exit_rules` for a script without it) print it as `error: ...` (no traceback) and exits 2 for a setup error or a lock-step failure, 1 for a run that failed."""
+or `install_exit_rules` for a script without it) print it as `error: ...` (no traceback) and exit 2 for a setup
+error or a lock-step failure, 1 for a run that failed."""
 
 from __future__ import annotations
 
