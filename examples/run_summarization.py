@@ -92,9 +92,6 @@ class DataTrainingArguments:
     ignore_pad_token_for_loss: bool = field(default=True, metadata={"help": "Ignore padded label tokens in the loss."})
     source_prefix: str | None = field(default=None, metadata={"help": "Prefix for every source text (T5: 'summarize: ')."})
     use_stemmer: bool = field(default=True, metadata={"help": "ROUGE with Porter stemming, as upstream computes it."})
-    do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy/beam decoding (seeded by --seed)."})
-    top_k: int | None = field(default=None, metadata={"help": "Sampling: keep the k most likely tokens."})
-    top_p: float | None = field(default=None, metadata={"help": "Sampling: nucleus probability mass."})
 
     def __post_init__(self):
         if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
@@ -286,11 +283,9 @@ def main(argv: list[str]) -> None:
 
     max_length = training_args.generation_max_length or data_args.val_max_target_length
     num_beams = data_args.num_beams if data_args.num_beams is not None else training_args.generation_num_beams
-    sampling = {k: v for k, v in (("do_sample", data_args.do_sample), ("top_k", data_args.top_k),
-                                  ("top_p", data_args.top_p)) if v}
     if training_args.do_eval:
         logger.info("*** Evaluate ***")
-        metrics = trainer.evaluate(max_length=max_length, num_beams=num_beams, metric_key_prefix="eval", **sampling)
+        metrics = trainer.evaluate(max_length=max_length, num_beams=num_beams, metric_key_prefix="eval")
         metrics["eval_samples"] = len(eval_dataset)
         metrics.update(parallel)
         trainer.log_metrics("eval", metrics)
@@ -303,7 +298,7 @@ def main(argv: list[str]) -> None:
         # last, each file atomically: metrics on disk always describe written predictions.
         metrics = trainer.predict_to_file(
             predict_dataset, metric=rouge, metric_key_prefix="predict", fresh=bool(legacy.get("overwrite_output_dir")),
-            max_length=max_length, num_beams=num_beams, **sampling,
+            max_length=max_length, num_beams=num_beams,
         )
         metrics.update(parallel)
         trainer.log_metrics("predict", metrics)

@@ -150,6 +150,16 @@ def load_example(name: str):
     return module
 
 
+def sampling_config(model_dir: Path, out_dir: Path, **settings) -> Path:
+    """A directory holding `model_dir`'s generation config with `settings` (default: sampling with top_k 0), for
+    upstream's `--generation_config`: how the seq2seq examples sample, as upstream's do."""
+    config = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    config.update(settings or {"do_sample": True, "top_k": 0})
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps(config))
+    return Path(out_dir)
+
+
 def assert_ok(run: Run) -> None:
     assert run.returncode == 0, run.output[-4000:]
 

@@ -21,6 +21,7 @@ from conftest import (
     load_example,
     run_example,
     run_in_process,
+    sampling_config,
     start_example,
 )
 
@@ -366,8 +367,9 @@ def test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_proc
     """37 examples, batch 8, 2 replicas: accelerate pads the last batches (5 real rows, and a batch of padding
     alone). eval_loss within 1e-5 relative of one process's, eval_bleu and eval_gen_len exactly (before: eval_loss
     6.0795e-4 against 6.1190e-4; sampled rows parted where padding rows drew random numbers)."""
-    args = EVAL if decoding == "greedy" else [*EVAL, "--model_name_or_path", str(flattened_model), "--do_sample",
-                                              "--top_k", "0", "--seed", "7"]
+    sample = ["--generation_config", str(sampling_config(flattened_model, tmp_path / "sampling"))]
+    args = EVAL if decoding == "greedy" else [*EVAL, "--model_name_or_path", str(flattened_model), *sample, "--seed",
+                                              "7"]
     single = run_in_process(args, tmp_path / "single").results("eval")
     run = run_example([*args, "--deepspeed_inference", "--tp_size", "2"], tmp_path / "dp2tp2", nprocs=4, timeout=240)
     assert_ok(run)
@@ -376,7 +378,7 @@ def test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_proc
     assert abs(got["eval_loss"] - single["eval_loss"]) <= 1e-5 * single["eval_loss"], (got, single)
     assert (got["eval_bleu"], got["eval_gen_len"]) == (single["eval_bleu"], single["eval_gen_len"])
     if decoding == "sampled":
-        greedy = run_in_process([a for a in args if a != "--do_sample"], tmp_path / "greedy")
+        greedy = run_in_process([a for a in args if a not in sample], tmp_path / "greedy")
         assert greedy.results("eval")["eval_bleu"] != single["eval_bleu"]  # it really sampled
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import TRANSLATE_ARGS, WORKERS, assert_ok, load_example, run_example, run_in_process
+from conftest import TRANSLATE_ARGS, WORKERS, assert_ok, load_example, run_example, run_in_process, sampling_config
 
 ODD = ["--do_predict", "--max_predict_samples", "37", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS]
 
@@ -64,9 +64,9 @@ def test_sampling_with_a_seed_matches_single_process(tiny_models, tmp_path):
     args = ["--model_name_or_path", str(tiny_models["t5"]), "--do_predict", "--max_predict_samples", "24",
             "--per_device_eval_batch_size", "8", "--val_max_target_length", "12", *TRANSLATE_ARGS, "--seed", "7"]
     greedy = run_in_process(args, tmp_path / "greedy")
-    sampled = run_in_process([*args, "--do_sample", "--top_k", "0"], tmp_path / "single")
-    tp = run_example([*args, "--do_sample", "--top_k", "0", "--deepspeed_inference"], tmp_path / "tp", nprocs=2,
-                     launcher="torchrun")
+    sample = ["--generation_config", str(sampling_config(tiny_models["t5"], tmp_path / "sampling"))]
+    sampled = run_in_process([*args, *sample], tmp_path / "single")
+    tp = run_example([*args, *sample, "--deepspeed_inference"], tmp_path / "tp", nprocs=2, launcher="torchrun")
     for run in (greedy, sampled, tp):
         assert_ok(run)
     assert sampled.predictions() != greedy.predictions()  # it really sampled
