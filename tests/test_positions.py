@@ -40,3 +40,42 @@ def test_sources_are_checked_by_their_lengths_where_the_flag_default_is_larger()
                                                   r"\(cut at --max_source_length 1024\); valid: --max_source_length at "
                                                   r"most 8$"):
         check_sources_fit(marian, [[1] * 9, [1] * 3], "test", 1024)
+
+
+def test_the_trainer_checks_sources_and_generation_lengths_against_the_positions(tmp_path):
+    """A user's script with the README's changes and upstream's defaults (run_translation.py's --max_source_length
+    1,024) on a model of 64 positions: predict, evaluate and predict_to_file failed with an IndexError in the forward
+    (a traceback per rank); now one line naming the count and the limit, before any batch runs. The generation
+    length a caller sets is checked too; the model's own generation_config is not (generation may end earlier)."""
+    from datasets import Dataset
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
+
+    from conftest import save_tiny_model
+    from ds_inference_integration import DeepSpeedInferenceArguments, DeepSpeedInferenceSeq2SeqTrainer
+
+    model_dir = save_tiny_model("bart", tmp_path / "bart")  # 64 positions
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    long = Dataset.from_dict(tok(["one two three " * 30, "seven"]))
+    short = Dataset.from_dict({**tok(["seven", "two"]), "labels": tok(text_target=["seven", "two"])["input_ids"]})
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    trainer = DeepSpeedInferenceSeq2SeqTrainer(
+        model=model, args=Seq2SeqTrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=4,
+                                                   predict_with_generate=True, report_to="none"),
+        processing_class=tok, data_collator=DataCollatorForSeq2Seq(tok, model=model),
+        inference_args=DeepSpeedInferenceArguments(deepspeed_inference=True))
+    sources = r"^1 of 2 sources are longer than the model's 64 positions \(the longest has 91 tokens\); valid: sources " \
+              r"of at most 64 tokens \(upstream's examples: --max_source_length 64\)$"
+    with pytest.raises(InferenceSetupError, match=sources):
+        trainer.predict(long, max_new_tokens=4)
+    with pytest.raises(InferenceSetupError, match=sources):
+        trainer.predict_to_file(long, max_new_tokens=4)
+    with pytest.raises(InferenceSetupError, match=sources):
+        trainer.evaluate(long)
+    with pytest.raises(InferenceSetupError, match=r"^max_length 100 is longer than the model's 64 decoder positions; "
+                                                  r"valid: at most 64$"):
+        trainer.predict(short, max_length=100)
+    with pytest.raises(InferenceSetupError, match=r"^max_new_tokens 64 is longer than the model's 64 decoder "
+                                                  r"positions; valid: at most 63$"):
+        trainer.evaluate(short, max_new_tokens=64)
+    assert trainer.predict(short, max_length=64).predictions.shape[0] == 2
+    assert "eval_loss" in trainer.evaluate(short, max_new_tokens=63)

@@ -27,6 +27,7 @@ from ..shard.setup import setup_inference
 from ..topology import ProcessGroups, Topology
 from .length_grouping import input_lengths, length_order, padding_fraction, unsort
 from .lockstep import check_lockstep
+from .positions import check_inputs_fit
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +336,18 @@ class DeepSpeedInferenceMixin:
             metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
         return metrics
 
+    def _check_inputs_fit(self, dataset, gen_kwargs: dict) -> None:
+        """Under the flag: sources and the generation length the caller set within an encoder-decoder's positions,
+        one line before any batch runs (on every rank alike: the same data and arguments), not an IndexError in a
+        rank's forward (`positions.check_inputs_fit`)."""
+        if not self.inference_args.deepspeed_inference or dataset is None or isinstance(dataset, dict):
+            return
+        generate = getattr(self.args, "predict_with_generate", False)
+        check_inputs_fit(getattr(self.model, "config", None), dataset, gen_kwargs if generate else {},
+                         getattr(self.args, "generation_max_length", None) if generate else None)
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
+        self._check_inputs_fit(eval_dataset if eval_dataset is not None else self.eval_dataset, kwargs)
         metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         return self._fix_speed_metrics(metrics, metric_key_prefix, len(dataset) if hasattr(dataset, "__len__") else None)
@@ -353,6 +365,7 @@ class DeepSpeedInferenceMixin:
                                 f"{prefix}_padding_fraction_unsorted": round(unsorted, 4)}
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
+        self._check_inputs_fit(test_dataset, kwargs)
         test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         count = len(test_dataset) if hasattr(test_dataset, "__len__") else None
@@ -380,6 +393,7 @@ class DeepSpeedInferenceMixin:
             raise InferenceSetupError("predict_to_file writes generated text: pass --predict_with_generate")
         if self.processing_class is None or not hasattr(self.processing_class, "batch_decode"):
             raise InferenceSetupError("predict_to_file decodes with the Trainer's processing_class: pass the tokenizer")
+        self._check_inputs_fit(test_dataset, gen_kwargs)
         gen_kwargs = dict(gen_kwargs)
         if gen_kwargs.get("max_length") is None and gen_kwargs.get("max_new_tokens") is None \
                 and self.args.generation_max_length is not None:
