@@ -60,18 +60,18 @@ _teardown: dict = {}
 
 
 def install_exit_rules() -> None:
-    """`run_main`'s exit rules for a script that does not call it (the README's three changes: the parser and the
-    Trainer class call this): an uncaught exception ends the rank as `run_main` would, one `error:` line for the
-    library's errors and for a file system that said no, a traceback and a line otherwise, and the rank leaves at
-    once (`os._exit`) so that its peers stop instead of waiting in a collective. Once per process.
+    """`run_main`'s exit rules for a script that does not call it (the README's three changes: the parser installs
+    them, and `setup_inference` for a script with a parser of its own): an uncaught exception ends the rank as
+    `run_main` would, one `error:` line for the library's errors and for a file system that said no, a traceback and
+    a line otherwise, and the rank leaves at once (`os._exit`) so that its peers stop instead of waiting in a
+    collective. Once per process.
 
     Without it, a user's script with the README's three changes (tests/workers/causal_lm_eval.py) at `--tp_size 2`
     on a model of 3 heads printed a traceback of 17 lines per rank around the one-line error (torchrun, 2 CPU
-    ranks, 2026-12-04). Not in an interactive
-    interpreter (`sys.ps1`: an error there must not end the session) nor for Ctrl-C, which keep Python's own
-    handling. What it prints goes to the stderr of the moment it was installed: torch's process-group start wraps
-    the hook in one that collects the output in a buffer and prints it after the hook returns, which this one
-    never does."""
+    ranks, 2026-12-04). Not in an interactive interpreter (`sys.ps1`: an error there must not end the session) nor
+    for Ctrl-C, which keep Python's own handling. What it prints goes to the stderr of the moment it was installed:
+    torch's process-group start wraps the hook in one that collects the output in a buffer and prints it after the
+    hook returns, which this one never does (the watchdog's line about a stopped peer was lost that way)."""
     if _teardown.get("exit_rules"):
         return
     _teardown["exit_rules"] = True
