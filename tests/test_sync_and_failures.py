@@ -314,6 +314,28 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, npro
     _no_results(tmp_path)
 
 
+@pytest.mark.launched
+def test_a_policy_check_rank_that_aborts_in_teardown_after_its_results_does_not_fail_the_check(tmp_path):
+    """`policy check`'s rank workers returned into the interpreter's teardown, where gloo's threads sometimes abort
+    ("terminate called without an active exception", exit -6): twice in one `make test` under two workers
+    (test_half_precision, the GPU check's smoke mode, 2026-12-04), every check passed and the check failed on the
+    rank's exit code. A fault hook makes rank 0 abort at exit; the worker now leaves with os._exit once its results
+    are written and its process group destroyed, as `ds-inference shard`'s ranks do."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import BIN, FAULTS, save_tiny_model
+
+    model = save_tiny_model("t5", tmp_path / "t5")
+    env = {**os.environ, "DS_INFERENCE_FAULT": "abort_at_exit:0", "PYTHONPATH": str(FAULTS),
+           "TORCH_EXTENSIONS_DIR": str(__import__("pathlib").Path(sys.prefix) / "torch_extensions")}
+    proc = subprocess.run([str(BIN / "ds-inference"), "policy", "check", str(model), "--tp-size", "2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS: 8 of 8 checks passed" in proc.stdout, proc.stdout[-3000:]
+
+
 TEARDOWN = """
 import atexit, os, sys
 import torch.distributed as dist

@@ -88,7 +88,10 @@ def install_exit_rules() -> None:
     sys.excepthook = on_uncaught
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
+    """Leave now, without the interpreter's teardown: for a rank whose output is written (a tool's rank worker
+    that returned), where gloo's threads can abort the teardown ("terminate called without an active exception",
+    exit -6) and turn a run that succeeded into a failed one; and for a failing rank, whose peers must see it go."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -105,7 +108,7 @@ def end_rank(e: BaseException, stream=None) -> None:
         ranks = getattr(e, "ranks", None) or range(int(os.environ.get("WORLD_SIZE", "1")))
         if len(ranks) > 1:  # a setup error is every rank's; a lock-step failure is its TP group's
             wait_for_peers_to_report(int(rank), list(ranks), REPORT_GRACE_SECONDS)
-        _exit_now(1 if isinstance(e, RunFailure) else 2)
+        exit_now(1 if isinstance(e, RunFailure) else 2)
     if _is_file_system_error(e):
         # The file system said no (full, read-only, a directory gone): not a bug of the code, so one line
         # naming the file, without a traceback. The other ranks see this one leave and stop.
@@ -113,12 +116,12 @@ def end_rank(e: BaseException, stream=None) -> None:
         stream.write(f"\nerror: {e.strerror or e} (errno {e.errno}){where}; nothing was claimed done: fix "
                      f"it and re-run the same command [rank {rank}]\n")
         stream.flush()
-        _exit_now(1)
+        exit_now(1)
     traceback.print_exception(e, file=stream)
     stream.write(f"\nerror: rank {rank} failed: {type(e).__name__}: {e}\n")
     stream.flush()
     watchdog.explain_failure()  # a peer that stopped answering is the likely cause: name it
-    _exit_now(1)
+    exit_now(1)
 
 
 def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
@@ -131,7 +134,7 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
             sys.stderr.write(f"error: {e.code}\n")
         if code == 0:
             return 0
-        _exit_now(code)
+        exit_now(code)
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank now, never hang
         end_rank(e)
     watchdog.finished()
@@ -140,7 +143,7 @@ def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
         dist.destroy_process_group()
         # gloo with a device mesh can abort (SIGABRT) in interpreter teardown after a clean run:
         # all output is written, so leave without it.
-        _exit_now(0)
+        exit_now(0)
     return 0
 
 

@@ -520,11 +520,13 @@ def _write_report(rows: list[dict], out_dir: Path, setup: dict) -> None:
 
 
 if __name__ == "__main__":
+    from ds_inference_integration.run.lifecycle import exit_now  # rank workers: no teardown (lifecycle.exit_now)
+
     if len(sys.argv) == 8 and sys.argv[1] == "--paired-worker":
-        sys.exit(_paired_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+        exit_now(_paired_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
                                 sys.argv[7]))
     if len(sys.argv) == 8 and sys.argv[1] == "--generate-worker":
-        sys.exit(_generate_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+        exit_now(_generate_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
                                   sys.argv[7]))
     print("usage: ds-inference bench generation|guard|predict|memory", file=sys.stderr)
     sys.exit(2)

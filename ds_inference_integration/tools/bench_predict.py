@@ -199,6 +199,8 @@ def _worker(work: str, path: str, model_dir: str, test_file: str, batch_size: in
 
 if __name__ == "__main__":
     if len(sys.argv) == 7 and sys.argv[1] == "--worker":
-        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])))
+        from ds_inference_integration.run.lifecycle import exit_now
+
+        exit_now(_worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])))  # no teardown
     print("usage: ds-inference bench predict [--scales 1,10] [--repeats 3]", file=sys.stderr)
     sys.exit(2)

@@ -115,10 +115,8 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
 
 if __name__ == "__main__":
     if len(sys.argv) == 7 and sys.argv[1] == "--worker":
-        code = _worker(*sys.argv[2:])
-        sys.stdout.flush()
-        import os
+        from ds_inference_integration.run.lifecycle import exit_now
 
-        os._exit(code)  # no process-group teardown (gloo can abort at interpreter exit)
+        exit_now(_worker(*sys.argv[2:]))  # no process-group teardown (gloo can abort at interpreter exit)
     print("usage: ds-inference shard MODEL_DIR --tp-size N OUT_DIR", file=sys.stderr)
     sys.exit(2)

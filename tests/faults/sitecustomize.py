@@ -13,6 +13,8 @@ package when that module is first imported.
                                           every check first)
     DS_INFERENCE_FAULT=shard_raise:TYPE   DeepSpeed's AutoTP raises the builtin exception TYPE on every rank when it
                                           replaces its first linear (an exception from inside init_inference)
+    DS_INFERENCE_FAULT=abort_at_exit:RANK that rank's `policy check` worker aborts (SIGABRT) in the interpreter's
+                                          teardown, after its results are written, as gloo's threads sometimes do
     DS_INFERENCE_FAULT=half_scale:RANK:NAME:F
                                           a split wrong only in half precision: after sharding in fp16 or bf16, that
                                           rank's part of the module NAME (a path suffix) is scaled by F, as a
@@ -139,6 +141,13 @@ def _patch_autotp(module):
     module.AutoTP._replace = replace
 
 
+def _patch_abort_at_exit(module):
+    if os.environ.get("RANK") == ARG:
+        import atexit
+
+        atexit.register(os.abort)  # runs in the teardown of a worker that returns: SIGABRT, exit -6
+
+
 if KIND == "slow_start":
     _rank, _, _seconds = ARG.partition(":")
     if os.environ.get("RANK") == _rank and "LOCAL_RANK" in os.environ:  # a rank, not its launcher
@@ -148,6 +157,7 @@ if KIND == "slow_start":
 
 PATCHES = {"ds_inference_integration.run.files": _patch_files} if KIND == "fail_write" else (
     {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
+    {"ds_inference_integration.tools.policy_check": _patch_abort_at_exit} if KIND == "abort_at_exit" else
     {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else
     {"ds_inference_integration.shard.inject": _patch_half_scale} if KIND == "half_scale" else
     {"ds_inference_integration.predict.trainer": _patch_trainer} if KIND else {})
