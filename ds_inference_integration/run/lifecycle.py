@@ -82,8 +82,8 @@ def install_exit_rules() -> None:
             previous(kind, error, tb)
             return
         _teardown["failed"] = True
-        sys.stderr = stream  # the watchdog's explanation too (it writes to sys.stderr): the rank exits from here
-        end_rank(error, stream)
+        sys.stderr = stream  # everything end_rank prints, the watchdog's explanation too: the rank exits from here
+        end_rank(error)
 
     sys.excepthook = on_uncaught
 
@@ -97,9 +97,9 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def end_rank(e: BaseException, stream=None) -> None:
-    """End this rank after `e`, by the project's rules (see `run_main`); never returns."""
-    stream = stream or sys.stderr
+def end_rank(e: BaseException) -> None:
+    """End this rank after `e`, by the project's rules (see `run_main`), printing to sys.stderr; never returns."""
+    stream = sys.stderr
     rank = os.environ.get("RANK", "0")
     if isinstance(e, (InferenceSetupError, LockstepError, RunFailure)):
         # One write, starting on a fresh line: ranks share the launcher's stream (and tqdm's \r lines).

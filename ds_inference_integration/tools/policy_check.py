@@ -517,14 +517,13 @@ def _worker(out_dir: str, policy_spec: str, dtypes: str, model_dirs: list[str]) 
 
 if __name__ == "__main__":
     if len(sys.argv) > 4 and sys.argv[1] == "--worker":
-        # Run the worker from the imported module, not from __main__: one copy of its functions, the same
-        # ones a test's fault hook (tests/faults) patches on import.
         from ds_inference_integration.run.lifecycle import exit_now
         from ds_inference_integration.tools import policy_check
 
-        # results written and the process group destroyed: gloo's threads aborted a rank in the interpreter's
-        # teardown after every check had passed (twice in one `make test` with two workers, 2026-12-04), and the
-        # check failed on its exit code
+        # Run the worker from the imported module, not from __main__: one copy of its functions, the same
+        # ones a test's fault hook (tests/faults) patches on import. Then leave without the interpreter's
+        # teardown (results written, process group destroyed): gloo's threads aborted a rank there after every
+        # check had passed (twice in one `make test` with two workers, 2026-12-04), failing the check.
         exit_now(policy_check._worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]))
     print("usage: ds-inference policy check MODEL_DIR --tp-size N", file=sys.stderr)
     sys.exit(2)
