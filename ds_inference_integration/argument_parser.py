@@ -45,7 +45,8 @@ class InferenceArgumentParser(HfArgumentParser):
         check_settings(vars(values))
         with _one_line():
             outputs = super().parse_args_into_dataclasses(argv, *rest, **kwargs)
-        check_model_for_run(outputs)
+        keep_legacy(outputs, self.legacy)
+        check_run(outputs)
         return outputs
 
     def parse_dict(self, args: dict[str, Any], allow_extra_keys: bool = False):
@@ -53,7 +54,8 @@ class InferenceArgumentParser(HfArgumentParser):
         check_settings(args)
         with _one_line():
             outputs = super().parse_dict(args, allow_extra_keys=allow_extra_keys)
-        check_model_for_run(outputs)
+        keep_legacy(outputs, self.legacy)
+        check_run(outputs)
         return outputs
 
     def _prepare_dict(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -73,15 +75,37 @@ class InferenceArgumentParser(HfArgumentParser):
         return args
 
 
+def keep_legacy(outputs, legacy: dict[str, bool]) -> None:
+    """`training_args.overwrite_output_dir` as transformers 4 had it (transformers 5 dropped the field): a script
+    written for 4 reads it (upstream's checkpoint detection did), and `predict_to_file` starts afresh by it."""
+    from transformers import TrainingArguments
+
+    for output in outputs:
+        if isinstance(output, TrainingArguments) and not hasattr(output, "overwrite_output_dir"):
+            output.overwrite_output_dir = bool(legacy.get("overwrite_output_dir"))
+
+
+def check_run(outputs) -> None:
+    """What the parsed arguments say about the run, checked before the script loads any data or model, by the names
+    every upstream example uses: the model (`check_model_for_run`) and the data files (`check_run_data`)."""
+    from .predict.data_files import check_run_data
+
+    check_model_for_run(outputs)
+    check_run_data(outputs)
+
+
+# upstream's names for the generated length: past an encoder-decoder's decoder positions either is an IndexError in
+# the forward, after the model and data loaded
+TARGET_LENGTHS = ("val_max_target_length", "generation_max_length")
+
+
 def check_model_for_run(outputs) -> None:
-    """Under --deepspeed_inference, where the parsed arguments name a local model (a `model_name_or_path` field, as
-    every upstream example has, or its `config_name`): the policy for the run and the model's head counts against
-    the tp size, from its config.json, before the script loads any data or model (a wrong --tp_size was a failure
-    in the Trainer, after both). A hub id is checked by the Trainer, once the model is there."""
+    """Where the parsed arguments name a local model (a `model_name_or_path` field, as every upstream example has,
+    or its `config_name`): from its config.json, the generated lengths upstream's arguments set against its decoder
+    positions, and under --deepspeed_inference the policy for the run and the head counts against the tp size
+    (a wrong --tp_size was a failure in the Trainer, after data and model loaded). A hub id is checked by the
+    Trainer, once the model is there."""
     found = [o for o in outputs if is_dataclass(o)]
-    inference = next((o for o in found if isinstance(o, DeepSpeedInferenceArguments)), None)
-    if inference is None or not inference.deepspeed_inference:
-        return
     model = next((o for o in found if getattr(o, "model_name_or_path", None)), None)
     if model is None:
         return
@@ -91,12 +115,19 @@ def check_model_for_run(outputs) -> None:
     from transformers import AutoConfig
 
     from .policy.schema import policy_for_run
+    from .predict.positions import check_lengths_fit
     from .topology import Topology
 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=bool(getattr(model, "trust_remote_code", False)))
     except (OSError, ValueError):
         return  # the script's own loading says what is wrong with it, as without the flag
+    if getattr(config, "is_encoder_decoder", False):
+        check_lengths_fit(config, target={f"--{name}": getattr(o, name) for o in found for name in TARGET_LENGTHS
+                                          if hasattr(o, name)})
+    inference = next((o for o in found if isinstance(o, DeepSpeedInferenceArguments)), None)
+    if inference is None or not inference.deepspeed_inference:
+        return
     topology = Topology.create(world_size_from_env(), int(os.environ.get("RANK", "0")), inference.tp_size)
     policy_for_run(inference.injection_policy, config, topology.tp_size)
 

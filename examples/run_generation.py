@@ -13,6 +13,7 @@ stripped: `generated_predictions.txt` (one line per output) and `generated_predi
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,6 @@ from ds_inference_integration import (
     DeepSpeedInferenceSeq2SeqTrainer,
     InferenceArgumentParser,
     InferenceSetupError,
-    parse_args_into_dataclasses,
-    prepare_inference,
 )
 from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.data_files import check_data_file
@@ -103,7 +102,10 @@ def peak_rss_mb_per_rank() -> list[float]:
 
 def main(argv: list[str]) -> None:
     parser = InferenceArgumentParser((GenerationArguments, Seq2SeqTrainingArguments, DeepSpeedInferenceArguments))
-    gen_args, training_args, inference_args = parse_args_into_dataclasses(parser, argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        gen_args, training_args, inference_args = parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    else:
+        gen_args, training_args, inference_args = parser.parse_args_into_dataclasses(argv)
     training_args.predict_with_generate = True
     training_args.remove_unused_columns = False
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
@@ -115,7 +117,6 @@ def main(argv: list[str]) -> None:
 
     prompts = read_prompts(gen_args.prompts_file, gen_args.prompt_column, gen_args.max_prompts)
     config = AutoConfig.from_pretrained(gen_args.model_name_or_path)
-    policy = prepare_inference(config, None, gen_args.model_name_or_path, inference_args)  # policy, head counts
 
     tokenizer = AutoTokenizer.from_pretrained(gen_args.model_name_or_path)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens follow every prompt directly
@@ -129,7 +130,7 @@ def main(argv: list[str]) -> None:
 
     trainer = DeepSpeedInferenceSeq2SeqTrainer(
         model=model, args=training_args, processing_class=tokenizer,
-        data_collator=DataCollatorWithPadding(tokenizer), inference_args=inference_args, policy=policy,
+        data_collator=DataCollatorWithPadding(tokenizer), inference_args=inference_args,
     )
     gen_kwargs = {k: v for k, v in (("temperature", gen_args.temperature), ("top_k", gen_args.top_k),
                                     ("top_p", gen_args.top_p), ("min_new_tokens", gen_args.min_new_tokens))
@@ -145,8 +146,7 @@ def main(argv: list[str]) -> None:
     metrics.update({"predict_outputs": len(prompts) * k,
                     "predict_peak_rss_mb_per_rank": ", ".join(map(str, peak_rss_mb_per_rank())),
                     "predict_new_tokens": new_tokens,
-                    "predict_new_tokens_per_second": round(new_tokens / metrics["predict_runtime"], 2),
-                    "tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size})
+                    "predict_new_tokens_per_second": round(new_tokens / metrics["predict_runtime"], 2)})
     if trainer.is_world_process_zero():  # the prompts beside their outputs, read back from the merged file
         out = Path(training_args.output_dir)
         with open(out / "generated_predictions.txt", encoding="utf-8") as f, \

@@ -19,6 +19,7 @@ with `--deepspeed_inference` added.
 """
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from math import gcd
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from datasets import load_dataset
 from transformers import (
     AutoConfig,
     AutoFeatureExtractor,
@@ -42,11 +44,8 @@ from ds_inference_integration import (
     DeepSpeedInferenceSeq2SeqTrainer,
     InferenceArgumentParser,
     InferenceSetupError,
-    parse_args_into_dataclasses,
-    prepare_inference,
 )
-from ds_inference_integration.load.loaders import load_model
-from ds_inference_integration.predict.data_files import load_data_files
+from ds_inference_integration.load.loaders import check_model_kind, load_model
 from ds_inference_integration.predict.metrics import WordErrorRate
 from ds_inference_integration.predict.positions import check_lengths_fit
 
@@ -165,11 +164,13 @@ def check_language_and_task(model_dir: str, language: str | None, task: str, hub
 def parse_args(argv: list[str]):
     parser = InferenceArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments,
                                       DeepSpeedInferenceArguments))
-    return (*parse_args_into_dataclasses(parser, argv), parser.legacy)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(argv)
 
 
 def main(argv: list[str]) -> None:
-    model_args, data_args, training_args, inference_args, legacy = parse_args(argv)
+    model_args, data_args, training_args, inference_args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
                         handlers=[logging.StreamHandler(sys.stdout)])
     log_level = training_args.get_process_log_level()
@@ -181,13 +182,13 @@ def main(argv: list[str]) -> None:
     hub = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
                trust_remote_code=model_args.trust_remote_code)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub)
-    # the model kind, and under --deepspeed_inference the policy and head counts: checked before anything loads
-    policy = prepare_inference(config, AutoModelForSpeechSeq2Seq, model_args.model_name_or_path, inference_args)
     language_and_task = check_language_and_task(model_args.model_name_or_path, data_args.language, data_args.task, hub)
     try:
         feature_extractor = AutoFeatureExtractor.from_pretrained(
             model_args.feature_extractor_name or model_args.model_name_or_path, **hub)
     except OSError:  # transformers' message is three sentences about the Hub
+        # a text model given here has none: name its kind (load_model would, later)
+        check_model_kind(config, AutoModelForSpeechSeq2Seq, model_args.model_name_or_path)
         raise InferenceSetupError(f"{model_args.feature_extractor_name or model_args.model_name_or_path} has no "
                                   "feature extractor (preprocessor_config.json); valid: a speech model's directory, "
                                   "or --feature_extractor_name") from None
@@ -209,7 +210,10 @@ def main(argv: list[str]) -> None:
             continue
         if manifest is None:
             raise InferenceSetupError(f"--{split}_file is needed for this split; valid: a json, jsonl or csv manifest")
-        ds = load_data_files({split: manifest}, cache_dir=model_args.cache_dir, what="clips")[split]
+        # the parser has checked the manifest as a file (missing, empty, not UTF-8, a malformed line)
+        extension = manifest.split(".")[-1]
+        ds = load_dataset("json" if extension == "jsonl" else extension, data_files={split: manifest},
+                          cache_dir=model_args.cache_dir)[split]
         if len(ds) == 0:
             raise InferenceSetupError(f"the {split} manifest {manifest} lists no clips")
         for column in (data_args.audio_column_name, data_args.text_column_name):
@@ -283,20 +287,17 @@ def main(argv: list[str]) -> None:
     trainer = DeepSpeedInferenceSeq2SeqTrainer(
         model=model, args=training_args, processing_class=tokenizer, data_collator=collate,
         compute_metrics=compute_metrics if training_args.predict_with_generate else None,
-        inference_args=inference_args, policy=policy,
+        inference_args=inference_args,
     )
-    parallel = {"tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size}
     gen = {"max_length": training_args.generation_max_length or data_args.max_target_length,
            "num_beams": data_args.num_beams or training_args.generation_num_beams}
     if "validation" in data:
         metrics = trainer.evaluate(data["validation"], metric_key_prefix="eval", **gen)
-        metrics.update({"eval_samples": len(data["validation"]), **parallel})
+        metrics["eval_samples"] = len(data["validation"])
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
     if "test" in data:
-        metrics = trainer.predict_to_file(data["test"], metric=wer, metric_key_prefix="predict",
-                                          fresh=bool(legacy.get("overwrite_output_dir")), **gen)
-        metrics.update(parallel)
+        metrics = trainer.predict_to_file(data["test"], metric=wer, metric_key_prefix="predict", **gen)
         trainer.log_metrics("predict", metrics)
         trainer.save_metrics("predict", metrics)
 

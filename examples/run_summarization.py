@@ -15,6 +15,7 @@ Tensor parallel over 2 ranks (CPU ranks when there is no GPU): the same command 
 """
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +38,8 @@ from ds_inference_integration import (
     DeepSpeedInferenceSeq2SeqTrainer,
     InferenceArgumentParser,
     InferenceSetupError,
-    parse_args_into_dataclasses,
-    prepare_inference,
 )
 from ds_inference_integration.load.loaders import load_model
-from ds_inference_integration.predict.data_files import check_texts, load_data_files
 from ds_inference_integration.predict.metrics import Rouge
 from ds_inference_integration.predict.positions import check_lengths_fit
 
@@ -72,8 +70,8 @@ class ModelArguments:
 class DataTrainingArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name (needs the network)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config name."})
-    text_column: str | None = field(default=None, metadata={"help": "Column of the full texts (default: document)."})
-    summary_column: str | None = field(default=None, metadata={"help": "Column of the summaries (default: summary)."})
+    text_column: str | None = field(default="document", metadata={"help": "Column of the full texts."})
+    summary_column: str | None = field(default="summary", metadata={"help": "Column of the summaries."})
     train_file: str | None = field(default=None, metadata={"help": "json-lines training file."})
     validation_file: str | None = field(default=None, metadata={"help": "json-lines validation file."})
     test_file: str | None = field(default=None, metadata={"help": "json-lines test file."})
@@ -109,11 +107,13 @@ class DataTrainingArguments:
 def parse_args(argv: list[str]):
     parser = InferenceArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments,
                                       DeepSpeedInferenceArguments))
-    return (*parse_args_into_dataclasses(parser, argv), parser.legacy)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(argv)
 
 
 def main(argv: list[str]) -> None:
-    model_args, data_args, training_args, inference_args, legacy = parse_args(argv)
+    model_args, data_args, training_args, inference_args = parse_args(argv)
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
         datefmt="%m/%d/%Y %H:%M:%S",
@@ -127,42 +127,44 @@ def main(argv: list[str]) -> None:
         f"Process rank: {training_args.process_index}, device: {training_args.device}, "
         f"world size: {training_args.world_size}, deepspeed_inference: {inference_args.deepspeed_inference}"
     )
-    if legacy.get("overwrite_output_dir"):
-        logger.info("--overwrite_output_dir: results in %s are overwritten", training_args.output_dir)
     set_seed(training_args.seed)
+
+    # Data: the parser has checked each --{split}_file (missing, empty, not UTF-8, a malformed line, the text and
+    # summary columns) on every rank, before anything loaded: one line naming the file
+    if data_args.dataset_name is not None:
+        raw_datasets = load_dataset(
+            data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir,
+            token=model_args.token,
+        )
+    else:
+        data_files = {}
+        for split in ("train", "validation", "test"):
+            if getattr(data_args, f"{split}_file") is not None:
+                data_files[split] = getattr(data_args, f"{split}_file")
+                extension = data_files[split].split(".")[-1]
+        raw_datasets = load_dataset("json" if extension == "jsonl" else extension, data_files=data_files,
+                                    cache_dir=model_args.cache_dir, token=model_args.token)
 
     config = AutoConfig.from_pretrained(
         model_args.config_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
         revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
     )
-    # the model kind, and under --deepspeed_inference the policy and head counts: checked before anything loads
-    policy = prepare_inference(config, AutoModelForSeq2SeqLM, model_args.model_name_or_path, inference_args)
-
-    # Data -----------------------------------------------------------------------------------------
-    with training_args.main_process_first(desc="load data"):
-        if data_args.dataset_name is not None:
-            raw_datasets = load_dataset(
-                data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir,
-                token=model_args.token,
-            )
-        else:
-            # every file checked first (missing, empty, not UTF-8, a malformed line): one line naming it
-            data_files = {split: path for split, path in (("train", data_args.train_file), ("validation",
-                          data_args.validation_file), ("test", data_args.test_file)) if path is not None}
-            raw_datasets = load_data_files(data_files, cache_dir=model_args.cache_dir)
-
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
         use_fast=model_args.use_fast_tokenizer, revision=model_args.model_revision, token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
     )
-    if config.decoder_start_token_id is None:
+    # the policy and head counts were checked by the parser; under --deepspeed_inference each rank reads only its
+    # shard where the checkpoint allows (--loading)
+    model = load_model(
+        AutoModelForSeq2SeqLM, model_args.model_name_or_path, config=config, inference_args=inference_args,
+        training_args=training_args, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+        token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+    )
+    if model.config.decoder_start_token_id is None:
         raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
-    # upstream resizes or refuses a source longer than the model's positions; the targets (labels, generated
-    # length) are checked too: past the decoder's positions either is an IndexError in the forward
-    check_lengths_fit(config, source={"--max_source_length": data_args.max_source_length},
-                      target={"--val_max_target_length": data_args.val_max_target_length,
-                              "--generation_max_length": training_args.generation_max_length})
+    # upstream refuses (or resizes, which inference cannot) a --max_source_length beyond the model's positions
+    check_lengths_fit(model.config, source={"--max_source_length": data_args.max_source_length})
 
     prefix = data_args.source_prefix if data_args.source_prefix is not None else ""
     if training_args.do_train:
@@ -176,14 +178,11 @@ def main(argv: list[str]) -> None:
         return
 
     padding = "max_length" if data_args.pad_to_max_length else False
-    text_column = data_args.text_column or "document"
-    summary_column = data_args.summary_column or "summary"
+    text_column, summary_column = data_args.text_column, data_args.summary_column
 
     def preprocess_function(examples, max_target_length):
-        inputs = [prefix + (text or "") for text in examples[text_column]]
-        lengths = [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
+        inputs = [prefix + text for text in examples[text_column]]
         model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding=padding, truncation=True)
-        model_inputs["source_truncated"] = [n > data_args.max_source_length for n in lengths]
         if summary_column in examples:
             labels = tokenizer(text_target=examples[summary_column], max_length=max_target_length, padding=padding,
                                truncation=True)
@@ -198,7 +197,6 @@ def main(argv: list[str]) -> None:
         if split not in raw_datasets:
             raise InferenceSetupError(f"{split!r} split missing: pass --{split}_file or a dataset that has it")
         ds = raw_datasets[split]
-        check_columns(ds, split)
         if max_samples is not None:
             ds = ds.select(range(min(len(ds), max_samples)))
         with training_args.main_process_first(desc=f"{split} dataset map pre-processing"):
@@ -207,27 +205,7 @@ def main(argv: list[str]) -> None:
                 remove_columns=column_names, load_from_cache_file=not data_args.overwrite_cache,
                 fn_kwargs={"max_target_length": max_target_length}, desc=f"Running tokenizer on {split} dataset",
             )
-        truncated = sum(ds["source_truncated"])
-        if truncated:
-            logger.warning(f"{truncated} of {len(ds)} {split} sources are longer than --max_source_length "
-                           f"{data_args.max_source_length} tokens and were truncated")
-        return ds.remove_columns("source_truncated")
-
-    def check_columns(ds, split: str) -> None:
-        """Empty data, a missing column, or empty texts end here, in one line, before any model work."""
-        if len(ds) == 0:
-            raise InferenceSetupError(f"the {split} data holds no examples; give a file with at least one line")
-        for flag, column in (("--text_column", text_column), ("--summary_column", summary_column)):
-            if column not in ds.column_names and not (flag == "--summary_column" and split == "test"):
-                raise InferenceSetupError(f"{flag} {column!r} is not a column of the {split} data; "
-                                          f"columns: {', '.join(ds.column_names)}")
-        check_texts(ds[text_column], f"--text_column {text_column}", text_column, split)
-        if summary_column not in ds.column_names:
-            logger.info(f"the test data has no {summary_column!r} column: predictions only, no ROUGE")
-        elif any(s is None for s in ds[summary_column]):
-            raise InferenceSetupError(f"{sum(s is None for s in ds[summary_column])} of {len(ds)} {split} examples "
-                                      f"have no {summary_column!r}; valid: every example has one"
-                                      f"{' or the column is absent (predictions only)' if split == 'test' else ''}")
+        return ds
 
     train_dataset = prepare("train", data_args.max_train_samples, data_args.max_target_length) if training_args.do_train else None
     eval_dataset = (prepare("validation", data_args.max_eval_samples, data_args.val_max_target_length)
@@ -235,13 +213,6 @@ def main(argv: list[str]) -> None:
     predict_dataset = (prepare("test", data_args.max_predict_samples, data_args.val_max_target_length)
                        if training_args.do_predict else None)
 
-    # The model loads only once arguments, policy and data have been checked.
-    # Under --deepspeed_inference each rank reads only its shard where the checkpoint allows (--loading).
-    model = load_model(
-        AutoModelForSeq2SeqLM, model_args.model_name_or_path, config=config, inference_args=inference_args,
-        training_args=training_args, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
-        token=model_args.token, trust_remote_code=model_args.trust_remote_code,
-    )
     label_pad_token_id = -100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id
     if data_args.pad_to_max_length:
         data_collator = default_data_collator
@@ -268,9 +239,8 @@ def main(argv: list[str]) -> None:
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=data_collator,
         compute_metrics=compute_metrics if training_args.predict_with_generate else None,
-        inference_args=inference_args, policy=policy,
+        inference_args=inference_args,
     )
-    parallel = {"tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size}
 
     if training_args.do_train:
         train_result = trainer.train()
@@ -287,7 +257,6 @@ def main(argv: list[str]) -> None:
         logger.info("*** Evaluate ***")
         metrics = trainer.evaluate(max_length=max_length, num_beams=num_beams, metric_key_prefix="eval")
         metrics["eval_samples"] = len(eval_dataset)
-        metrics.update(parallel)
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
 
@@ -296,11 +265,8 @@ def main(argv: list[str]) -> None:
         # Streamed: each batch's predictions reach disk as it finishes, and re-running this command after a
         # crash continues where it stopped (--overwrite_output_dir starts afresh). Predictions first, metrics
         # last, each file atomically: metrics on disk always describe written predictions.
-        metrics = trainer.predict_to_file(
-            predict_dataset, metric=rouge, metric_key_prefix="predict", fresh=bool(legacy.get("overwrite_output_dir")),
-            max_length=max_length, num_beams=num_beams,
-        )
-        metrics.update(parallel)
+        metrics = trainer.predict_to_file(predict_dataset, metric=rouge, metric_key_prefix="predict",
+                                          max_length=max_length, num_beams=num_beams)
         trainer.log_metrics("predict", metrics)
         trainer.save_metrics("predict", metrics)
 

@@ -14,6 +14,7 @@ Tensor parallel over 2 ranks (CPU ranks when there is no GPU): the same command 
 """
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,13 +38,9 @@ from ds_inference_integration import (
     DeepSpeedInferenceSeq2SeqTrainer,
     InferenceArgumentParser,
     InferenceSetupError,
-    parse_args_into_dataclasses,
-    prepare_inference,
 )
 from ds_inference_integration.load.loaders import load_model
-from ds_inference_integration.predict.data_files import check_texts, load_data_files
 from ds_inference_integration.predict.metrics import CorpusBleu
-from ds_inference_integration.predict.positions import check_lengths_fit, check_sources_fit
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +107,13 @@ class DataTrainingArguments:
 def parse_args(argv: list[str]):
     parser = InferenceArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments,
                                       DeepSpeedInferenceArguments))
-    return (*parse_args_into_dataclasses(parser, argv), parser.legacy)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(argv)
 
 
 def main(argv: list[str]) -> None:
-    model_args, data_args, training_args, inference_args, legacy = parse_args(argv)
+    model_args, data_args, training_args, inference_args = parse_args(argv)
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
         datefmt="%m/%d/%Y %H:%M:%S",
@@ -128,40 +127,42 @@ def main(argv: list[str]) -> None:
         f"Process rank: {training_args.process_index}, device: {training_args.device}, "
         f"world size: {training_args.world_size}, deepspeed_inference: {inference_args.deepspeed_inference}"
     )
-    if legacy.get("overwrite_output_dir"):
-        logger.info("--overwrite_output_dir: results in %s are overwritten", training_args.output_dir)
     set_seed(training_args.seed)
+
+    # Data: the parser has checked each --{split}_file (missing, empty, not UTF-8, a malformed line, the languages of
+    # its 'translation' column) on every rank, before anything loaded: one line naming the file
+    if data_args.dataset_name is not None:
+        raw_datasets = load_dataset(
+            data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir,
+            token=model_args.token,
+        )
+    else:
+        data_files = {}
+        for split in ("train", "validation", "test"):
+            if getattr(data_args, f"{split}_file") is not None:
+                data_files[split] = getattr(data_args, f"{split}_file")
+                extension = data_files[split].split(".")[-1]
+        raw_datasets = load_dataset("json" if extension == "jsonl" else extension, data_files=data_files,
+                                    cache_dir=model_args.cache_dir, token=model_args.token)
 
     config = AutoConfig.from_pretrained(
         model_args.config_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
         revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
     )
-    # the model kind, and under --deepspeed_inference the policy and head counts: checked before anything loads
-    policy = prepare_inference(config, AutoModelForSeq2SeqLM, model_args.model_name_or_path, inference_args)
-
-    # Data -----------------------------------------------------------------------------------------
-    with training_args.main_process_first(desc="load data"):
-        if data_args.dataset_name is not None:
-            raw_datasets = load_dataset(
-                data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir,
-                token=model_args.token,
-            )
-        else:
-            # every file checked first (missing, empty, not UTF-8, a malformed line): one line naming it
-            data_files = {split: path for split, path in (("train", data_args.train_file), ("validation",
-                          data_args.validation_file), ("test", data_args.test_file)) if path is not None}
-            raw_datasets = load_data_files(data_files, cache_dir=model_args.cache_dir)
-
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
         use_fast=model_args.use_fast_tokenizer, revision=model_args.model_revision, token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
     )
-    if config.decoder_start_token_id is None:
+    # Under --deepspeed_inference each rank reads only its shard where the checkpoint allows (--loading); the
+    # policy and head counts were checked by the parser
+    model = load_model(
+        AutoModelForSeq2SeqLM, model_args.model_name_or_path, config=config, inference_args=inference_args,
+        training_args=training_args, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+        token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+    )
+    if model.config.decoder_start_token_id is None:
         raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
-    # labels and the generated length past the decoder's positions are an IndexError in the forward
-    check_lengths_fit(config, target={"--val_max_target_length": data_args.val_max_target_length,
-                                      "--generation_max_length": training_args.generation_max_length})
 
     prefix = data_args.source_prefix if data_args.source_prefix is not None else ""
     if training_args.do_train:
@@ -179,9 +180,9 @@ def main(argv: list[str]) -> None:
         forced_bos_token_id = (
             tokenizer.lang_code_to_id[data_args.forced_bos_token] if data_args.forced_bos_token is not None else None
         )
-        config.forced_bos_token_id = forced_bos_token_id
+        model.config.forced_bos_token_id = forced_bos_token_id
     elif data_args.forced_bos_token is not None:
-        config.forced_bos_token_id = tokenizer.convert_tokens_to_ids(data_args.forced_bos_token)
+        model.config.forced_bos_token_id = tokenizer.convert_tokens_to_ids(data_args.forced_bos_token)
 
     source_lang, target_lang = data_args.source_lang.split("_")[0], data_args.target_lang.split("_")[0]
     padding = "max_length" if data_args.pad_to_max_length else False
@@ -189,9 +190,7 @@ def main(argv: list[str]) -> None:
     def preprocess_function(examples, max_target_length):
         inputs = [ex[source_lang] for ex in examples["translation"]]
         inputs = [prefix + inp for inp in inputs]
-        lengths = [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
         model_inputs = tokenizer(inputs, max_length=data_args.max_source_length, padding=padding, truncation=True)
-        model_inputs["source_truncated"] = [n > data_args.max_source_length for n in lengths]
         if all(target_lang in ex for ex in examples["translation"]):
             targets = [ex[target_lang] for ex in examples["translation"]]
             labels = tokenizer(text_target=targets, max_length=max_target_length, padding=padding, truncation=True)
@@ -206,7 +205,6 @@ def main(argv: list[str]) -> None:
         if split not in raw_datasets:
             raise InferenceSetupError(f"{split!r} split missing: pass --{split}_file or a dataset that has it")
         ds = raw_datasets[split]
-        check_columns(ds, split)
         if max_samples is not None:
             ds = ds.select(range(min(len(ds), max_samples)))
         with training_args.main_process_first(desc=f"{split} dataset map pre-processing"):
@@ -215,32 +213,7 @@ def main(argv: list[str]) -> None:
                 remove_columns=column_names, load_from_cache_file=not data_args.overwrite_cache,
                 fn_kwargs={"max_target_length": max_target_length}, desc=f"Running tokenizer on {split} dataset",
             )
-        check_sources_fit(config, ds["input_ids"], split, data_args.max_source_length)
-        truncated = sum(ds["source_truncated"])
-        if truncated:
-            logger.warning(f"{truncated} of {len(ds)} {split} sources are longer than --max_source_length "
-                           f"{data_args.max_source_length} tokens and were truncated")
-        return ds.remove_columns("source_truncated")
-
-    def check_columns(ds, split: str) -> None:
-        """Empty data or a missing column/language ends here, in one line, before any model work."""
-        if len(ds) == 0:
-            raise InferenceSetupError(f"the {split} data holds no examples; give a file with at least one line")
-        if "translation" not in ds.column_names:
-            raise InferenceSetupError(f"the {split} data has no 'translation' column; columns: {ds.column_names}")
-        keys = sorted(ds[0]["translation"] or {})
-        if source_lang not in keys:
-            raise InferenceSetupError(f"the {split} data has no language {source_lang!r} in 'translation'; languages "
-                                      f"there: {keys}")
-        check_texts([(ex or {}).get(source_lang) for ex in ds["translation"]], f"--source_lang {source_lang}",
-                    f"translation.{source_lang}", split)
-        with_target = sum(target_lang in (ex or {}) for ex in ds["translation"])
-        if split == "test" and with_target == 0:
-            logger.info(f"the test data has no {target_lang!r} references: predictions only, no BLEU")
-        elif with_target != len(ds):
-            raise InferenceSetupError(
-                f"{len(ds) - with_target} of {len(ds)} {split} examples have no {target_lang!r} in 'translation'; "
-                f"valid: every example has it{' or none (predictions only)' if split == 'test' else ''}")
+        return ds
 
     train_dataset = prepare("train", data_args.max_train_samples, data_args.max_target_length) if training_args.do_train else None
     eval_dataset = (prepare("validation", data_args.max_eval_samples, data_args.val_max_target_length)
@@ -248,13 +221,6 @@ def main(argv: list[str]) -> None:
     predict_dataset = (prepare("test", data_args.max_predict_samples, data_args.val_max_target_length)
                        if training_args.do_predict else None)
 
-    # The model loads only once arguments, policy and data have been checked.
-    # Under --deepspeed_inference each rank reads only its shard where the checkpoint allows (--loading).
-    model = load_model(
-        AutoModelForSeq2SeqLM, model_args.model_name_or_path, config=config, inference_args=inference_args,
-        training_args=training_args, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
-        token=model_args.token, trust_remote_code=model_args.trust_remote_code,
-    )
     label_pad_token_id = -100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id
     if data_args.pad_to_max_length:
         data_collator = default_data_collator
@@ -281,9 +247,8 @@ def main(argv: list[str]) -> None:
         model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, data_collator=data_collator,
         compute_metrics=compute_metrics if training_args.predict_with_generate else None,
-        inference_args=inference_args, policy=policy,
+        inference_args=inference_args,
     )
-    parallel = {"tp_size": trainer.topology.tp_size, "dp_size": trainer.topology.dp_size}
 
     if training_args.do_train:
         train_result = trainer.train()
@@ -300,7 +265,6 @@ def main(argv: list[str]) -> None:
         logger.info("*** Evaluate ***")
         metrics = trainer.evaluate(max_length=max_length, num_beams=num_beams, metric_key_prefix="eval")
         metrics["eval_samples"] = len(eval_dataset)
-        metrics.update(parallel)
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
 
@@ -309,11 +273,8 @@ def main(argv: list[str]) -> None:
         # Streamed: each batch's predictions reach disk as it finishes, and re-running this command after a
         # crash continues where it stopped (--overwrite_output_dir starts afresh). Predictions first, metrics
         # last, each file atomically: metrics on disk always describe written predictions.
-        metrics = trainer.predict_to_file(
-            predict_dataset, metric=CorpusBleu(), metric_key_prefix="predict", fresh=bool(legacy.get("overwrite_output_dir")),
-            max_length=max_length, num_beams=num_beams,
-        )
-        metrics.update(parallel)
+        metrics = trainer.predict_to_file(predict_dataset, metric=CorpusBleu(), metric_key_prefix="predict",
+                                          max_length=max_length, num_beams=num_beams)
         trainer.log_metrics("predict", metrics)
         trainer.save_metrics("predict", metrics)
 

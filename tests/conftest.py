@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,13 @@ BIN = Path(sys.executable).parent
 # /usr/bin) hash the build commands differently, so alternating between them rebuilt the op (~55 s) each time.
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # in-process runs too
+# the record of data files that passed their checks (predict/data_files.py): one per pytest process, removed at its
+# end, not the user's ~/.cache (the processes the tests start inherit it)
+os.environ["DS_INFERENCE_CACHE"] = tempfile.mkdtemp(prefix="ds-inference-tests-cache-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["DS_INFERENCE_CACHE"], ignore_errors=True)
 PREFIX = "translate English to Romanian: "
 TRANSLATE_ARGS = [
     "--predict_with_generate", "--source_lang", "en", "--target_lang", "ro", "--source_prefix", PREFIX,

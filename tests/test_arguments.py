@@ -184,15 +184,15 @@ def test_a_bad_argument_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.launched
-def test_the_fault_hook_is_not_in_the_package_and_long_sources_are_truncated_once(tmp_path):
+def test_the_fault_hook_is_not_in_the_package_and_long_sources_are_truncated(tmp_path):
     """DS_INFERENCE_FAULT means nothing to a production run: only the tests' sitecustomize reads it. The same
-    run has sources longer than --max_source_length: truncated, with one warning giving the count."""
+    run has sources longer than --max_source_length: truncated, as upstream's script truncates them (silently:
+    the example no longer tokenizes every source twice to count them), one prediction each."""
     from conftest import TRANSLATE_ARGS, assert_ok, run_example
 
     run = run_example(["--do_predict", "--max_predict_samples", "10", *TRANSLATE_ARGS, "--max_source_length", "12",
                        "--deepspeed_inference"], tmp_path, env={"DS_INFERENCE_FAULT": "raise:0:0"})
     assert_ok(run)
-    assert run.output.count("of 10 test sources are longer than --max_source_length 12 tokens and were truncated") == 1
     assert len(run.predictions()) == 10
 
 
@@ -293,9 +293,9 @@ def test_the_exit_rules_leave_an_interactive_session_alone():
 
 def test_the_parser_checks_the_models_head_counts_before_any_data_or_model_loads(monkeypatch, tmp_path):
     """Under the flag, where the parsed arguments name a local model (upstream's `model_name_or_path`), the parser
-    checks the policy and head counts against the tp size from its config.json: what the examples did with
-    `prepare_inference` before loading data, so that a user's copy of upstream's script gets it with the parser
-    line alone (before, a wrong --tp_size surfaced in the Trainer, after the data and the model had loaded)."""
+    checks the policy and head counts against the tp size from its config.json, before loading data, so that a
+    user's copy of upstream's script gets it with the parser line alone (before, a wrong --tp_size surfaced in the
+    Trainer, after the data and the model had loaded)."""
     from dataclasses import dataclass
 
     from transformers import AutoConfig
@@ -324,3 +324,161 @@ def test_the_parser_checks_the_models_head_counts_before_any_data_or_model_loads
     parse(three)  # without the flag nothing is split
     parse(four, "--deepspeed_inference")
     parse(tmp_path / "a-hub-id", "--deepspeed_inference")  # not here: the Trainer checks it once it is loaded
+
+
+def test_the_parser_checks_a_user_scripts_data_files_and_columns_by_upstreams_names(tmp_path):
+    """A user's upstream-shaped script (upstream's argument names, no check of its own) gets its data checked by the
+    parser line alone, before anything loads: each file as upstream's `load_dataset` reads them all, and the columns
+    translation or summarization reads in the splits the run uses. Before, the examples checked these themselves
+    and a user's copy met a KeyError inside `datasets.map` or a DatasetGenerationError without file or line."""
+    import json
+    from dataclasses import dataclass
+
+    from ds_inference_integration import InferenceArgumentParser
+
+    @dataclass
+    class TranslationData:
+        source_lang: str | None = None
+        target_lang: str | None = None
+        train_file: str | None = None
+        test_file: str | None = None
+        dataset_name: str | None = None
+
+    @dataclass
+    class SummarizationData:
+        text_column: str | None = None
+        summary_column: str | None = None
+        validation_file: str | None = None
+        test_file: str | None = None
+
+    def lines(name, *rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    pair = {"translation": {"en": "seven", "ro": "șapte"}}
+    files = {
+        "good": lines("good.json", pair, pair),
+        "nocol": lines("nocol.json", {"text": "one"}),
+        "nolang": lines("nolang.json", {"translation": {"de": "eins", "ro": "unu"}}),
+        "null": lines("null.json", pair, {"translation": {"en": None, "ro": "opt"}}),
+        "half": lines("half.json", pair, {"translation": {"en": "eight"}}),
+        "sources": lines("sources.json", {"translation": {"en": "eight"}}),
+    }
+    (tmp_path / "broken.json").write_text(json.dumps(pair) + "\n{\n")
+    files["broken"] = str(tmp_path / "broken.json")
+    out = str(tmp_path / "out")
+
+    def parse(data, *flags):
+        return InferenceArgumentParser((data, Seq2SeqTrainingArguments)).parse_args_into_dataclasses(
+            args=["--output_dir", out, *flags])
+
+    def translate(*flags):
+        return parse(TranslationData, "--source_lang", "en_XX", "--target_lang", "ro", *flags)
+
+    cases = {
+        ("--do_predict", "--test_file", files["nocol"]): r"^the test data has no 'translation' column; columns: \['text'\]$",
+        ("--do_predict", "--test_file", files["nolang"]): r"^the test data has no language 'en' in 'translation'; "
+                                                           r"languages there: \['de', 'ro'\]$",
+        ("--do_predict", "--test_file", files["null"]): r"^1 of 2 test examples have an empty 'translation.en' \(the "
+                                                         r"first: example 2, null; --source_lang en\)",
+        ("--do_predict", "--test_file", files["half"]): r"^1 of 2 test examples have no 'ro' in 'translation'; valid: "
+                                                         r"every example has it or none \(predictions only\)$",
+        # a file the run does not predict from is still read by load_dataset: checked as a file
+        ("--do_predict", "--test_file", files["good"], "--train_file", files["broken"]):
+            r"^--train_file '\S+broken.json': line 2 is not valid JSON",
+    }
+    for flags, message in cases.items():
+        with pytest.raises(InferenceSetupError, match=message):
+            translate(*flags)
+    translate("--do_predict", "--test_file", files["sources"])  # a test set without references: predictions only
+    translate("--do_predict", "--test_file", files["good"], "--train_file", files["nocol"])  # no training here
+    translate("--do_predict", "--test_file", files["nocol"], "--dataset_name", "wmt16")  # the hub's data: datasets'
+    parquet = tmp_path / "test.parquet"
+    parquet.write_bytes(b"PAR1\x00\xff")  # binary: upstream hands the extension to datasets as the builder's name
+    translate("--do_predict", "--test_file", str(parquet))
+    with pytest.raises(InferenceSetupError, match=r"^--test_file '\S+missing.parquet' does not exist$"):
+        translate("--do_predict", "--test_file", str(tmp_path / "missing.parquet"))
+
+    # summarization: upstream's default columns are the file's first two
+    docs = lines("docs.json", {"article": "one two", "highlights": "one"}, {"article": "three", "highlights": None})
+    with pytest.raises(InferenceSetupError, match=r"^1 of 2 validation examples have no 'highlights'; valid: every "
+                                                  r"example has one$"):
+        parse(SummarizationData, "--do_eval", "--validation_file", docs)
+    with pytest.raises(InferenceSetupError, match=r"^--text_column 'document' is not a column of the test data; "
+                                                  r"columns: article, highlights$"):
+        parse(SummarizationData, "--do_predict", "--test_file", docs, "--text_column", "document")
+    csv = tmp_path / "docs.csv"
+    csv.write_text("document,summary\none two,one\n,three\n")
+    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test examples have an empty 'document' \(the first: "
+                                                  r"example 2, null; --text_column document\)"):
+        parse(SummarizationData, "--do_predict", "--test_file", str(csv))
+    parse(SummarizationData, "--do_predict", "--test_file", lines("texts.json", {"document": "one"}),
+          "--text_column", "document", "--summary_column", "summary")  # no summaries in a test set: predictions only
+
+
+def test_the_parser_checks_the_generated_length_against_a_local_models_decoder_positions(tmp_path):
+    """upstream's `--val_max_target_length` and `--generation_max_length` past a local encoder-decoder's decoder
+    positions are one line naming the flag, with the flag or without, before anything loads (an IndexError in
+    the forward before, after model and data had loaded; the examples checked it themselves)."""
+    from dataclasses import dataclass
+
+    from transformers import AutoConfig
+
+    from ds_inference_integration import InferenceArgumentParser
+
+    @dataclass
+    class Args:
+        model_name_or_path: str | None = None
+        val_max_target_length: int | None = None
+
+    bart = tmp_path / "bart"
+    AutoConfig.for_model("bart", max_position_embeddings=64).save_pretrained(bart)
+    out = str(tmp_path / "out")
+
+    def parse(*flags):
+        return InferenceArgumentParser((Args, Seq2SeqTrainingArguments)).parse_args_into_dataclasses(
+            args=["--output_dir", out, "--model_name_or_path", str(bart), *flags])
+
+    with pytest.raises(InferenceSetupError, match=r"^--val_max_target_length 128 is longer than the model's 64 decoder "
+                                                  r"positions; valid: at most 64$"):
+        parse("--val_max_target_length", "128")
+    with pytest.raises(InferenceSetupError, match=r"^--generation_max_length 65 is longer than the model's 64 decoder "
+                                                  r"positions; valid: at most 64$"):
+        parse("--generation_max_length", "65")
+    parse("--val_max_target_length", "64", "--generation_max_length", "64")
+
+
+def test_a_data_file_is_checked_a_line_at_a_time_and_once_while_unchanged(tmp_path, monkeypatch):
+    """The parser checks every --{split}_file on every rank of every run: read whole, a file took twice its size in
+    memory on each rank (its bytes and its text), and a resumed bulk predict read it all again. Now a line at a time
+    (traced peak under a tenth of an 8 MB file), and a file that passed is read again only once it changes."""
+    import json
+    import tracemalloc
+
+    from ds_inference_integration.predict import data_files
+
+    monkeypatch.setenv("DS_INFERENCE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "test.json"
+    row = json.dumps({"translation": {"en": "seven " * 10, "ro": "șapte " * 10}}) + "\n"
+    path.write_text(row * (8_000_000 // len(row)))
+
+    def check():
+        data_files.check_data_file(str(path), "--test_file", columns=data_files.TranslationColumns("test", "en", "ro"))
+
+    tracemalloc.start()
+    try:
+        check()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < path.stat().st_size / 10, peak
+    monkeypatch.setattr(data_files, "_lines", lambda *a: pytest.fail("an unchanged file that passed was read again"))
+    check()
+    monkeypatch.undo()
+    monkeypatch.setenv("DS_INFERENCE_CACHE", str(tmp_path / "cache"))
+    path.write_text(row + '{"translation": {"en": null, "ro": "opt"}}\n')  # changed: checked again
+    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test examples have an empty 'translation.en'"):
+        check()
+    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test examples have an empty 'translation.en'"):
+        check()  # a file that failed is not recorded

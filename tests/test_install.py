@@ -114,22 +114,18 @@ def test_tools_that_need_the_repository_examples_say_so_in_one_line(tmp_path, mo
 
 def test_a_missing_extra_is_one_line_naming_it(monkeypatch, tmp_path):
     """Without an extra's package the library says, in one line, which extra installs it: BLEU without sacrebleu
-    ([metrics]), the examples' data files without datasets ([examples]), `ds-inference bench generation` without
+    ([metrics]), `ds-inference bench generation` without datasets ([examples]) or
     matplotlib ([bench], before any measurement), and the command line prints it as one `error:` line."""
     import pytest
 
     from ds_inference_integration.errors import InferenceSetupError
-    from ds_inference_integration.predict import data_files, metrics
+    from ds_inference_integration.predict import metrics
 
     for module in ("sacrebleu", "sacrebleu.metrics", "datasets", "matplotlib"):
         monkeypatch.setitem(sys.modules, module, None)  # `import` raises ImportError, as for a package not installed
     with pytest.raises(InferenceSetupError, match=r"^BLEU needs sacrebleu, which is not installed; valid: pip install "
                                                   r"'ds-inference-integration\[metrics\]'$"):
         metrics.CorpusBleu()
-    data = tmp_path / "test.json"
-    data.write_text('{"a": 1}\n')
-    with pytest.raises(InferenceSetupError, match=r"needs datasets, .*\[examples\]'$"):
-        data_files.load_data_files({"test": str(data)})
     # the command line, in its own process (the bench commands quiet the process's logging)
     blocked = "import sys; sys.modules.update(datasets=None, matplotlib=None); "
     proc = subprocess.run([sys.executable, "-c", blocked + "from ds_inference_integration.tools.cli import main; "

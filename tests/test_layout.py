@@ -125,3 +125,32 @@ def test_extras_packages_are_imported_only_through_optional_import():
                 continue
             offenders += [f"{_module_name(path)}:{node.lineno} {n}" for n in names if n.split(".")[0] in optional]
     assert not offenders, offenders
+
+
+# What each upstream-shaped example may take from the library: the flag family (the parser, the flags, the loader
+# that replaces from_pretrained, the one error class), the Trainer class, and its offline metric (upstream's
+# `evaluate.load` fetches a script from the Hub). Anything more is a check or a step upstream's script does not
+# have, which a user's copy with the README's changes would then lack: it belongs in the parser or the Trainer.
+FLAG_FAMILY = {"ds_inference_integration.DeepSpeedInferenceArguments", "ds_inference_integration.InferenceArgumentParser",
+               "ds_inference_integration.InferenceSetupError", "ds_inference_integration.load.loaders.load_model",
+               "ds_inference_integration.DeepSpeedInferenceSeq2SeqTrainer"}
+EXAMPLES = {
+    "run_translation.py": {"ds_inference_integration.predict.metrics.CorpusBleu"},
+    # upstream's own check of --max_source_length against the positions, in its place
+    "run_summarization.py": {"ds_inference_integration.predict.metrics.Rouge",
+                             "ds_inference_integration.predict.positions.check_lengths_fit"},
+    # upstream reads a hub data set with datasets' Audio; this one local manifests (offline), so it checks the
+    # clips, its --max_target_length and, where a model has no feature extractor, the model's kind itself
+    "run_speech_recognition_seq2seq.py": {"ds_inference_integration.predict.metrics.WordErrorRate",
+                                          "ds_inference_integration.predict.positions.check_lengths_fit",
+                                          "ds_inference_integration.load.loaders.check_model_kind"},
+}
+
+
+def test_the_upstream_shaped_examples_take_only_the_flag_family_the_trainer_and_their_metric():
+    examples = PACKAGE.parent / "examples"
+    for name, own in EXAMPLES.items():
+        tree = ast.parse((examples / name).read_text(encoding="utf-8"))
+        taken = {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and (node.module or "").startswith("ds_inference_integration") for a in node.names}
+        assert taken <= FLAG_FAMILY | own, f"{name} takes {sorted(taken - FLAG_FAMILY - own)} from the library"

@@ -562,8 +562,8 @@ def test_no_garbage_collection_runs_while_a_model_is_loaded_or_sharded(tmp_path,
 
 def test_load_model_names_a_model_its_auto_class_does_not_build_in_one_line(tmp_path):
     """`load_model` with an Auto class that builds no model of the checkpoint's type (a decoder-only model given to a
-    seq2seq script): the one line the examples had from `prepare_inference`, now from the loader itself, before
-    any weight is read (transformers' own error is a ValueError listing every config class)."""
+    seq2seq script): one line from the loader itself, before any weight is read (transformers' own error is a
+    ValueError listing every config class)."""
     import torch
     from transformers import AutoModelForSeq2SeqLM, LlamaConfig, LlamaForCausalLM
 

@@ -140,22 +140,3 @@ def test_the_policy_is_resolved_once_before_sharding_and_no_string_reaches_it(mo
     with pytest.raises(TypeError, match="shard_model takes a Policy, or None"):
         shard_model(model, DeepSpeedInferenceArguments(deepspeed_inference=True), Topology(1, 0, 1),
                     ProcessGroups(None, None, None), DERIVE, float)
-
-
-def test_the_examples_one_set_up_call_checks_the_model_kind_and_resolves_the_policy(models, monkeypatch):
-    """`prepare_inference`: what the four examples called separately (the model kind, then under the flag the
-    policy for the run and its head counts at the launcher's tp size), one call before anything loads."""
-    from transformers import AutoModelForCausalLM
-
-    from ds_inference_integration import DeepSpeedInferenceArguments, prepare_inference
-
-    config = models["t5"].config
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    off, on = DeepSpeedInferenceArguments(), DeepSpeedInferenceArguments(deepspeed_inference=True)
-    assert prepare_inference(config, AutoModelForSeq2SeqLM, "t5-dir", off) is None
-    assert prepare_inference(config, AutoModelForSeq2SeqLM, "t5-dir", on).name == "t5"
-    with pytest.raises(InferenceSetupError, match="t5-dir holds a 't5' model, which AutoModelForCausalLM does not build"):
-        prepare_inference(config, AutoModelForCausalLM, "t5-dir", on)
-    with pytest.raises(InferenceSetupError, match="tp"):
-        prepare_inference(config, AutoModelForSeq2SeqLM, "t5-dir", DeepSpeedInferenceArguments(
-            deepspeed_inference=True, tp_size=3))

@@ -5,7 +5,7 @@ import pytest
 import transformers as tr
 
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.predict.positions import check_lengths_fit, check_sources_fit, decoder_positions
+from ds_inference_integration.predict.positions import check_lengths_fit, decoder_positions
 
 
 def test_each_family_s_decoder_positions():
@@ -29,17 +29,6 @@ def test_a_target_or_source_beyond_the_positions_is_one_line():
     check_lengths_fit(led, source={"--max_source_length": 512}, target={"--val_max_target_length": 64,
                                                                       "--generation_max_length": None})
     check_lengths_fit(tr.T5Config(), source={"--max_source_length": 10_000}, target={"--val_max_target_length": 10_000})
-
-
-def test_sources_are_checked_by_their_lengths_where_the_flag_default_is_larger():
-    """run_translation.py's --max_source_length defaults to 1,024 (upstream's); Marian has 512 positions: only a
-    source that is really longer is refused, with the count."""
-    marian = tr.MarianConfig(max_position_embeddings=8)
-    check_sources_fit(marian, [[1] * 8, [1] * 3], "test", 1024)
-    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test sources are longer than the model's 8 positions "
-                                                  r"\(cut at --max_source_length 1024\); valid: --max_source_length at "
-                                                  r"most 8$"):
-        check_sources_fit(marian, [[1] * 9, [1] * 3], "test", 1024)
 
 
 def test_the_trainer_checks_sources_and_generation_lengths_against_the_positions(tmp_path):
@@ -79,3 +68,24 @@ def test_the_trainer_checks_sources_and_generation_lengths_against_the_positions
         trainer.evaluate(short, max_new_tokens=64)
     assert trainer.predict(short, max_length=64).predictions.shape[0] == 2
     assert "eval_loss" in trainer.evaluate(short, max_new_tokens=63)
+
+
+def test_the_trainer_checks_sources_without_the_flag_too(tmp_path):
+    """The examples leave the sources to the Trainer (upstream's run_translation.py defaults to --max_source_length
+    1,024; the flag alone cannot be refused): in one process, without --deepspeed_inference, a source past a model's
+    64 positions was an IndexError in the forward; now the same one line as under the flag."""
+    from datasets import Dataset
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
+
+    from conftest import save_tiny_model
+    from ds_inference_integration import DeepSpeedInferenceSeq2SeqTrainer
+
+    model_dir = save_tiny_model("bart", tmp_path / "bart")  # 64 positions
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    trainer = DeepSpeedInferenceSeq2SeqTrainer(
+        model=model, args=Seq2SeqTrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=4,
+                                                   predict_with_generate=True, report_to="none"),
+        processing_class=tok, data_collator=DataCollatorForSeq2Seq(tok, model=model))
+    with pytest.raises(InferenceSetupError, match=r"^1 of 2 sources are longer than the model's 64 positions"):
+        trainer.predict(Dataset.from_dict(tok(["one two three " * 30, "seven"])), max_new_tokens=4)

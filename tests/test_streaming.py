@@ -258,6 +258,31 @@ def test_a_resume_with_other_settings_or_data_is_refused_and_fresh_starts_over(t
     assert got["predict_generated_samples"] == len(WORDS)
 
 
+def test_overwrite_output_dir_starts_a_streamed_predict_afresh_from_the_parser(tiny_t5, tmp_path, monkeypatch):
+    """transformers 5 dropped --overwrite_output_dir; InferenceArgumentParser keeps it on the training arguments, as 4
+    had it, and `predict_to_file` starts afresh by it (the examples passed `fresh=` from the parser's record of it)."""
+    from transformers import Seq2SeqTrainingArguments
+
+    from ds_inference_integration import InferenceArgumentParser
+    from ds_inference_integration.predict.streaming import open_run
+
+    def parse(*flags):
+        return InferenceArgumentParser((Seq2SeqTrainingArguments,)).parse_args_into_dataclasses(
+            args=["--output_dir", str(tmp_path / "args"), *flags])[0]
+
+    assert parse("--overwrite_output_dir").overwrite_output_dir is True
+    assert parse().overwrite_output_dir is False
+    trainer, data, _ = make_trainer(tiny_t5, tmp_path)
+    (tmp_path / "predict_parts").mkdir()
+    identity = identity_before_generating(trainer, data, monkeypatch, num_beams=1, max_new_tokens=6)
+    open_run(tmp_path / "predict_parts", identity, fresh=True)  # another run's parts
+    with pytest.raises(InferenceSetupError, match="or pass --overwrite_output_dir"):
+        trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=4, max_new_tokens=6)
+    trainer.args.overwrite_output_dir = True
+    got = trainer.predict_to_file(data, metric=CorpusBleu(), num_beams=4, max_new_tokens=6)
+    assert got["predict_generated_samples"] == len(WORDS)
+
+
 def test_a_resume_with_another_model_or_layout_is_refused_naming_what_differs(tiny_t5, tmp_path, monkeypatch):
     """Parts written by one run are continued only by the same run: another model (other weights and config at
     another path), another batch size, or another tp / dp layout is refused in one line naming the field."""

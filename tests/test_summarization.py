@@ -148,5 +148,3 @@ def test_summarization_at_tp2_and_dp2_x_tp2_equals_one_process(tiny_models, tmp_
         for key in ("eval_rouge1", "eval_rouge2", "eval_rougeL", "eval_rougeLsum", "eval_gen_len"):
             assert got_eval[key] == want_eval[key], (name, key)
         assert (got["tp_size"], got["dp_size"]) == (2, nprocs // 2)
-        limit = args[args.index("--max_source_length") + 1]
-        assert f"of {n} test sources are longer than --max_source_length {limit} tokens and were truncated" in run.output

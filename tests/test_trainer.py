@@ -68,6 +68,17 @@ def test_a_new_run_never_merges_into_or_shows_as_an_earlier_run(tiny_t5, tmp_pat
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
 
 
+def test_each_results_file_says_the_layout_it_ran_at(tiny_t5, tmp_path):
+    """`save_metrics` stamps `tp_size` and `dp_size` beside `run_id` (each example added them itself before; a
+    user's copy of upstream's script had none), and a script's own values win."""
+    trainer, _ = make_trainer(tiny_t5, tmp_path)
+    trainer.save_metrics("predict", {"predict_bleu": 1.0})
+    saved = json.loads((tmp_path / "predict_results.json").read_text())
+    assert (saved["tp_size"], saved["dp_size"], saved["run_id"]) == (1, 1, trainer.run_id)
+    trainer.save_metrics("eval", {"eval_bleu": 1.0, "tp_size": 7})
+    assert json.loads((tmp_path / "eval_results.json").read_text())["tp_size"] == 7
+
+
 @pytest.mark.launched
 def test_a_failed_run_leaves_the_earlier_good_run_whole(tmp_path):
     args = ["--do_predict", "--max_predict_samples", "8", *TRANSLATE_ARGS]

@@ -1,3 +1,3 @@
 """Step 4, predicting: the Trainer mixin (`trainer`), the same batches on every rank of a TP group
 (`lockstep`), length grouping, streamed and resumable predictions (`streaming`), the metrics, position ids
-(`positions`), and the examples' data files (`data_files`)."""
+(`positions`), and a run's data files, checked before anything loads (`data_files`)."""

@@ -1,9 +1,9 @@
 """How long a source and a target may be for an encoder-decoder with learned (absolute) positions: longer ones
 index past the position embedding, an `IndexError` deep in the forward (found with LED, whose decoder has 1,024
-positions and upstream's default `--val_max_target_length` 128 fits, but a small one's 64 do not). The examples
-check their flags before the data is tokenized, in one line naming the flag and the limit; the Trainer checks the
-data and the generation length again before any batch (`check_inputs_fit`), for a script that does not. Relative
-positions (T5) have no limit here."""
+positions and upstream's default `--val_max_target_length` 128 fits, but a small one's 64 do not). The parser
+checks the generated lengths upstream's arguments set against a local model's config, in one line naming the flag
+and the limit (`check_lengths_fit`); the Trainer checks the sources and the generation length its caller gives
+before any batch (`check_inputs_fit`). Relative positions (T5) have no limit here."""
 
 from __future__ import annotations
 
@@ -41,23 +41,6 @@ def check_lengths_fit(config, source: dict[str, int | None] | None = None,
                 raise InferenceSetupError(f"{flag} {value} is longer than the model's {limit}{side} positions; "
                                           f"valid: at most {limit}")
 
-
-def check_sources_fit(config, input_ids, split: str, max_source_length: int) -> None:
-    """The data-driven form for a script whose `--max_source_length` default exceeds many models' positions
-    (upstream's run_translation.py: 1,024, Marian has 512): one `InferenceSetupError` only where a tokenized,
-    truncated source is longer than the encoder's positions, giving the count."""
-    limit = _first(config, ENCODER_POSITIONS)
-    if limit is None:
-        return
-    over = sum(len(ids) > limit for ids in input_ids)
-    if over:
-        raise InferenceSetupError(f"{over} of {len(input_ids)} {split} sources are longer than the model's {limit} "
-                                  f"positions (cut at --max_source_length {max_source_length}); valid: "
-                                  f"--max_source_length at most {limit}")
-
-
-# What the Trainer checks itself, for a script that does not (a user's copy of upstream's run_translation.py with
-# its --max_source_length default of 1,024, on a model of fewer positions): an IndexError in the forward before.
 
 def source_lengths(dataset) -> list[int] | None:
     """Each example's `input_ids` length, or None where the data has none (speech features, an iterable data set)."""

@@ -306,13 +306,14 @@ class DeepSpeedInferenceMixin:
     # Results files -----------------------------------------------------------------------------------
 
     def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
-        """Upstream's `save_metrics`, with every file written atomically and stamped with this run's `run_id`;
-        `all_results.json` gathers this run's splits only (an earlier run's are not merged in). Scripts write
-        their predictions first and metrics last, so metrics on disk always describe a completed output."""
+        """Upstream's `save_metrics`, with every file written atomically and stamped with the layout it ran at
+        (`tp_size`, `dp_size`) and this run's `run_id`; `all_results.json` gathers this run's splits only (an
+        earlier run's are not merged in). Scripts write their predictions first and metrics last, so metrics on
+        disk always describe a completed output."""
         if not self.is_world_process_zero():
             return
         out = Path(self.args.output_dir)
-        stamped = {**metrics, "run_id": self.run_id}
+        stamped = {"tp_size": self.topology.tp_size, "dp_size": self.topology.dp_size, **metrics, "run_id": self.run_id}
         write_text_atomic(out / f"{split}_results.json", json.dumps(stamped, indent=4, sort_keys=True))
         if combined:
             path = out / "all_results.json"
@@ -337,10 +338,11 @@ class DeepSpeedInferenceMixin:
         return metrics
 
     def _check_inputs_fit(self, dataset, gen_kwargs: dict) -> None:
-        """Under the flag: sources and the generation length the caller set within an encoder-decoder's positions,
-        one line before any batch runs (on every rank alike: the same data and arguments), not an IndexError in a
-        rank's forward (`positions.check_inputs_fit`)."""
-        if not self.inference_args.deepspeed_inference or dataset is None or isinstance(dataset, dict):
+        """Sources and the generation length the caller set within an encoder-decoder's positions, one line before
+        any batch runs (on every rank alike: the same data and arguments), not an IndexError in a rank's forward
+        (`positions.check_inputs_fit`). With the flag or without: it is what the examples rely on for their sources
+        (upstream's run_translation.py defaults to --max_source_length 1024, more than many models' positions)."""
+        if dataset is None or isinstance(dataset, dict):
             return
         generate = getattr(self.args, "predict_with_generate", False)
         check_inputs_fit(getattr(self.model, "config", None), dataset, gen_kwargs if generate else {},
@@ -379,11 +381,12 @@ class DeepSpeedInferenceMixin:
     # Streamed, resumable predict ---------------------------------------------------------------------------
 
     def predict_to_file(self, test_dataset, metric=None, metric_key_prefix: str = "predict",
-                        predictions_file: str = "generated_predictions.txt", fresh: bool = False,
+                        predictions_file: str = "generated_predictions.txt", fresh: bool | None = None,
                         **gen_kwargs) -> dict:
         """`predict` with `predict_with_generate` for data sets of any size: each finished batch's decoded
         predictions are written to `<output_dir>/<prefix>_parts/` as it completes, a re-run of the same call
-        continues where a crash stopped it (`fresh=True` starts afresh), and the parts are merged into
+        continues where a crash stopped it (`fresh=True`, by default `--overwrite_output_dir`, starts afresh), and
+        the parts are merged into
         `<output_dir>/<predictions_file>` in input order. `metric` (e.g. `metrics.CorpusBleu()`) is computed
         from statistics stored with each prediction. Host memory does not grow with the data set; returns the
         metrics (on every rank). See `predict/streaming.py`."""
@@ -408,6 +411,8 @@ class DeepSpeedInferenceMixin:
         job = StreamJob(dataset=test_dataset, order=order, topology=self.topology, output_dir=Path(self.args.output_dir),
                         batch_size=self.args.eval_batch_size, identity=lambda: self._stream_identity(test_dataset, order),
                         collate=self.data_collator, generate=self._generate_batch, tokenizer=self.processing_class)
+        if fresh is None:  # InferenceArgumentParser keeps transformers 4's --overwrite_output_dir on the arguments
+            fresh = bool(getattr(self.args, "overwrite_output_dir", False))
         metrics = streamed_predict(job, metric=metric, metric_key_prefix=metric_key_prefix,
                                    predictions_file=predictions_file, fresh=fresh)
         metrics.update(padding)

@@ -12,7 +12,6 @@ from torch import nn
 
 from ..arguments import DeepSpeedInferenceArguments
 from ..deepspeed_compat import init_deepspeed_comm
-from ..load.loaders import check_model_kind
 from ..policy.derive import policy_for_model
 from ..policy.schema import Policy, check_head_counts, policy_for_run
 from ..run import lifecycle, watchdog
@@ -20,19 +19,6 @@ from ..topology import ProcessGroups, Topology, init_process_groups
 from .inject import ShardReport, shard_model
 
 logger = logging.getLogger(__name__)
-
-
-def prepare_inference(config, model_cls, model_dir, inference_args: DeepSpeedInferenceArguments
-                      ) -> Policy | str | None:
-    """What a script checks once it has the model's config, before its data and model load: that `model_cls` (an
-    Auto class) builds this config's model, and under --deepspeed_inference the policy for the run (the file, its
-    schema, the head counts against the tp size the launcher gives). Returns the policy to pass to the Trainer
-    (`policy=`), None without the flag. The one set-up call of the examples."""
-    if model_cls is not None:
-        check_model_kind(config, model_cls, model_dir)
-    if not inference_args.deepspeed_inference:
-        return None
-    return policy_for_run(inference_args.injection_policy, config, Topology.from_env(inference_args.tp_size).tp_size)
 
 
 @dataclass
