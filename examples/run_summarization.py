@@ -163,7 +163,7 @@ def main(argv: list[str]) -> None:
     )
     if model.config.decoder_start_token_id is None:
         raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
-    # upstream refuses (or resizes, which inference cannot) a --max_source_length beyond the model's positions
+    # upstream refuses (or resizes, which inference cannot) a --max_source_length beyond a model's absolute positions
     check_lengths_fit(model.config, source={"--max_source_length": data_args.max_source_length})
 
     prefix = data_args.source_prefix if data_args.source_prefix is not None else ""

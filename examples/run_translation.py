@@ -41,6 +41,7 @@ from ds_inference_integration import (
 )
 from ds_inference_integration.load.loaders import load_model
 from ds_inference_integration.predict.metrics import CorpusBleu
+from ds_inference_integration.predict.positions import check_lengths_fit
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ def main(argv: list[str]) -> None:
     )
     if model.config.decoder_start_token_id is None:
         raise InferenceSetupError("the model config has no decoder_start_token_id; set it in config.json")
+    # upstream refuses a --max_source_length beyond the positions of a model with absolute ones
+    check_lengths_fit(model.config, source={"--max_source_length": data_args.max_source_length})
 
     prefix = data_args.source_prefix if data_args.source_prefix is not None else ""
     if training_args.do_train:

@@ -135,8 +135,9 @@ FLAG_FAMILY = {"ds_inference_integration.DeepSpeedInferenceArguments", "ds_infer
                "ds_inference_integration.InferenceSetupError", "ds_inference_integration.load.loaders.load_model",
                "ds_inference_integration.DeepSpeedInferenceSeq2SeqTrainer"}
 EXAMPLES = {
-    "run_translation.py": {"ds_inference_integration.predict.metrics.CorpusBleu"},
-    # upstream's own check of --max_source_length against the positions, in its place
+    # and upstream's own check of --max_source_length against a model's absolute positions, in its place
+    "run_translation.py": {"ds_inference_integration.predict.metrics.CorpusBleu",
+                           "ds_inference_integration.predict.positions.check_lengths_fit"},
     "run_summarization.py": {"ds_inference_integration.predict.metrics.Rouge",
                              "ds_inference_integration.predict.positions.check_lengths_fit"},
     # upstream reads a hub data set with datasets' Audio; this one local manifests (offline), so it checks the

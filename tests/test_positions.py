@@ -89,3 +89,19 @@ def test_the_trainer_checks_sources_without_the_flag_too(tmp_path):
         processing_class=tok, data_collator=DataCollatorForSeq2Seq(tok, model=model))
     with pytest.raises(InferenceSetupError, match=r"^1 of 2 sources are longer than the model's 64 positions"):
         trainer.predict(Dataset.from_dict(tok(["one two three " * 30, "seven"])), max_new_tokens=4)
+
+
+def test_the_translation_example_refuses_a_max_source_length_past_the_positions_as_upstream(tmp_path):
+    """upstream's run_translation.py refuses a --max_source_length beyond a model's absolute positions (before its
+    data is tokenized); the example does the same, in one line, where it checked the tokenized sources before."""
+    from conftest import TRANSLATE_ARGS, load_example, save_tiny_model
+
+    bart = save_tiny_model("bart", tmp_path / "bart")  # 64 positions
+    main = load_example("run_translation").main
+    args = ["--model_name_or_path", str(bart), "--output_dir", str(tmp_path / "out"), "--do_predict",
+            "--max_predict_samples", "4", "--val_max_target_length", "16", *TRANSLATE_ARGS]
+    with pytest.raises(InferenceSetupError, match=r"^--max_source_length 1024 is longer than the model's 64 positions; "
+                                                  r"valid: at most 64$"):
+        main(args)
+    main([*args, "--max_source_length", "64"])
+    assert len((tmp_path / "out" / "generated_predictions.txt").read_text().splitlines()) == 4
