@@ -125,11 +125,31 @@ def check_model_for_run(outputs) -> None:
     if getattr(config, "is_encoder_decoder", False):
         check_lengths_fit(config, target={f"--{name}": getattr(o, name) for o in found for name in TARGET_LENGTHS
                                           if hasattr(o, name)})
+    check_speech_language(found, config, path)
     inference = next((o for o in found if isinstance(o, DeepSpeedInferenceArguments)), None)
     if inference is None or not inference.deepspeed_inference:
         return
     topology = Topology.create(world_size_from_env(), int(os.environ.get("RANK", "0")), inference.tp_size)
     policy_for_run(inference.injection_policy, config, topology.tp_size)
+
+
+def check_speech_language(found: list, config, path: Path) -> None:
+    """upstream's speech script's `--language` and `--task`, for a speech encoder-decoder, against its generation
+    config (`predict/languages.py`), before anything loads."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+    args = next((o for o in found if hasattr(o, "language") and hasattr(o, "task")), None)
+    if args is None or getattr(config, "model_type", None) not in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return
+    from transformers import GenerationConfig
+
+    from .predict.languages import check_language_and_task
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: no languages
+        generation_config = None
+    check_language_and_task(generation_config, args.language, args.task)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,6 @@ from transformers import (
     AutoFeatureExtractor,
     AutoModelForSpeechSeq2Seq,
     AutoTokenizer,
-    GenerationConfig,
     Seq2SeqTrainingArguments,
     set_seed,
 )
@@ -134,33 +133,6 @@ def read_clip(path: Path, rate: int) -> np.ndarray:
     return audio
 
 
-def check_language_and_task(model_dir: str, language: str | None, task: str, hub: dict) -> tuple | None:
-    """(language, task) to set on a multilingual Whisper, None for any other model; one error line, before the
-    model loads, for a language or task the model's generation config does not have (upstream refuses a language
-    for an English-only checkpoint too; Whisper's generate would refuse the rest only once every rank is loaded)."""
-    try:
-        gen = GenerationConfig.from_pretrained(model_dir, **hub)
-    except OSError:
-        gen = None
-    if gen is None or not getattr(gen, "is_multilingual", False):
-        if language is not None or task != "transcribe":
-            raise InferenceSetupError(f"--language {language} --task {task}: the model is not a multilingual Whisper "
-                                      "(its generation config has no languages); valid: neither flag")
-        return None
-    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
-    if task not in (getattr(gen, "task_to_id", None) or {}):
-        raise InferenceSetupError(f"--task {task!r} is not a task of this model; valid: "
-                                  f"{', '.join(sorted(gen.task_to_id or {}))}")
-    if language is not None:
-        code = TO_LANGUAGE_CODE.get(language.lower(), language.lower())
-        if f"<|{code}|>" not in gen.lang_to_id:
-            known = sorted(t.strip("<|>") for t in gen.lang_to_id)
-            raise InferenceSetupError(f"--language {language!r} is not a language of this model; valid: a name or "
-                                      f"code of {', '.join(known[:20])}{' ...' if len(known) > 20 else ''}")
-    return language, task
-
-
 def parse_args(argv: list[str]):
     parser = InferenceArgumentParser((ModelArguments, DataTrainingArguments, Seq2SeqTrainingArguments,
                                       DeepSpeedInferenceArguments))
@@ -182,7 +154,6 @@ def main(argv: list[str]) -> None:
     hub = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
                trust_remote_code=model_args.trust_remote_code)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub)
-    language_and_task = check_language_and_task(model_args.model_name_or_path, data_args.language, data_args.task, hub)
     try:
         feature_extractor = AutoFeatureExtractor.from_pretrained(
             model_args.feature_extractor_name or model_args.model_name_or_path, **hub)
@@ -255,10 +226,12 @@ def main(argv: list[str]) -> None:
 
     model = load_model(AutoModelForSpeechSeq2Seq, model_args.model_name_or_path, config=config,
                        inference_args=inference_args, training_args=training_args, **hub)
-    if language_and_task:  # as upstream: a multilingual Whisper's prefix tokens, in the labels and in generate
-        model.generation_config.language, model.generation_config.task = language_and_task
-        if hasattr(tokenizer, "set_prefix_tokens"):
+    # the parser has checked --language and --task against the model's generation config, before anything loaded
+    if getattr(model.generation_config, "is_multilingual", False):  # as upstream: a multilingual Whisper's prefix
+        if hasattr(tokenizer, "set_prefix_tokens"):  # tokens (a Whisper tokenizer's), in generate too
             tokenizer.set_prefix_tokens(language=data_args.language, task=data_args.task)
+        model.generation_config.language = data_args.language
+        model.generation_config.task = data_args.task
     else:
         model.generation_config.forced_decoder_ids = None  # a transcription task, no language tokens forced
 

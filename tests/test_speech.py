@@ -248,3 +248,34 @@ def test_a_model_of_another_kind_or_without_a_feature_extractor_is_one_line(tmp_
     with pytest.raises(InferenceSetupError, match=rf"^{bare} has no feature extractor \(preprocessor_config.json\); "
                                                   r"valid: a speech model's directory, or --feature_extractor_name$"):
         speech.main(["--model_name_or_path", str(bare), *base])
+
+
+def test_the_parser_checks_language_and_task_for_a_users_copy_of_upstreams_script(tmp_path):
+    """upstream's speech script names them `--language` and `--task`: the parser checks them against a local speech
+    model's generation config before anything loads (the example checked them itself; upstream's script refuses a
+    language for an English-only checkpoint only once the model has loaded, and Whisper's generate an unknown one
+    only at the first batch of every rank). A model that is not a speech encoder-decoder is left alone: its script's
+    `--task` may mean something else."""
+    from dataclasses import dataclass
+
+    from transformers import Seq2SeqTrainingArguments
+
+    from ds_inference_integration import InferenceArgumentParser
+
+    @dataclass
+    class Args:
+        model_name_or_path: str | None = None
+        language: str | None = None
+        task: str = "transcribe"
+
+    multilingual = save_tiny_whisper(tmp_path / "multilingual", multilingual=True)
+
+    def parse(model, *flags):
+        return InferenceArgumentParser((Args, Seq2SeqTrainingArguments)).parse_args_into_dataclasses(
+            args=["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(model), *flags])
+
+    with pytest.raises(InferenceSetupError, match=r"^--language 'klingon' is not a language of this model; valid: a "
+                                                  r"name or code of de, en, fr$"):
+        parse(multilingual, "--language", "klingon")
+    parse(multilingual, "--language", "french", "--task", "translate")
+    parse(EXAMPLES / "models" / "t5-num2words-en-ro", "--task", "summarize")  # a text model: not a speech task

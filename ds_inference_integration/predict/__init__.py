@@ -1,3 +1,4 @@
 """Step 4, predicting: the Trainer mixin (`trainer`), the same batches on every rank of a TP group
 (`lockstep`), length grouping, streamed and resumable predictions (`streaming`), the metrics, position ids
-(`positions`), and a run's data files, checked before anything loads (`data_files`)."""
+(`positions`), and what the parser checks before anything loads: a run's data files (`data_files`) and a
+speech model's languages (`languages`)."""
