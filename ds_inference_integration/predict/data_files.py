@@ -200,8 +200,7 @@ class Columns:
     def each(self, row: dict) -> None: ...
 
     def end(self) -> None:
-        if self.count == 0:
-            raise InferenceSetupError(f"the {self.split} data holds no examples; give a file with at least one line")
+        """After the last row (`check_data_file` has refused a file without any)."""
 
     def _references(self, present: int, what: str, valid_all: str, valid_none: str) -> None:
         """Targets in every example, or (the test split) in none: predictions only, no score."""

@@ -386,10 +386,9 @@ class DeepSpeedInferenceMixin:
         """`predict` with `predict_with_generate` for data sets of any size: each finished batch's decoded
         predictions are written to `<output_dir>/<prefix>_parts/` as it completes, a re-run of the same call
         continues where a crash stopped it (`fresh=True`, by default `--overwrite_output_dir`, starts afresh), and
-        the parts are merged into
-        `<output_dir>/<predictions_file>` in input order. `metric` (e.g. `metrics.CorpusBleu()`) is computed
-        from statistics stored with each prediction. Host memory does not grow with the data set; returns the
-        metrics (on every rank). See `predict/streaming.py`."""
+        the parts are merged into `<output_dir>/<predictions_file>` in input order. `metric` (e.g.
+        `metrics.CorpusBleu()`) is computed from statistics stored with each prediction. Host memory does not grow
+        with the data set; returns the metrics (on every rank). See `predict/streaming.py`."""
         from .streaming import StreamJob, streamed_predict
 
         if not getattr(self.args, "predict_with_generate", False):
