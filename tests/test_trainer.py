@@ -218,3 +218,15 @@ def test_dataloader_drop_last_predicts_the_rows_of_upstreams_trainer(tiny_t5, tm
     assert len(ours.predictions) == len(theirs.predictions) == 8
     assert np.array_equal(ours.predictions, theirs.predictions) and np.array_equal(ours.label_ids, theirs.label_ids)
     assert ours.metrics["test_loss"] == theirs.metrics["test_loss"]
+
+
+def test_predict_to_file_drops_the_short_last_batch_as_predict_does(tiny_t5, tmp_path):
+    """The examples call `predict_to_file` where upstream's script calls `predict`: under --dataloader_drop_last it
+    wrote all 9 rows where `predict` (and upstream's Trainer) gives 8; now the same 8, decoded, in order."""
+    trainer, data = make_trainer(tiny_t5, tmp_path, dataloader_drop_last=True)
+    rows = trainer.predict(data, max_new_tokens=5).predictions
+    expected = [p.strip() for p in trainer.processing_class.batch_decode(np.where(rows != -100, rows, 0),
+                                                                           skip_special_tokens=True)]
+    metrics = trainer.predict_to_file(data, max_new_tokens=5)
+    assert (tmp_path / "generated_predictions.txt").read_text().splitlines() == expected and len(expected) == 8
+    assert metrics["predict_generated_samples"] == 8
