@@ -168,7 +168,7 @@ class DeepSpeedInferenceMixin:
                 f"{self.topology.dp_size} data-parallel replicas; valid: a map-style dataset (datasets.Dataset, "
                 f"e.g. from `Dataset.from_generator`), or --tp_size {self.topology.world_size} (one replica)"
             )
-        self._check_drop_last()
+        drops_last(self.args, self.topology)
         config = self.accelerator.dataloader_config
         dispatch = config.dispatch_batches
         config.dispatch_batches = False
@@ -176,18 +176,6 @@ class DeepSpeedInferenceMixin:
             return make(dataset)
         finally:
             config.dispatch_batches = dispatch
-
-    def _check_drop_last(self) -> bool:
-        """Whether --dataloader_drop_last is set; refused where it would not drop one process's rows."""
-        if not getattr(self.args, "dataloader_drop_last", False):
-            return False
-        if self.topology.dp_size > 1:
-            raise InferenceSetupError(
-                f"--dataloader_drop_last drops a short last batch of each of {self.topology.dp_size} data-parallel "
-                "replicas, not one process's last batch, so the rows predicted would not be one process's; valid: "
-                f"without --dataloader_drop_last, or --tp_size {self.topology.world_size} (one replica)"
-            )
-        return True
 
     # Lock step: same inputs, same random numbers, on every rank of a TP group ---------------------
 
@@ -412,7 +400,7 @@ class DeepSpeedInferenceMixin:
         self._gen_kwargs = gen_kwargs
         if self.args.remove_unused_columns and hasattr(test_dataset, "column_names"):
             test_dataset = self._remove_unused_columns(test_dataset, description="test")
-        if self._check_drop_last():  # as predict (upstream's loop): the rows of the full batches only
+        if drops_last(self.args, self.topology):  # as predict (upstream's loop): the rows of the full batches only
             full = len(test_dataset) - len(test_dataset) % self.args.eval_batch_size
             test_dataset = test_dataset.select(range(full)) if full < len(test_dataset) else test_dataset
         test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
@@ -458,6 +446,19 @@ class DeepSpeedInferenceMixin:
     def _get_eval_sampler(self, eval_dataset):
         # Prediction order is ours (sorted above, restored after); never a randomised length sampler here.
         return None if self.args.world_size > 1 else torch.utils.data.SequentialSampler(eval_dataset)
+
+
+def drops_last(args, topology) -> bool:
+    """Whether --dataloader_drop_last is set; refused where it would not drop one process's rows."""
+    if not getattr(args, "dataloader_drop_last", False):
+        return False
+    if topology.dp_size > 1:
+        raise InferenceSetupError(
+            f"--dataloader_drop_last drops a short last batch of each of {topology.dp_size} data-parallel replicas, "
+            "not one process's last batch, so the rows predicted would not be one process's; valid: without "
+            f"--dataloader_drop_last, or --tp_size {topology.world_size} (one replica)"
+        )
+    return True
 
 
 def _batch_examples(inputs: dict) -> int:
