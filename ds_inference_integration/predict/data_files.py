@@ -240,7 +240,6 @@ class TranslationColumns(Columns):
         self.with_target += self.target in pair
 
     def end(self) -> None:
-        super().end()
         self.texts.check()
         self._references(self.with_target, f"{self.target!r} in 'translation'", "every example has it", "none")
 
@@ -272,7 +271,6 @@ class SummarizationColumns(Columns):
         self.summaries += row.get(self.summary) is not None
 
     def end(self) -> None:
-        super().end()
         self.texts.check()
         self._references(self.summaries, repr(self.summary), "every example has one", "the column is absent")
 
