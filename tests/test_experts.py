@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers as tr
 
+from conftest import assert_close_up_to_rounding
 from ds_inference_integration import InferenceSetupError
 from ds_inference_integration.policy.derive import derive_policy
 from ds_inference_integration.shard.experts import split_experts
@@ -40,7 +41,7 @@ def test_the_ranks_expert_outputs_add_up_to_the_unsharded_experts(name):
         split_experts(mine, 2, rank, group=None)
         assert mine.gate_up_proj.shape[1] == experts.gate_up_proj.shape[1] // 2
         parts.append(mine.forward(hidden, index, weights))  # forward(): without the all-reduce hook
-    assert torch.allclose(parts[0] + parts[1], want, atol=1e-5)
+    assert_close_up_to_rounding(parts[0] + parts[1], want, scale=parts, msg=name)
 
 
 def test_the_derived_policy_splits_the_experts_and_keeps_the_router():

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from conftest import assert_close_up_to_rounding, rounding_ratio
 from ds_inference_integration import InferenceSetupError
 from ds_inference_integration.load.loaders import model_class_for
 from ds_inference_integration.policy.kinds import is_ssm_mixer, ssm_layout
@@ -104,7 +105,7 @@ def test_every_rank_of_a_split_mixer_gives_the_whole_mixers_output(name, tp, lay
         want = call(mixer, x)
     outputs, shards, ranks = run_ranks(mixer, tp, x, monkeypatch)
     for rank, out in enumerate(outputs):
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=f"{name} tp {tp} rank {rank}")
+        assert_close_up_to_rounding(out, want, msg=f"{name} tp {tp} rank {rank}")
     whole = sum(p.numel() for p in mixer.parameters())
     held = [sum(p.numel() for p in s.parameters()) for s in shards]
     assert max(held) < whole / tp * 1.3, (held, whole)  # the heads' share, plus copies of shared groups and norms
@@ -129,7 +130,7 @@ def test_a_wrong_norm_split_is_caught(monkeypatch):
     monkeypatch.setattr(mixers.RanksGatedRMSNorm, "forward", lambda self, h, gate=None: mixers.F.rms_norm(
         (h.float() * mixers.F.silu(gate.float())), (h.shape[-1],), self.weight, self.variance_epsilon))
     outputs, _, _ = run_ranks(mixer, 2, x, monkeypatch)
-    assert not torch.allclose(outputs[0], want, rtol=1e-3, atol=1e-3)
+    assert rounding_ratio(outputs[0], want) > 1000  # far beyond what summation order moves
 
 
 def test_heads_that_do_not_divide_the_ranks_are_one_line_naming_the_valid_sizes():
