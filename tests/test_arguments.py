@@ -1,5 +1,8 @@
 """The flag family, argv preparation and topology: validated once, early, with clear messages."""
 
+import json
+import re
+
 import pytest
 import torch
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments
@@ -377,13 +380,18 @@ def test_the_parser_checks_a_user_scripts_data_files_and_columns_by_upstreams_na
         return parse(TranslationData, "--source_lang", "en_XX", "--target_lang", "ro", *flags)
 
     cases = {
-        ("--do_predict", "--test_file", files["nocol"]): r"^the test data has no 'translation' column; columns: \['text'\]$",
-        ("--do_predict", "--test_file", files["nolang"]): r"^the test data has no language 'en' in 'translation'; "
-                                                           r"languages there: \['de', 'ro'\]$",
-        ("--do_predict", "--test_file", files["null"]): r"^1 of 2 test examples have an empty 'translation.en' \(the "
-                                                         r"first: example 2, null; --source_lang en\)",
-        ("--do_predict", "--test_file", files["half"]): r"^1 of 2 test examples have no 'ro' in 'translation'; valid: "
-                                                         r"every example has it or none \(predictions only\)$",
+        # each line names the file (a null source's did not)
+        ("--do_predict", "--test_file", files["nocol"]): r"^--test_file '\S+nocol.json': the test data has no "
+                                                          r"'translation' column; columns: \['text'\]$",
+        ("--do_predict", "--test_file", files["nolang"]): r"^--test_file '\S+nolang.json': the test data has no "
+                                                           r"language 'en' in 'translation'; languages there: "
+                                                           r"\['de', 'ro'\]$",
+        ("--do_predict", "--test_file", files["null"]): r"^--test_file '\S+null.json': 1 of 2 test examples have an "
+                                                         r"empty 'translation.en' \(the first: example 2, null; "
+                                                         r"--source_lang en\)",
+        ("--do_predict", "--test_file", files["half"]): r"^--test_file '\S+half.json': 1 of 2 test examples have no "
+                                                         r"'ro' in 'translation'; valid: every example has it or none "
+                                                         r"\(predictions only\)$",
         # a file the run does not predict from is still read by load_dataset: checked as a file
         ("--do_predict", "--test_file", files["good"], "--train_file", files["broken"]):
             r"^--train_file '\S+broken.json': line 2 is not valid JSON",
@@ -402,16 +410,16 @@ def test_the_parser_checks_a_user_scripts_data_files_and_columns_by_upstreams_na
 
     # summarization: upstream's default columns are the file's first two
     docs = lines("docs.json", {"article": "one two", "highlights": "one"}, {"article": "three", "highlights": None})
-    with pytest.raises(InferenceSetupError, match=r"^1 of 2 validation examples have no 'highlights'; valid: every "
-                                                  r"example has one$"):
+    with pytest.raises(InferenceSetupError, match=r"^--validation_file '\S+docs.json': 1 of 2 validation examples have "
+                                                  r"no 'highlights'; valid: every example has one$"):
         parse(SummarizationData, "--do_eval", "--validation_file", docs)
-    with pytest.raises(InferenceSetupError, match=r"^--text_column 'document' is not a column of the test data; "
-                                                  r"columns: article, highlights$"):
+    with pytest.raises(InferenceSetupError, match=r"^--test_file '\S+docs.json': --text_column 'document' is not a "
+                                                  r"column of the test data; columns: article, highlights$"):
         parse(SummarizationData, "--do_predict", "--test_file", docs, "--text_column", "document")
     csv = tmp_path / "docs.csv"
     csv.write_text("document,summary\none two,one\n,three\n")
-    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test examples have an empty 'document' \(the first: "
-                                                  r"example 2, null; --text_column document\)"):
+    with pytest.raises(InferenceSetupError, match=r"^--test_file '\S+docs.csv': 1 of 2 test examples have an empty "
+                                                  r"'document' \(the first: example 2, null; --text_column document\)"):
         parse(SummarizationData, "--do_predict", "--test_file", str(csv))
     parse(SummarizationData, "--do_predict", "--test_file", lines("texts.json", {"document": "one"}),
           "--text_column", "document", "--summary_column", "summary")  # no summaries in a test set: predictions only
@@ -478,7 +486,54 @@ def test_a_data_file_is_checked_a_line_at_a_time_and_once_while_unchanged(tmp_pa
     monkeypatch.undo()
     monkeypatch.setenv("DS_INFERENCE_CACHE", str(tmp_path / "cache"))
     path.write_text(row + '{"translation": {"en": null, "ro": "opt"}}\n')  # changed: checked again
-    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test examples have an empty 'translation.en'"):
+    with pytest.raises(InferenceSetupError, match=r"^--test_file '\S+': 1 of 2 test examples have an empty "
+                                                  r"'translation.en'"):
         check()
-    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test examples have an empty 'translation.en'"):
+    with pytest.raises(InferenceSetupError, match=r"^--test_file '\S+': 1 of 2 test examples have an empty "
+                                                  r"'translation.en'"):
         check()  # a file that failed is not recorded
+
+
+def test_the_data_check_accepts_every_file_upstreams_load_dataset_reads(tmp_path):
+    """The check must never refuse what upstream's `load_dataset` reads: a JSON array on one line (what `json.dump`
+    writes) and json lines after a UTF-8 byte-order mark were refused, though the check's own docstring accepted the
+    array form. Each file here is given to datasets itself and to the check: the check passes every file datasets
+    reads (translation's columns checked where the file has them), and a file datasets cannot read is refused in one
+    line naming it."""
+    import datasets
+
+    from ds_inference_integration.predict import data_files
+
+    rows = [{"translation": {"en": "seven", "ro": "șapte"}}, {"translation": {"en": "eight", "ro": "opt"}}]
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    files = {
+        "array_one_line.json": json.dumps(rows), "array_pretty.json": json.dumps(rows, indent=2),
+        "array_after_spaces.json": "  " + json.dumps(rows), "bom.jsonl": "\ufeff" + lines,
+        "bom_array.json": "\ufeff" + json.dumps(rows), "crlf.jsonl": lines.replace("\n", "\r\n"),
+        "no_last_newline.jsonl": lines.rstrip("\n"), "blank_lines.jsonl": "\n" + lines.replace("\n", "\n\n"),
+        "strings_array.json": json.dumps(["seven", "eight"]), "one_object.json": json.dumps({"text": ["a", "b"]}),
+        "trailing_comma.json": json.dumps(rows)[:-1] + ",]", "bom.csv": "\ufeffen,ro\nseven,șapte\n",
+        "crlf.csv": "en,ro\r\nseven,șapte\r\n", "quoted_newline.csv": 'en,ro\n"se\nven",șapte\n',
+        "ragged.csv": "en,ro\nseven,șapte,x\n", "not_json.jsonl": lines + "{not json\n",
+    }
+    read_by_datasets = set()
+    for name, text in files.items():
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        try:
+            datasets.load_dataset(data_files.kind_of(name), data_files=str(path), split="train",
+                                  cache_dir=str(tmp_path / "cache"))
+            read_by_datasets.add(name)
+        except Exception:  # noqa: BLE001 - datasets' own verdict is what the check must follow
+            pass
+    assert {"array_one_line.json", "bom.jsonl", "bom.csv", "crlf.jsonl"} <= read_by_datasets
+    assert {"trailing_comma.json", "not_json.jsonl"}.isdisjoint(read_by_datasets)
+    for name in files:
+        path = str(tmp_path / name)
+        columns = data_files.TranslationColumns("test", "en", "ro") if "translation" in files[name] else None
+        if name in read_by_datasets:
+            data_files.check_data_file(path, "--test_file", columns=columns)
+        else:
+            with pytest.raises(InferenceSetupError, match=rf"^--test_file '{re.escape(path)}': ") as e:
+                data_files.check_data_file(path, "--test_file", columns=columns)
+            assert "\n" not in str(e.value)

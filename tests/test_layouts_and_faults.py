@@ -160,6 +160,36 @@ def test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_r
     assert (tmp_path / "generated_predictions.txt").read_bytes() == single_all
 
 
+@pytest.mark.launched
+def test_ctrl_c_ends_every_rank_in_one_line_and_the_same_command_resumes(single_all, tmp_path):
+    """Ctrl-C in the terminal of a torchrun tp 2 predict (SIGINT to the whole process group, the launcher and both
+    ranks, as a terminal sends it): each rank says so in one line and exits 130; torchrun exits non-zero with its
+    own report of the signal, the only traceback (each rank printed its KeyboardInterrupt traceback: 176-317 lines
+    in all, 2026-12-05); the same command then resumes and ends byte for byte as one process."""
+    import re
+
+    args = [*ALL, *TP2]
+    proc, _ = start_example(args, tmp_path, nprocs=2, fault="pace:0.3")
+    try:
+        lines = _wait_for_line(proc, "predict progress:", 200)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        lines.reader.join(10)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if _session_alive(proc.pid) else None
+    out = "".join(lines)
+    assert proc.returncode != 0, out[-3000:]
+    errors = sorted(line.strip() for line in lines if line.startswith("error:"))
+    assert errors == [f"error: interrupted (SIGINT); this rank stopped; a streamed predict resumes from its parts when "
+                      f"the same command runs again [rank {r}]" for r in (0, 1)], out[-3000:]
+    assert out.count("Traceback") == out.count("SignalException: Process"), out[-3000:]  # torchrun's own report
+    assert not re.search(r'File ".*(run_translation|ds_inference_integration)|frame #', out), out[-3000:]
+    resumed = run_example(args, tmp_path, nprocs=2)
+    assert_ok(resumed)
+    assert "resumed: " in resumed.output
+    assert (tmp_path / "generated_predictions.txt").read_bytes() == single_all
+
+
 # Two runs of one command into one directory, and a timeout meant as "none" -----------------------------------------
 
 @pytest.mark.slow  # make test-all: suite time (make test stays under 15 minutes)

@@ -93,12 +93,13 @@ ARGS = ["--do_predict", "--do_eval", "--predict_with_generate", "--per_device_ev
 def test_bad_columns_and_data_end_in_one_line_before_the_model_loads(tiny_models, tmp_path):
     main = load_example("run_summarization").main
     base = ["--model_name_or_path", str(tiny_models["t5"]), "--output_dir", str(tmp_path / "out"), *ARGS]
-    with pytest.raises(InferenceSetupError, match=r"^--text_column 'article' is not a column of the validation data; "
-                                                  r"columns: document, summary$"):
+    with pytest.raises(InferenceSetupError, match=r"^--validation_file '\S+': --text_column 'article' is not a column of "
+                                                  r"the validation data; columns: document, summary$"):
         main([*base, "--text_column", "article"])
     empty = tmp_path / "empty.json"
     empty.write_text('{"document": "one", "summary": "one"}\n{"document": " ", "summary": "two"}\n')
-    with pytest.raises(InferenceSetupError, match=r"^1 of 2 test examples have an empty 'document'"):
+    with pytest.raises(InferenceSetupError, match=r"^--test_file '\S+empty.json': 1 of 2 test examples have an empty "
+                                                  r"'document'"):
         main([*base[:-len(ARGS)], "--do_predict", "--predict_with_generate", "--test_file", str(empty)])
     with pytest.raises(InferenceSetupError, match=r"--test_file 'x.txt' must be a json, jsonl or csv file"):
         main([*base, "--test_file", "x.txt"])

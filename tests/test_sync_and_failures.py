@@ -6,7 +6,16 @@ import sys
 
 import pytest
 
-from conftest import TRANSLATE_ARGS, WORKERS, assert_ok, load_example, run_example, run_in_process, sampling_config
+from conftest import (
+    TRANSLATE_ARGS,
+    WORKERS,
+    assert_ok,
+    free_port,
+    load_example,
+    run_example,
+    run_in_process,
+    sampling_config,
+)
 
 ODD = ["--do_predict", "--max_predict_samples", "37", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS]
 
@@ -186,8 +195,8 @@ def test_bad_input_ends_the_run_in_one_line_with_exit_2(tmp_path):
     run = run_example(["--do_predict", *TRANSLATE_ARGS, "--deepspeed_inference", "--test_file",
                        str(tmp_path / "nolang.json")], tmp_path / "out", timeout=120)
     assert run.returncode == 2, run.output[-2000:]
-    assert run.error_lines() == ["error: the test data has no language 'en' in 'translation'; languages there: "
-                                 "['de', 'ro'] [rank 0]"], run.output[-2000:]
+    assert run.error_lines() == [f"error: --test_file '{tmp_path / 'nolang.json'}': the test data has no language 'en' "
+                                 "in 'translation'; languages there: ['de', 'ro'] [rank 0]"], run.output[-2000:]
     assert "Traceback" not in run.output
 
 
@@ -372,13 +381,15 @@ def test_a_script_that_returns_destroys_its_process_group_at_exit(tmp_path, end)
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("when", ["setup", "after_the_process_groups_start"])
+@pytest.mark.parametrize("when", ["setup", "after_the_process_groups_start", "a_metric_package_missing"])
 def test_a_script_with_the_three_changes_ends_each_rank_in_one_line(tmp_path, when):
     """A user's script with the README's three changes and no `run_main` (tests/workers/causal_lm_eval.py), at 2
     ranks: a setup error (3 heads at --tp_size 2) printed a 17-line traceback per rank around the one-line error, and
     so did one raised after torch had started the process groups (and wrapped the exception hook): --dataloader_drop_last
-    at dp 2. Now each rank prints the one `error:` line and exits 2 (`run.lifecycle.install_exit_rules`, installed by
-    the parser), as the examples do through `run_main`."""
+    at dp 2; and so did the metric package its metric imports where the plugin was installed without that extra
+    (sacrebleu's ModuleNotFoundError, where the library's own commands name the extra). Now each rank prints the one
+    `error:` line and exits 2 (`run.lifecycle.install_exit_rules`, installed by the parser), as the examples do
+    through `run_main`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -386,13 +397,19 @@ def test_a_script_with_the_three_changes_ends_each_rank_in_one_line(tmp_path, wh
     model = tmp_path / "model"
     LlamaForCausalLM(LlamaConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
                                  intermediate_size=64, vocab_size=64, pad_token_id=0)).save_pretrained(model)
-    extra = ["--tp_size", "2"] if when == "setup" else ["--tp_size", "1", "--dataloader_drop_last"]
+    extra = {"setup": ["--tp_size", "2"], "after_the_process_groups_start": ["--tp_size", "1", "--dataloader_drop_last"],
+             "a_metric_package_missing": ["--tp_size", "1"]}[when]
+    missing = when == "a_metric_package_missing"
     run = run_example(["--report_to", "none", "--use_cpu", "--per_device_eval_batch_size", "4",
                        "--deepspeed_inference", *extra], tmp_path / "out", nprocs=2, script=WORKERS / "causal_lm_eval.py",
-                      env={"MODEL_DIR": str(model)}, timeout=120)
+                      env={"MODEL_DIR": str(model), **({"METRIC_PACKAGE": "sacrebleu"} if missing else {})},
+                      fault="hide_module:sacrebleu" if missing else None, timeout=120)
     assert run.returncode != 0
-    want = ("llama: num_attention_heads=3 is not divisible by --tp_size 2; valid tp sizes: 1, 3" if when == "setup"
-            else "--dataloader_drop_last drops a short last batch of each of 2 data-parallel replicas")
+    want = {"setup": "llama: num_attention_heads=3 is not divisible by --tp_size 2; valid tp sizes: 1, 3",
+            "after_the_process_groups_start": "--dataloader_drop_last drops a short last batch of each of 2 "
+                                              "data-parallel replicas",
+            "a_metric_package_missing": "sacrebleu is not installed; valid: pip install "
+                                        "'ds-inference-integration[metrics]'"}[when]
     lines = run.error_lines()
     assert sorted(line[-len("[rank 0]"):] for line in lines) == ["[rank 0]", "[rank 1]"], run.output[-3000:]
     assert all(want in line for line in lines), lines
@@ -401,3 +418,50 @@ def test_a_script_with_the_three_changes_ends_each_rank_in_one_line(tmp_path, wh
     # no traceback frame of the script or the library: torchrun's own report of the exit code only
     assert not re.search(r'File ".*(causal_lm_eval|ds_inference_integration)', run.output), run.output[-3000:]
     assert "exitcode  : 2" in run.output
+
+
+def test_the_rank_that_hosts_the_store_waits_for_its_peers_to_stop_asking_it(monkeypatch):
+    """Ranks that fail alike each count themselves reported in the store rank 0 hosts (the deepspeed launcher's
+    rendezvous), then leave. Rank 0 left as soon as it saw every count, while a peer whose last look had been one
+    short asked once more: the store was gone, and torch printed that connection's failure with 24 frames of its C++
+    stack beside the one-line error (an empty --test_file, 2 runs in 5). Here the peer looks slowly (a loaded rank),
+    and every one of its store calls must succeed: the host leaves last."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from ds_inference_integration.run import lifecycle
+
+    failed, real_store, real_sleep = [], dist.TCPStore, time.sleep
+
+    class Watched:
+        def __init__(self, *args, **kwargs):
+            self.store = real_store(*args, **kwargs)
+
+        def add(self, key, value):
+            if threading.current_thread().name == "host" and not hasattr(self, "late"):
+                self.late = real_sleep(0.5)  # the peer counts itself first, and is looking again slowly
+            try:
+                return self.store.add(key, value)
+            except Exception as e:  # noqa: BLE001 - recorded: the test's point
+                failed.append(f"{threading.current_thread().name}: {e}"[:200])
+                raise
+
+    def sleep(seconds):
+        real_sleep(0.4 if threading.current_thread().name == "peer" else seconds)
+
+    monkeypatch.setattr(dist, "TCPStore", Watched)
+    monkeypatch.setattr(lifecycle.time, "sleep", sleep)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    seen = {}
+    threads = [threading.Thread(target=lambda r=r: seen.__setitem__(r, lifecycle.wait_for_peers_to_report(r, [0, 1], 20)),
+                                name=name) for r, name in ((0, "host"), (1, "peer"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {0: 2, 1: 2} and not failed, (seen, failed)

@@ -41,45 +41,106 @@ def kind_of(path: str) -> str:
 def check_data_file(path: str, flag: str, what: str = "examples", columns: Columns | None = None) -> None:
     """One line when `path` cannot be read as its kind of data file, or (with `columns`) its rows lack what the
     run reads. Read a line at a time: a bulk predict's data need not fit in memory (reading it whole, as this did,
-    held the bytes and the text: twice the file on every rank)."""
+    held the bytes and the text: twice the file on every rank). A file this reading refuses is offered to `datasets`
+    before the refusal stands (`_datasets_rows`): the check must never refuse what upstream's `load_dataset` reads."""
     p = Path(path)
     if not p.is_file():
         raise InferenceSetupError(f"{flag} {path!r} does not exist")
     stamp = _stamp(p, flag, columns)
     if stamp is not None and stamp.exists():
         return
+    try:
+        count = _read(p, path, flag, columns)
+    except _Unreadable as e:
+        raise InferenceSetupError(str(e)) from None
+    except InferenceSetupError as e:  # the columns' lines: named for their file
+        raise InferenceSetupError(f"{flag} {path!r}: {e}") from None
+    if count == 0:
+        raise InferenceSetupError(f"{flag} {path!r} holds no {what}; give at least one line")
+    if stamp is not None:
+        _write_stamp(stamp)
+
+
+class _Unreadable(InferenceSetupError):
+    """The line-by-line reading could not read the file as its kind (what `datasets` may still read)."""
+
+
+def _read(p: Path, path: str, flag: str, columns: Columns | None) -> int:
+    """The rows checked, read line by line, or, where that reading refuses the file, as `datasets` reads it."""
+    try:
+        return _check_rows(_rows(p, path, flag), columns)
+    except _Unreadable:
+        rows = _datasets_rows(path)
+        if rows is None:
+            raise
+        return _check_rows(rows, _fresh(columns))
+
+
+def _rows(p: Path, path: str, flag: str):
     lines = _lines(p, path, flag)
-    rows = _csv_rows(lines, path, flag) if kind_of(path) == "csv" else _json_rows(lines, p, path, flag)
+    return _csv_rows(lines, path, flag) if kind_of(path) == "csv" else _json_rows(lines, p, path, flag)
+
+
+def _check_rows(rows, columns: Columns | None) -> int:
     count = 0
     for row in rows:
         count += 1
         if columns is not None:
             columns.row(row)
-    if count == 0:
-        raise InferenceSetupError(f"{flag} {path!r} holds no {what}; give at least one line")
-    if columns is not None:
+    if count and columns is not None:
         columns.end()
-    if stamp is not None:
-        _write_stamp(stamp)
+    return count
+
+
+def _fresh(columns: Columns | None) -> Columns | None:
+    """The same checks, from the first row again (the refused reading may have counted some): `settings` are each
+    kind's constructor arguments."""
+    return None if columns is None else type(columns)(columns.split, *columns.settings())
+
+
+def _datasets_rows(path: str):
+    """The file's rows as upstream's `load_dataset` reads them, or None where it cannot (nor where datasets is not
+    installed: then the script's own load fails too). Only for a file the line-by-line reading refused, so the cost
+    (importing datasets, its cache) falls on that case alone."""
+    from ..extras import optional_import
+
+    try:
+        datasets = optional_import("datasets", "reading a data file as upstream's load_dataset does")
+    except InferenceSetupError:
+        return None
+    datasets_logging = optional_import("datasets.utils.logging", "datasets' logging")
+
+    log, level = logging.getLogger("datasets"), logging.getLogger("datasets").level
+    bars = datasets_logging.is_progress_bar_enabled()
+    log.setLevel(logging.CRITICAL + 1)  # its own error log and progress bars: the refusal, if it stands, says it
+    datasets_logging.disable_progress_bar()
+    try:
+        return list(datasets.load_dataset(kind_of(path), data_files=path, split="train"))
+    except Exception:  # noqa: BLE001 - datasets cannot read it either: the line-by-line refusal stands
+        return None
+    finally:
+        log.setLevel(level)
+        if bars:
+            datasets_logging.enable_progress_bar()
 
 
 def _lines(p: Path, path: str, flag: str):
-    """The file's lines as text (line ends kept), a byte that is not UTF-8 one line naming its line and offset."""
+    """The file's lines as text (line ends kept, a UTF-8 byte-order mark dropped, as datasets drops it), a byte that is
+    not UTF-8 one line naming its line and offset."""
     offset = 0
     with p.open("rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                yield raw.decode("utf-8")
+                yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise InferenceSetupError(f"{flag} {path!r}: line {number} holds a byte that is not UTF-8 "
-                                          f"({raw[e.start]:#04x} at byte {offset + e.start}); valid: a UTF-8 text "
-                                          "file") from None
+                raise _Unreadable(f"{flag} {path!r}: line {number} holds a byte that is not UTF-8 "
+                                  f"({raw[e.start]:#04x} at byte {offset + e.start}); valid: a UTF-8 text file") from None
             offset += len(raw)
 
 
 def _json_rows(lines, p: Path, path: str, flag: str):
-    """JSON lines (one object a line, blank lines allowed), or one JSON document (a list of objects), as the json
-    builder of `datasets` reads either."""
+    """JSON lines (one object a line, blank lines allowed), or one JSON document: an array of objects, or of strings
+    (a `text` column), on one line (what `json.dump` writes) or many, as the json builder of `datasets` reads them."""
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -90,20 +151,36 @@ def _json_rows(lines, p: Path, path: str, flag: str):
             if document is not None:
                 yield from document
                 return
-            raise InferenceSetupError(f"{flag} {path!r}: line {number} is not valid JSON ({e.msg} at column "
-                                      f"{e.colno}); valid: one JSON object per line") from None
+            raise _Unreadable(f"{flag} {path!r}: line {number} is not valid JSON ({e.msg} at column {e.colno}); "
+                              "valid: one JSON object per line, or one JSON array of objects") from None
+        if number == 1 and isinstance(row, list):
+            rows = _records(row)
+            if rows is None:
+                raise _Unreadable(f"{flag} {path!r}: the JSON array holds neither objects nor strings; valid: one "
+                                  "JSON object per line, or one JSON array of objects")
+            yield from rows
+            return
         if not isinstance(row, dict):
-            raise InferenceSetupError(f"{flag} {path!r}: line {number} is a JSON {type(row).__name__}, not an "
-                                      "object; valid: one JSON object per line")
+            raise _Unreadable(f"{flag} {path!r}: line {number} is a JSON {type(row).__name__}, not an object; "
+                              "valid: one JSON object per line")
         yield row
+
+
+def _records(document) -> list[dict] | None:
+    """A JSON array as rows: its objects, or its strings as a `text` column (datasets' reading); None otherwise."""
+    if isinstance(document, list) and all(isinstance(row, dict) for row in document):
+        return document
+    if isinstance(document, list) and all(isinstance(row, str) for row in document):
+        return [{"text": row} for row in document]
+    return None
 
 
 def _whole_document(p: Path) -> list[dict] | None:
     try:
-        document = json.loads(p.read_text(encoding="utf-8"))
+        document = json.loads(p.read_text(encoding="utf-8-sig"))
     except ValueError:  # UnicodeDecodeError too: the line-by-line reading names the line
         return None
-    return document if isinstance(document, list) and all(isinstance(row, dict) for row in document) else None
+    return _records(document)
 
 
 def _csv_rows(lines, path: str, flag: str):
@@ -116,11 +193,11 @@ def _csv_rows(lines, path: str, flag: str):
             if not row:
                 continue
             if len(row) != len(header):
-                raise InferenceSetupError(f"{flag} {path!r}: line {rows.line_num} has {len(row)} fields, the header "
+                raise _Unreadable(f"{flag} {path!r}: line {rows.line_num} has {len(row)} fields, the header "
                                           f"{len(header)} ({', '.join(header)}); valid: one field per column")
             yield {k: (v if v != "" else None) for k, v in zip(header, row)}  # an empty field: None, as datasets reads it
     except csv.Error as e:
-        raise InferenceSetupError(f"{flag} {path!r}: line {rows.line_num} is not valid CSV ({e})") from None
+        raise _Unreadable(f"{flag} {path!r}: line {rows.line_num} is not valid CSV ({e})") from None
 
 
 # A file that passed is not read again while it is unchanged (its path, size and modification time, and what was

@@ -23,6 +23,7 @@ from . import output_dir, watchdog
 # after rank 1 had (2026-12-02), and only rank 1's line was printed.
 REPORT_GRACE_SECONDS = 30.0
 _REPORTED_KEY = "ds_inference_reported"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
 def tear_down_at_exit(timeout: float = 10.0) -> None:
@@ -64,12 +65,12 @@ def install_exit_rules() -> None:
     them, and `setup_inference` for a script with a parser of its own): an uncaught exception ends the rank as
     `run_main` would, one `error:` line for the library's errors and for a file system that said no, a traceback and
     a line otherwise, and the rank leaves at once (`os._exit`) so that its peers stop instead of waiting in a
-    collective. Once per process.
+    collective; Ctrl-C (KeyboardInterrupt) one line too, exit 130. Once per process.
 
     Without it, a user's script with the README's three changes (tests/workers/causal_lm_eval.py) at `--tp_size 2`
     on a model of 3 heads printed a traceback of 17 lines per rank around the one-line error (torchrun, 2 CPU
-    ranks, 2026-12-04). Not in an interactive interpreter (`sys.ps1`: an error there must not end the session) nor
-    for Ctrl-C, which keep Python's own handling. What it prints goes to the stderr of the moment it was installed:
+    ranks, 2026-12-04). Not in an interactive interpreter (`sys.ps1`: an error there must not end the session), which
+    keeps Python's own handling. What it prints goes to the stderr of the moment it was installed:
     torch's process-group start wraps the hook in one that collects the output in a buffer and prints it after the
     hook returns, which this one never does (the watchdog's line about a stopped peer was lost that way)."""
     if _teardown.get("exit_rules"):
@@ -78,7 +79,7 @@ def install_exit_rules() -> None:
     previous, stream = sys.excepthook, sys.stderr
 
     def on_uncaught(kind, error, tb):
-        if hasattr(sys, "ps1") or not isinstance(error, Exception):
+        if hasattr(sys, "ps1") or not isinstance(error, (Exception, KeyboardInterrupt)):
             previous(kind, error, tb)
             return
         _teardown["failed"] = True
@@ -101,6 +102,16 @@ def end_rank(e: BaseException) -> None:
     """End this rank after `e`, by the project's rules (see `run_main`), printing to sys.stderr; never returns."""
     stream = sys.stderr
     rank = os.environ.get("RANK", "0")
+    if isinstance(e, KeyboardInterrupt):
+        # Ctrl-C reaches every rank of a terminal's launch (torchrun forwards it too): each says so in one line
+        # (each printed its traceback, 176-317 lines in all under torchrun, 2026-12-05). What a streamed predict
+        # wrote is kept, and the same command resumes from it.
+        stream.write(f"\nerror: interrupted (SIGINT); this rank stopped; a streamed predict resumes from its parts "
+                     f"when the same command runs again [rank {rank}]\n")
+        stream.flush()
+        exit_now(EXIT_INTERRUPTED)
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        e = InferenceSetupError(_not_installed(e.name))  # the same on every rank: as a setup error
     if isinstance(e, (InferenceSetupError, LockstepError, RunFailure)):
         # One write, starting on a fresh line: ranks share the launcher's stream (and tqdm's \r lines).
         stream.write(f"\nerror: {e} [rank {rank}]\n")
@@ -122,6 +133,19 @@ def end_rank(e: BaseException) -> None:
     stream.flush()
     watchdog.explain_failure()  # a peer that stopped answering is the likely cause: name it
     exit_now(1)
+
+
+def _not_installed(module: str) -> str:
+    """The line for a package a script needs and the environment lacks: which extra installs it where it is one of
+    ours (a user's copy of run_translation.py without the [examples] extra met sacrebleu's ModuleNotFoundError as a
+    traceback on every rank, where the library's own commands name the extra), else the package itself."""
+    from ..extras import EXTRAS, PACKAGE
+
+    top = module.split(".")[0]
+    extra = next((name for name, packages in EXTRAS.items() if top in packages), None)
+    if extra:
+        return f"{top} is not installed; valid: pip install '{PACKAGE}[{extra}]'"
+    return f"no module named {module!r} is installed; valid: install the package that provides {top!r}"
 
 
 def run_main(main: Callable[[list[str]], object], argv: list[str]) -> int:
@@ -183,6 +207,14 @@ def wait_for_peers_to_report(rank: int, ranks: list[int], grace: float) -> int:
         while seen < len(ranks) and time.monotonic() < deadline:
             time.sleep(0.05)
             seen = store.add(key, 0)
+        # the rank that hosts the store leaves last: a peer still asking it (the count it last saw was one short)
+        # found it gone, and torch printed that connection's failure with 24 frames of its C++ stack beside the
+        # one-line error (rank 1, deepspeed launcher, an empty --test_file, 2 runs in 5, 2026-12-05)
+        done = store.add(f"{key}/seen", 1)
+        host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        while host and done < len(ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = store.add(f"{key}/seen", 0)
     except Exception:  # noqa: BLE001 - the store host has left, or never came: nothing more to wait for
         pass
     return seen

@@ -15,6 +15,9 @@ package when that module is first imported.
                                           replaces its first linear (an exception from inside init_inference)
     DS_INFERENCE_FAULT=abort_at_exit:RANK that rank's `policy check` worker aborts (SIGABRT) in the interpreter's
                                           teardown, after its results are written, as gloo's threads sometimes do
+    DS_INFERENCE_FAULT=hide_module:NAME   importing the package NAME fails as if it were not installed (an extra left out)
+    DS_INFERENCE_FAULT=serve_raise:SEED   a served batch holding a row of that seed raises inside generate, at its
+                                          second new token, on every rank (a failure no request check foresaw)
     DS_INFERENCE_FAULT=half_scale:RANK:NAME:F
                                           a split wrong only in half precision: after sharding in fp16 or bf16, that
                                           rank's part of the module NAME (a path suffix) is scaled by F, as a
@@ -155,7 +158,30 @@ if KIND == "slow_start":
 
         time.sleep(float(_seconds))
 
+def _patch_serve_raise(module):
+    seed, rules = int(ARG), module.RowRules.__call__
+
+    def failing(self, input_ids, scores):
+        if input_ids.shape[1] - self.start == 1 and any(int(row["seed"]) == seed for row in self.rows):
+            raise RuntimeError(f"injected generate failure for seed {seed} (DS_INFERENCE_FAULT)")
+        return rules(self, input_ids, scores)
+
+    module.RowRules.__call__ = failing
+
+
+class _Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == ARG:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+if KIND == "hide_module":
+    sys.meta_path.insert(0, _Hidden())
+
 PATCHES = {"ds_inference_integration.run.files": _patch_files} if KIND == "fail_write" else (
+    {"ds_inference_integration.serve.engine": _patch_serve_raise} if KIND == "serve_raise" else
+    {} if KIND == "hide_module" else
     {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
     {"ds_inference_integration.tools.policy_check": _patch_abort_at_exit} if KIND == "abort_at_exit" else
     {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else

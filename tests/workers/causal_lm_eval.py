@@ -4,6 +4,7 @@ run_clm.py --do_eval computes them; `DeepSpeedInferenceTrainer` and the parser a
 usage: MODEL_DIR=... causal_lm_eval.py --output_dir OUT [TrainingArguments and flag family]; writes, on the first
 process, OUT/result.json and OUT/logits.npy."""
 
+import importlib
 import json
 import os
 import sys
@@ -23,6 +24,8 @@ def main(argv: list[str]) -> None:
     model_dir = os.environ["MODEL_DIR"]
     training_args, inference_args = InferenceArgumentParser((TrainingArguments, DeepSpeedInferenceArguments)
                                                             ).parse_args_into_dataclasses(argv)
+    if os.environ.get("METRIC_PACKAGE"):  # as upstream's scripts load their metric (evaluate.load -> sacrebleu)
+        importlib.import_module(os.environ["METRIC_PACKAGE"])
     ids = torch.randint(3, 60, (EXAMPLES, LENGTH), generator=torch.Generator().manual_seed(0)).tolist()
     data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * LENGTH] * EXAMPLES, "labels": ids})
     trainer = DeepSpeedInferenceTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=training_args,
