@@ -22,16 +22,26 @@ BIN = Path(sys.executable).parent
 
 
 class ServerProc:
-    def __init__(self, model: Path, args: list[str], log_dir: Path, ranks: int, http: bool = True):
+    """`own_logs`: no --log_dir, so the server makes (and must remove) its own under `log_dir / "tmp"` (TMPDIR).
+    `fault`: DS_INFERENCE_FAULT for the tests' fault hooks (tests/faults/sitecustomize.py)."""
+
+    def __init__(self, model: Path, args: list[str], log_dir: Path, ranks: int, http: bool = True,
+                 own_logs: bool = False, fault: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / "front.log", "w+")
+        self.tmp = log_dir / "tmp"
+        self.tmp.mkdir(exist_ok=True)
         env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ,
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": str(threads_per_rank(ranks)), "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+               "OMP_NUM_THREADS": str(threads_per_rank(ranks)), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+               "TMPDIR": str(self.tmp)}
+        if fault:
+            faults = str(Path(__file__).resolve().parent / "faults")
+            env.update(DS_INFERENCE_FAULT=fault, PYTHONPATH=os.pathsep.join(filter(None, [faults, env.get("PYTHONPATH")])))
         port = ["--port", str(self.port)] if http else []
-        self.proc = subprocess.Popen([str(BIN / "ds-inference"), "serve", str(model), *port,
-                                      "--log_dir", str(log_dir / "ranks"), *args],
+        logs = [] if own_logs else ["--log_dir", str(log_dir / "ranks")]
+        self.proc = subprocess.Popen([str(BIN / "ds-inference"), "serve", str(model), *port, *logs, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.monotonic()
 

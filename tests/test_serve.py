@@ -207,7 +207,8 @@ def test_generate_route_beams_and_sequences(gpt2):
     for extra in ({"no_repeat_ngram_size": 1}, {"num_beams": 3, "no_repeat_ngram_size": 2, "early_stopping": True}):
         with torch.no_grad():
             want = model.generate(**ids, max_new_tokens=24, do_sample=False, **extra)
-        wants.append(tokenizer.decode(want[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+        prompt = tokenizer.decode(ids["input_ids"][0], skip_special_tokens=True)  # the text rule: what the new
+        wants.append(tokenizer.decode(want[0], skip_special_tokens=True)[len(prompt):])  # tokens add to the prompt
         status, got = post(gpt2.url + "/generate", {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 24, **extra}})
         assert status == 200 and got["generated_text"] == wants[-1], (extra, got, wants[-1])
     assert wants[0] != post(gpt2.url + "/generate", {"inputs": PROMPTS[0], "parameters": {
@@ -333,6 +334,13 @@ def test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key(
             "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8})
         assert status == 200 and chat["object"] == "chat.completion", chat
         assert chat["choices"][0]["message"] == {"role": "assistant", "content": done["choices"][0]["text"]}
+        # content as OpenAI's text parts, for this string-only template: joined with newlines, as vLLM joins them
+        # (the template printed the list's Python repr: a silently different prompt)
+        halves = PROMPTS[0].split(" ", 1)
+        answers = [request("POST", server.url + "/v1/chat/completions", headers=key, body={
+            "messages": [{"role": "user", "content": content}], "max_tokens": 8})[1]["choices"][0]["message"]
+            for content in ([{"type": "text", "text": h} for h in halves], "\n".join(halves))]
+        assert answers[0] == answers[1], answers
         # an image part would vanish in a text model's template, and an empty conversation makes no tokens: one line
         # each naming the messages (they were "prompt 0 is empty after tokenization", param "prompt")
         for content in ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}], ""):

@@ -14,6 +14,8 @@ from .length_grouping import input_lengths
 # mBART, Pegasus and Marian (whose encoder and decoder have as many positions each)
 ENCODER_POSITIONS = ("max_encoder_position_embeddings", "max_position_embeddings")
 DECODER_POSITIONS = ("max_decoder_position_embeddings", "max_target_positions", "max_position_embeddings")
+# a decoder-only model's: GPT-2's, older GPTs', ChatGLM's, then the shared one
+SEQUENCE_POSITIONS = ("n_positions", "n_ctx", "seq_length", "max_position_embeddings")
 
 
 def _first(config, names) -> int | None:
@@ -22,6 +24,16 @@ def _first(config, names) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def encoder_positions(config) -> int | None:
+    """An encoder-decoder's encoder positions, or None (relative positions: T5)."""
+    return _first(config, ENCODER_POSITIONS)
+
+
+def sequence_positions(config) -> int | None:
+    """A decoder-only model's positions (prompt + generated tokens), or None where its config names none."""
+    return _first(getattr(config, "get_text_config", lambda: config)(), SEQUENCE_POSITIONS)
 
 
 def decoder_positions(config) -> int | None:

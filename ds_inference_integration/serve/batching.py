@@ -59,6 +59,8 @@ class Job:
     cancelled: bool = False
     first_token_at: float | None = None
     finished_rows: int = 0
+    alone: bool = False  # its batch failed: it runs in a batch of its own, so a failure is its own
+
 
     def width(self) -> int:
         return max(len(r.prompt_ids) for r in self.rows)
@@ -102,6 +104,14 @@ class Queue:
         self.waiting.append(job)
         self._open.append((job.arrived, len(self.waiting) + len(self.running)))
 
+    def retry_alone(self, jobs: list[Job]) -> None:
+        """Jobs of a batch that failed, back at the head of the queue in their order, each to run in a batch of its
+        own: the job that made the batch fail then fails alone, and the others are answered."""
+        for job in jobs:
+            job.alone = True
+            self.running.discard(job)
+        self.waiting[:0] = jobs
+
     def remove(self, job: Job) -> bool:
         """A job that ended (answered, failed, or its client went away): out of the queue or of the running set."""
         self.running.discard(job)
@@ -122,11 +132,11 @@ class Queue:
         first = self.waiting[0]
         jobs, rows = [first], len(first.rows)
         width, new = first.width(), first.new_tokens()
-        full = rows >= self.max_batch_size
+        full = rows >= self.max_batch_size or first.alone
         for job in self.waiting[1:]:
             if full:
                 break
-            if job.key != first.key:
+            if job.key != first.key or job.alone:
                 continue
             n = rows + len(job.rows)
             w, m = max(width, job.width()), max(new, job.new_tokens())

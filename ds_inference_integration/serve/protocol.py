@@ -13,8 +13,10 @@ generation config (greedy for the embedded models), as vLLM's `--generation-conf
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pydantic  # DeepSpeed's own dependency (its config classes), so installed wherever the plugin is
 
@@ -23,7 +25,7 @@ class ServeError(Exception):
     """An answer other than 200, as OpenAI's API gives it: {"error": {message, type, param, code}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  retry: bool | None = None):
@@ -36,7 +38,7 @@ class ServeError(Exception):
 
 
 class _Body(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="allow")
+    model_config = pydantic.ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -72,7 +74,9 @@ class Sampling(_Body):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # a string, strings, token ids, or lists of token ids: checked by `prompts()`, in Python, which lets the event
+    # loop in while it reads a long list (pydantic's union took 0.73 s for 2 million ids, holding the lock)
+    prompt: Any
 
 
 class ChatMessage(_Body):
@@ -162,6 +166,45 @@ GENERATE_NOT_SERVED: dict[str, tuple] = {"return_full_text": (None, False), "wat
 def _neutral(value, neutrals: tuple) -> bool:
     """Whether `value` is one of a not-served field's neutral values (of the same type: 0 is not False)."""
     return any(value == v and type(value) is type(v) or value is v for v in neutrals)
+
+
+PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _token_id(value) -> bool:
+    return type(value) is int  # not a bool, not a float
+
+
+def completion_prompts(value) -> list[str] | list[list[int]]:
+    """/v1/completions' `prompt` as texts or token-id lists, checked in Python (see CompletionRequest)."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise ServeError(400, f"prompt {_shown(value)} is not a prompt; valid: {PROMPT_FORMS}", "prompt")
+    if all(isinstance(p, str) for p in value):
+        return value
+    if all(_token_id(t) for t in value):
+        return [value]
+    for i, p in enumerate(value):
+        if not isinstance(p, list) or not p or not all(_token_id(t) for t in p):
+            bad = next((t for t in p if not _token_id(t)), None) if isinstance(p, list) and p else p
+            raise ServeError(400, f"prompt.{i}: {_shown(bad)} in a list of prompts; valid: {PROMPT_FORMS}", "prompt")
+    return value
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_count(prompts: int, n: int, beams: bool, limits: "ModelLimits", names: dict | None = None) -> None:
+    """A request's rows (prompts x n, or one per prompt with beams) within --max_batch_size: checked before any prompt
+    is tokenized (400,000 prompts took the front 18.6 s and 2.4 GB to tokenize before this refused them)."""
+    names = names or {}
+    rows = prompts * (1 if beams else n)
+    if rows > limits.max_batch_size:
+        raise ServeError(400, f"{prompts} prompt(s) x {names.get('n', 'n')} {n} = {rows} sequences; valid: at most "
+                         f"{limits.max_batch_size} (--max_batch_size) per request", "n" if n > 1 else "prompt")
 
 
 def outside_vocabulary(ids, vocab_size: int | None) -> list[int]:
@@ -266,17 +309,31 @@ class Row:
 
 @dataclass
 class ModelLimits:
-    """What the served model allows: its positions (prompt + new tokens, or the encoder's and the decoder's), the
-    requests' limits from the command line, whether it has a chat template."""
+    """What the served model allows: its positions, capped by `--max_model_len` (prompt + new tokens, or the encoder's
+    and the decoder's), the requests' limits from the command line, its vocabulary."""
 
     encoder_decoder: bool
-    max_positions: int | None  # decoder-only: prompt + new tokens; encoder-decoder: new tokens (+1 start)
+    max_positions: int  # decoder-only: prompt + new tokens; encoder-decoder: new tokens (+1 start)
     max_source_positions: int | None  # encoder-decoder: the prompt
     max_n: int
     max_batch_size: int
     default_max_tokens: int
     model_greedy: bool = True
     vocab_size: int | None = None  # the tokenizer's: token ids a request may name
+    why: str = "the model's positions"  # where max_positions comes from, for the messages
+
+
+# float32 is what generate scores in: a factor beyond this (length_penalty's length ** penalty, the exponential decay
+# length penalty's factor ** steps) leaves beam scores with no digit of their own (or overflows them: 1000 made
+# Python's `**` overflow in transformers' beam search, and the rank ended). At 1e30, a penalty of 14 at 128 tokens.
+POWER_LIMIT = 1e30
+
+
+def _power(name: str, param: str, base: float, exponent: float, valid: str) -> None:
+    """One 400 line if base ** exponent (base > 1) is past POWER_LIMIT either way."""
+    if base > 1 and abs(exponent) * math.log(base) > math.log(POWER_LIMIT):
+        raise ServeError(400, f"{name} is too large for the scores' arithmetic ({base:g} ** {exponent:g} is past "
+                              f"{POWER_LIMIT:g}); valid: {valid}", param)
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -310,6 +367,26 @@ def _stop_token_ids(ids, vocab_size: int | None) -> tuple[int, ...]:
         raise ServeError(400, f"stop_token_ids: token id {bad[0]} is not in the vocabulary; valid: {valid}",
                          "stop_token_ids")
     return tuple(ids)
+
+
+def check_length(i: int, length: int, max_tokens: int, limits: ModelLimits, name: str = "max_tokens") -> None:
+    """Prompt `i` of `length` tokens with `max_tokens` new ones, against the positions (and --max_model_len)."""
+    if not length:
+        raise ServeError(400, f"prompt {i} is empty after tokenization; valid: text with at least one token", "prompt")
+    why = f" ({limits.why})"
+    if limits.encoder_decoder:
+        if limits.max_source_positions is not None and length > limits.max_source_positions:
+            raise ServeError(400, f"prompt {i} has {length} tokens; valid: at most {limits.max_source_positions}{why}",
+                             "prompt")
+        if max_tokens + 1 > limits.max_positions:
+            raise ServeError(400, f"{name} {max_tokens} is past the {limits.max_positions} decoder positions{why}; "
+                             f"valid: 1 to {limits.max_positions - 1}", name)
+    elif length + max_tokens > limits.max_positions:
+        if length >= limits.max_positions:
+            raise ServeError(400, f"prompt {i} has {length} tokens; valid: fewer than {limits.max_positions}{why}",
+                             "prompt")
+        raise ServeError(400, f"{name} {max_tokens} with a {length}-token prompt is past {limits.max_positions} "
+                         f"positions{why}; valid: 1 to {limits.max_positions - length}", name)
 
 
 def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int | None, temperature: float | None,
@@ -359,29 +436,18 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     if beams and ignore_eos:
         raise ServeError(400, "ignore_eos with beam search: beams end at EOS by design; valid: num_beams 1",
                          "ignore_eos")
-    rows_per_request = len(prompts) * (1 if beams else n)
-    if rows_per_request > limits.max_batch_size:
-        raise ServeError(400, f"{len(prompts)} prompt(s) x n {n} = {rows_per_request} sequences; valid: at most "
-                         f"{limits.max_batch_size} (--max_batch_size) per request", "n" if n > 1 else "prompt")
+    check_count(len(prompts), n, beams, limits, names)
+    if beams and length_penalty is not None:
+        bound = math.log(POWER_LIMIT) / math.log(max_tokens + 1)
+        _power("length_penalty", "length_penalty", max_tokens + 1, length_penalty,
+               f"-{bound:.1f} to {bound:.1f} with {names['max_tokens']} {max_tokens}")
+    decay = (generate or {}).get("exponential_decay_length_penalty")
+    if decay is not None and decay[1] > 1:
+        _power("parameters.exponential_decay_length_penalty's factor", "parameters.exponential_decay_length_penalty",
+               decay[1], max_tokens,
+               f"a factor up to {POWER_LIMIT ** (1 / max_tokens):.4g} with {names['max_tokens']} {max_tokens}")
     for i, ids in enumerate(prompts):
-        if not ids:
-            raise ServeError(400, f"prompt {i} is empty after tokenization; valid: text with at least one token",
-                             "prompt")
-        if limits.encoder_decoder:
-            if limits.max_source_positions is not None and len(ids) > limits.max_source_positions:
-                raise ServeError(400, f"prompt {i} has {len(ids)} tokens; valid: at most {limits.max_source_positions}"
-                                 " (the model's encoder positions)", "prompt")
-            if limits.max_positions is not None and max_tokens + 1 > limits.max_positions:
-                raise ServeError(400, f"{names['max_tokens']} {max_tokens} is past the model's "
-                                 f"{limits.max_positions} decoder positions; valid: 1 to {limits.max_positions - 1}",
-                                 names["max_tokens"])
-        elif limits.max_positions is not None and len(ids) + max_tokens > limits.max_positions:
-            if len(ids) >= limits.max_positions:
-                raise ServeError(400, f"prompt {i} has {len(ids)} tokens; valid: fewer than the model's "
-                                 f"{limits.max_positions} positions", "prompt")
-            raise ServeError(400, f"{names['max_tokens']} {max_tokens} with a {len(ids)}-token prompt is past the "
-                             f"model's {limits.max_positions} positions; valid: 1 to {limits.max_positions - len(ids)}",
-                             names["max_tokens"])
+        check_length(i, len(ids), max_tokens, limits, names["max_tokens"])
     key = BatchKey(num_beams=num_beams, num_return_sequences=n if beams else 1,
                    max_new_tokens=max_tokens if beams else 0, stop=stops if beams else (),
                    min_tokens=min_tokens if beams else 0, repetition_penalty=repetition_penalty,

@@ -8,6 +8,7 @@ answering: every open request 503, every rank ended, exit non-zero)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ class Server:
         self.queue, self.tokenizer = queue, tokenizer
         self.inference_timeout, self.drain_timeout = inference_timeout, drain_timeout
         self.encoder_decoder = encoder_decoder
-        self.state, self.why = "loading", ""
+        self.state, self.why, self.signal = "loading", "", "SIGTERM"
         self.exit_code = 0
         self.metrics = Metrics()
         self._replicas_factory = replicas_factory
@@ -43,6 +44,9 @@ class Server:
 
     # ----- life cycle
     async def start(self) -> None:
+        # everything the front made to start (torch, transformers, the tokenizer: some 240k objects) out of the
+        # cyclic collector's walks: a full one took 0.10 s of the event loop, now microseconds
+        gc.freeze()
         self.loop = asyncio.get_running_loop()
         self.wakeup = asyncio.Event()
         self.replicas = self._replicas_factory(self._from_thread(self._on_message), self._from_thread(self._on_lost))
@@ -57,17 +61,31 @@ class Server:
         if self.state == "loading":
             raise ServeError(503, "the model is still loading; retry when GET /health answers 200")
         if self.state == "draining":
-            raise ServeError(503, "the server is shutting down (SIGTERM); send the request to another replica")
+            raise ServeError(503, f"the server is shutting down ({self.signal}); send the request to another replica")
         if self.state == "broken":
             raise ServeError(503, f"the server is broken and exiting: {self.why}", retry=False)
 
-    def drain(self) -> None:
-        """SIGTERM: stop taking requests, finish the open ones, then end the replicas and exit 0."""
+    def drain(self, signal: str = "SIGTERM") -> None:
+        """SIGTERM or SIGINT: stop taking requests, finish the open ones, then end the replicas and exit 0."""
         if self.state in ("draining", "broken"):
             return
-        logger.warning("ds-inference serve: SIGTERM, draining %d open request(s)", len(self.open_jobs))
-        self.state = "draining"
+        print(f"ds-inference serve: {signal}, draining {len(self.open_jobs)} open request(s) (up to --drain_timeout "
+              f"{self.drain_timeout:g} s; {signal} again ends the server now)", flush=True)
+        self.state, self.signal = "draining", signal
         asyncio.ensure_future(self._drain())
+
+    def interrupt(self, signal: str, code: int) -> None:
+        """A second SIGTERM or SIGINT while draining: every open request 503, every rank ended, exit `code` now."""
+        if self.state == "broken":
+            return
+        self.state, self.why = "broken", f"{signal} again while draining"
+        error = ServeError(503, f"the server was stopped ({signal} twice) before this request finished; send it to "
+                                "another replica")
+        for job in list(self.open_jobs):
+            self._fail_job(job, error)
+        self.queue.waiting.clear()
+        self.exit_code = code
+        self.loop.call_later(0.1, self._end)
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
@@ -114,14 +132,28 @@ class Server:
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client went away: out of the queue if it is still there; a running job's rows are discarded."""
+        """The client went away: out of the queue if it is still there; a running job's rows end at its replica's
+        next decoding step."""
         if job.done.done():
             return
         job.cancelled = True
         self.queue.remove(job)
         self.open_jobs.discard(job)
         job.done.set_result(None)
+        self._end_rows(job)
         self.metrics.queue_depth(len(self.queue))
+
+    def _end_rows(self, job: Job) -> None:
+        """A running job's rows, ended at its replica's next step (the leader passes the word to its peers)."""
+        for replica in self.replicas.replicas if self.replicas is not None else ():
+            batch = replica.batch
+            if batch is None or job not in batch.jobs:
+                continue
+            first = sum(len(j.rows) for j in batch.jobs[:batch.jobs.index(job)])
+            try:
+                replica.send({"op": "cancel", "id": batch.id, "rows": list(range(first, first + len(job.rows)))})
+            except OSError:
+                pass  # the replica is gone: the watch sees it
 
     def _fail_job(self, job: Job, error: ServeError) -> None:
         self.open_jobs.discard(job)
@@ -129,6 +161,9 @@ class Server:
         if not job.done.done():
             job.done.set_result(error)
         job.events.put_nowait(("error", error, None))
+        if not job.cancelled:
+            job.cancelled = True  # nothing more of it is sent; its other rows end at the next step
+            self._end_rows(job)
 
     def _finish_job(self, job: Job) -> None:
         self.open_jobs.discard(job)
@@ -212,6 +247,8 @@ class Server:
             now = time.monotonic()
             for i, token in message["tokens"].items():
                 job, ri, row = self._row(batch, i)
+                if len(row.tokens) >= message["step"]:
+                    continue  # a job run again alone (its batch failed): these tokens were sent the first time
                 row.tokens.append(token)
                 if not job.cancelled:
                     if job.first_token_at is None:
@@ -219,25 +256,36 @@ class Server:
                     job.events.put_nowait(("token", ri, token))
             for i, reason in message["finished"].items():
                 job, ri, row = self._row(batch, i)
-                row.finish = [reason]
                 row.sequences = [list(row.tokens)]
-                self._row_finished(job, ri)
+                self._row_finished(job, ri, [reason])
+            for i, (status, why) in message.get("failed", {}).items():
+                job, ri, row = self._row(batch, i)
+                self._fail_job(job, ServeError(status, f"prompt {row.prompt_index}: {why}", retry=False))
         elif op == "done":
             for i, (sequences, reasons) in enumerate(zip(message["sequences"], message["finish"])):
                 job, ri, row = self._row(batch, i)
-                if row.finish is None:
-                    row.sequences, row.finish = sequences, reasons
+                if row.finish is None and not job.cancelled:
+                    row.sequences = sequences
                     if job.first_token_at is None:
                         job.first_token_at = time.monotonic()
-                    self._row_finished(job, ri)
+                    self._row_finished(job, ri, reasons)
             self._batch_over(replica)
         elif op == "failed":
-            error = ServeError(500, f"generate failed on this batch: {message['message']}")
-            for job in batch.jobs:
-                self._fail_job(job, error)
+            status, why = message.get("status", 500), message["message"]
+            open_jobs = [j for j in batch.jobs if not j.done.done()]
+            if len(open_jobs) > 1:  # which request made it fail is not known: each runs again, alone
+                logger.warning("a batch of %d requests failed (%s); each runs again in a batch of its own",
+                               len(open_jobs), why)
+                self.queue.retry_alone(open_jobs)
+            for job in open_jobs if len(open_jobs) == 1 else ():
+                self._fail_job(job, ServeError(status, why, retry=False))
             self._batch_over(replica)
 
-    def _row_finished(self, job: Job, ri: int) -> None:
+    def _row_finished(self, job: Job, ri: int, reasons: list[str]) -> None:
+        row = job.rows[ri]
+        if row.finish is not None:
+            return  # a job run again alone: this row had finished the first time
+        row.finish = reasons
         job.finished_rows += 1
         if not job.cancelled:
             job.events.put_nowait(("finish", ri, None))
@@ -261,12 +309,10 @@ class Server:
             now = time.monotonic()
             for replica in self.replicas.replicas:
                 why = replica.exited()
-                if why is None and replica.batch is not None and now - replica.batch.started > self.inference_timeout:
-                    why = (f"replica {replica.index} did not finish a batch within --inference_timeout "
-                           f"{self.inference_timeout:g} s")
-                if why is None and replica.state == "idle" and now - replica.last_heard > self.inference_timeout:
-                    why = (f"replica {replica.index}'s leader stopped answering for --inference_timeout "
-                           f"{self.inference_timeout:g} s")
+                if why is None and replica.state != "loading" and now - replica.last_heard > self.inference_timeout:
+                    doing = "while generating" if replica.state == "busy" else "while idle"
+                    why = (f"replica {replica.index}'s leader said nothing {doing} for --inference_timeout "
+                           f"{self.inference_timeout:g} s (a stopped rank, or one decoding step that long)")
                 if why:
                     self.break_down(why)
                     return

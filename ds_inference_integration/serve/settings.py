@@ -11,6 +11,15 @@ from pathlib import Path
 from ..arguments import DeepSpeedInferenceArguments
 from ..errors import InferenceSetupError
 
+# A model whose config names no positions (T5: relative attention) has no length limit of its own, so a 500 KB prompt
+# asked each rank for 80 GB and ended the server. vLLM assumes 2048 for such a model; so do we, unless its tokenizer
+# says (model_max_length, as T5's own tokenizers do: 512).
+DEFAULT_MAX_MODEL_LEN = 2048
+# 4 MiB: a prompt filling a 128k-token context is about 0.5 MB of text or 0.8 MB of token ids; decoding a body this
+# size never holds the front's event loop for more than a few ms (serve/bodies.py), but costs a worker thread up to
+# 2.5 s of CPU for one of tiny numbers.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
 
 @dataclass
 class ServeArguments:
@@ -28,6 +37,13 @@ class ServeArguments:
     max_queue: int = field(default=256, metadata={"help": "Requests waiting at most; more get 429 at once."})
     max_n: int = field(default=8, metadata={"help": "Largest n (outputs per prompt) a request may ask for."})
     max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request gives none (OpenAI's default)."})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "Longest sequence a request may make: prompt + max_tokens (an encoder-decoder: "
+                                        "the prompt, and max_tokens + 1). Default: the model's positions; for a model "
+                                        f"without absolute positions (T5) {DEFAULT_MAX_MODEL_LEN}, or its tokenizer's "
+                                        "model_max_length. The startup log says which."})
+    max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES,
+                                metadata={"help": "Largest request body; a larger one gets 413 before it is read."})
     served_model_name: str | None = field(default=None,
                                           metadata={"help": "The model id clients use (default: the directory name)."})
     api_key: str | None = field(default=None, metadata={"help": "Require `Authorization: Bearer KEY` on the API."})
@@ -64,9 +80,12 @@ def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArgum
     if not Path(model_dir, "config.json").is_file():
         raise InferenceSetupError(f"model directory {model_dir!r} has no config.json; valid: a directory "
                                   "save_pretrained wrote (or `ds-inference shard` wrote)")
-    for name, least in (("dp_size", 1), ("max_batch_size", 1), ("max_queue", 1), ("max_n", 1), ("max_tokens", 1)):
+    for name, least in (("dp_size", 1), ("max_batch_size", 1), ("max_queue", 1), ("max_n", 1), ("max_tokens", 1),
+                        ("max_body_bytes", 1024)):
         if getattr(serve, name) < least:
             raise InferenceSetupError(f"--{name} {getattr(serve, name)} is out of range; valid: {least} or more")
+    if serve.max_model_len is not None and serve.max_model_len < 2:
+        raise InferenceSetupError(f"--max_model_len {serve.max_model_len} is out of range; valid: 2 or more")
     if serve.max_batch_tokens is not None and serve.max_batch_tokens < 1:
         raise InferenceSetupError(f"--max_batch_tokens {serve.max_batch_tokens} is out of range; valid: 1 or more")
     if serve.max_wait_ms < 0:
@@ -112,3 +131,75 @@ def engine_settings(model_dir: str, inference: DeepSpeedInferenceArguments) -> d
     """What every rank of a replica is started with (the engine's one argument, as JSON)."""
     return {"model_dir": str(Path(model_dir).resolve()),
             "inference": {k: getattr(inference, k) for k in inference.__dataclass_fields__}}
+
+
+def read_model_dir(model_dir: str):
+    """The model directory's config, tokenizer and generation config, read once by the front before any rank starts;
+    a file that cannot be read (a malformed config.json printed 40 lines of tracebacks) or a tokenizer that is not
+    there (transformers 5 builds an empty one: the server reported ready and answered every request "prompt 0 is
+    empty") is one InferenceSetupError."""
+    import json as json_
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from ..errors import first_line
+
+    def refused(what: str, error: Exception) -> InferenceSetupError:
+        why = first_line(error)
+        if isinstance(error.__cause__ or error.__context__, json_.JSONDecodeError):
+            why += f" ({first_line(error.__cause__ or error.__context__)})"
+        return InferenceSetupError(f"model directory {model_dir!r}: {what} cannot be read: {why}; valid: the files "
+                                   "save_pretrained writes")
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 - any reason the config cannot be read is one line
+        raise refused("config.json", e) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001
+        raise refused("the tokenizer", e) from None
+    probe = tokenizer("a b c 1 2 3", add_special_tokens=False)["input_ids"]
+    if not probe or len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise InferenceSetupError(f"model directory {model_dir!r} has no tokenizer: AutoTokenizer made a "
+                                  f"{type(tokenizer).__name__} of {len(tokenizer)} token(s), which tokenizes text to "
+                                  f"{probe}; valid: a directory with its tokenizer's files (tokenizer.json, or the "
+                                  "vocabulary files save_pretrained writes)")
+    if Path(model_dir, "generation_config.json").is_file():
+        try:
+            generation_config = GenerationConfig.from_pretrained(model_dir)
+        except Exception as e:  # noqa: BLE001
+            raise refused("generation_config.json", e) from None
+    else:
+        generation_config = GenerationConfig.from_model_config(config)
+    return config, tokenizer, generation_config
+
+
+def model_limits(config, generation_config, serve: ServeArguments, tokenizer):
+    """What a request may ask of this model (protocol.ModelLimits), and a line for the startup log naming where
+    --max_model_len came from."""
+    from ..predict.positions import decoder_positions, encoder_positions, sequence_positions
+    from .protocol import ModelLimits
+
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    source = encoder_positions(config) if encoder_decoder else None
+    target = decoder_positions(config) if encoder_decoder else sequence_positions(config)
+    own = max((p for p in (source, target) if p), default=None)
+    length, why = serve.max_model_len, "--max_model_len"
+    if length is not None and own is not None and length > own:
+        raise InferenceSetupError(f"--max_model_len {length} is past the model's {own} positions; valid: 2 to {own}")
+    if length is None:
+        told = getattr(tokenizer, "model_max_length", None)
+        if own is not None:
+            length, why = own, "the model's positions"
+        elif isinstance(told, int) and 1 < told < 10**7:
+            length, why = told, "its tokenizer's model_max_length; the model has no absolute positions"
+        else:
+            length, why = DEFAULT_MAX_MODEL_LEN, "the model has no absolute positions; --max_model_len sets it"
+    limits = ModelLimits(encoder_decoder=encoder_decoder, max_positions=min(length, target or length),
+                         max_source_positions=min(length, source or length) if encoder_decoder else None,
+                         max_n=serve.max_n, max_batch_size=serve.max_batch_size, default_max_tokens=serve.max_tokens,
+                         model_greedy=not bool(getattr(generation_config, "do_sample", False)),
+                         vocab_size=len(tokenizer),
+                         why="the model's positions" if why == "the model's positions" else "--max_model_len")
+    return limits, f"max_model_len {length} ({why})"

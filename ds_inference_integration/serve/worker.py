@@ -9,6 +9,7 @@ the supervisor restarts the group (LeaderWorkerSet's RecreateGroupOnPodRestart).
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 import tempfile
@@ -23,19 +24,29 @@ EXIT_RANK_FAILED = 3
 
 
 def main(argv: list[str]) -> int:
-    import json
-
     model_dir, serve_args, inference_args = parse(argv)
     local = inference_args.tp_size // serve_args.nnodes
+    own_logs = serve_args.log_dir is None  # removed at exit, however the worker ends
     log_dir = Path(serve_args.log_dir or tempfile.mkdtemp(prefix="ds-inference-worker-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(serve_args, inference_args, model_dir, local, log_dir)
+    finally:
+        if own_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _run(serve_args, inference_args, model_dir: str, local: int, log_dir: Path) -> int:
+    import json
+
     world = (inference_args.tp_size, serve_args.node_rank * local, serve_args.master_addr, serve_args.master_port)
     procs = start_ranks(local, ENGINE, [json.dumps(engine_settings(model_dir, inference_args))], log_dir, world=world)
     print(f"ds-inference serve --worker: node {serve_args.node_rank} of {serve_args.nnodes}, ranks {world[1]} to "
           f"{world[1] + local - 1} of tp {inference_args.tp_size}, joining {serve_args.master_addr}:"
           f"{serve_args.master_port} (rank logs in {log_dir})", flush=True)
     stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C as SIGTERM: the ranks end, no traceback
+        signal.signal(sig, lambda *_: stopping.append(True))
     while True:
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]

@@ -1,0 +1,103 @@
+"""Text as clients rebuild it: a completion's text, streamed or whole, and a chat message's content as its template
+expects it.
+
+A completion's text is what decoding the prompt and the completion together adds after the prompt's text, as
+OpenAI's and vLLM's servers give it: a client that appends the text to its prompt gets the decoded whole. Decoding
+the new tokens alone drops what a tokenizer puts between tokens: for the embedded GPT-2 (a WordPiece decoder, which
+joins words with spaces) "five hundred" + ["and", "and"] came back "and and", so the client had "five hundredand and";
+SentencePiece's metaspace and byte-level BPE lose a first token's leading space the same way. The prompt's last
+CONTEXT_TOKENS tokens stand for it (decoders join neighbouring tokens only; `tests/test_serve_units.py` checks the
+window against the whole prompt on byte-level BPE, metaspace and WordPiece tokenizers); an encoder-decoder's
+completion has no decoder prompt before it, and is decoded alone (as run_translation.py writes it)."""
+
+from __future__ import annotations
+
+import os
+
+CONTEXT_TOKENS = 8
+
+
+def completion_text(tokenizer, context: list[int], tokens: list[int]) -> str:
+    """What `tokens` add to the text of `context` (the prompt's last tokens; empty for an encoder-decoder)."""
+    if not context:
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    head = tokenizer.decode(context, skip_special_tokens=True)
+    whole = tokenizer.decode(context + tokens, skip_special_tokens=True)
+    if whole.startswith(head):
+        return whole[len(head):]
+    # the prompt ended inside a character (token ids cut through a byte sequence): the completion completes it
+    return whole[len(os.path.commonprefix([head, whole])):]
+
+
+class Texts:
+    """A row's text as its tokens arrive: what may be sent now (held back while it could still become a stop string,
+    or ends in half a character), and the final text, cut at the first stop string."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], context: list[int] | None = None):
+        self.tokenizer, self.stops, self.context = tokenizer, stops, list(context or ())
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0
+
+    def decode(self, tokens: list[int]) -> str:
+        return completion_text(self.tokenizer, self.context, tokens)
+
+    def final(self, tokens: list[int]) -> tuple[str, bool]:
+        text = self.decode(tokens)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def delta(self, tokens: list[int]) -> str:
+        text = self.decode(tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        end = len(text) - self.hold  # a stop string may still complete over the last `hold` characters
+        cuts = [text.find(s) for s in self.stops if s in text]
+        if cuts:  # one has completed: nothing from its start on is ever sent
+            end = min(end, *cuts)
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
+
+    def rest(self, tokens: list[int]) -> str:
+        text, _ = self.final(tokens)
+        out = text[self.sent:]
+        self.sent = len(text)
+        return out
+
+
+def context_of(row, encoder_decoder: bool) -> list[int]:
+    """The prompt tokens a row's completion text is decoded after (see the module's docstring)."""
+    return [] if encoder_decoder else row.prompt_ids[-CONTEXT_TOKENS:]
+
+
+def template_reads_parts(template: str | None) -> bool:
+    """Whether a chat template loops over a message's content (OpenAI's list of parts: a multimodal template), as
+    vLLM tells its two content formats apart; otherwise it reads the content as one string."""
+    if not template:
+        return False
+    import jinja2
+    import jinja2.nodes as nodes
+
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateError:
+        return False
+
+    def names_content(node) -> bool:
+        return ((isinstance(node, nodes.Getattr) and node.attr == "content")
+                or (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"))
+
+    return any(any(names_content(n) for n in loop.iter.find_all((nodes.Getattr, nodes.Getitem))) or
+               names_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+def join_parts(messages: list[dict], template_reads_parts_: bool) -> list[dict]:
+    """Messages with list content as the template expects them: for a template that reads strings, the text parts
+    joined with newlines (vLLM's "string" content format; before, the template printed the list's Python repr, a
+    silently different prompt); for one that loops over parts, as they are. A part that is not text is refused
+    before this (`app.Api.chat`)."""
+    if template_reads_parts_:
+        return messages
+    return [{**m, "content": "\n".join(part.get("text", "") for part in m["content"])}
+            if isinstance(m.get("content"), list) else m for m in messages]
