@@ -95,6 +95,7 @@ def test_openai_sdk_completes_streams_and_lists_the_model(gpt2):
     client = openai.OpenAI(base_url=gpt2.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     models = client.models.list()
     assert [m.id for m in models.data] == ["gpt2-num2words-en-ro"]
+    assert get(gpt2.url + "/v1/models")[1]["data"][0]["max_model_len"] == 64  # the model's positions
     for prompt, extra in ((PROMPTS[0], {}), (PROMPTS[1], {"n": 2, "temperature": 0.9, "seed": 11}),
                           (PROMPTS[2], {"stop": [" de"]})):
         done = client.completions.create(model="gpt2-num2words-en-ro", prompt=prompt, max_tokens=20, **extra)

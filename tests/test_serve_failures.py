@@ -352,3 +352,26 @@ def test_a_model_directory_the_server_cannot_serve_ends_before_ready_in_one_line
         assert not list(server.tmp.iterdir())
     finally:
         server.stop()
+
+
+def test_a_closed_terminal_drains_the_server_as_sigterm_does(tmp_path):
+    """SIGHUP to the process group (its terminal closed): uvicorn does not handle it, so the front ended where it
+    stood (its temporary directory left behind) and the ranks died of it too. Now it drains: the open request is
+    answered, the server exits 0, no process and no temporary directory left."""
+    server = ServerProc(GPT2, ["--tp_size", "2", "--max_wait_ms", "1500", "--adaptive_wait", "false"], tmp_path, 2,
+                        own_logs=True)
+    try:
+        server.wait_ready()
+        answers: list = []
+        thread = threading.Thread(target=lambda: answers.append(post(server.url + "/v1/completions",
+                                                                     {"prompt": "five hundred", "max_tokens": 4})))
+        thread.start()
+        time.sleep(0.5)  # queued: its batch leaves after 1.5 s
+        os.killpg(server.proc.pid, signal.SIGHUP)
+        thread.join(60)
+        assert answers and answers[0][0] == 200, answers
+        assert server.proc.wait(30) == 0, server.output()[-3000:]
+        assert "SIGHUP, draining 1 open request" in server.output()
+        assert not server.group_alive() and not list(server.tmp.glob("ds-inference-serve-*"))
+    finally:
+        server.stop()

@@ -14,7 +14,7 @@ from conftest import EXAMPLES
 from ds_inference_integration import InferenceSetupError
 from ds_inference_integration.serve import bodies
 from ds_inference_integration.serve.batching import Job, Queue
-from ds_inference_integration.serve.engine import Refused, run_batch, sample, unusable
+from ds_inference_integration.serve.engine import run_batch
 from ds_inference_integration.serve.protocol import (
     BatchKey,
     ModelLimits,
@@ -24,6 +24,7 @@ from ds_inference_integration.serve.protocol import (
     completion_prompts,
     plan_rows,
 )
+from ds_inference_integration.serve.rules import Refused, sample, unusable
 from ds_inference_integration.serve.settings import ServeArguments, model_limits, read_model_dir
 from ds_inference_integration.serve.text import (
     CONTEXT_TOKENS,
@@ -82,6 +83,13 @@ def test_prompts_are_counted_before_they_are_tokenized():
     with pytest.raises(ServeError, match=r"400000 prompt\(s\) x n 1 = 400000 sequences; valid: at most 8"):
         check_count(400_000, 1, False, LIMITS)
     check_count(400, 1, True, ModelLimits(**{**LIMITS.__dict__, "max_batch_size": 400}))
+    # a request a batch of its own would take past --max_batch_tokens was run past it (a batch takes its first job
+    # whatever its size): refused, naming the budget
+    budget = ModelLimits(**{**LIMITS.__dict__, "max_batch_tokens": 40})
+    with pytest.raises(ServeError, match=r"4 sequence\(s\) x \(3 prompt \+ 8 new tokens\) = 44 padded tokens; valid: "
+                                         r"at most 40 \(--max_batch_tokens\)"):
+        _plan(limits=budget, n=4, temperature=1.0)
+    _plan(limits=budget, n=3, temperature=1.0)
 
 
 def _plan(**kw):

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from ..errors import InferenceSetupError
 from ..extras import optional_import
 from ..run.collector import collector_paused
 from . import bodies
+from .asgi import CountStatuses, LimitBodies, Uvicorn, error_response
 from .batching import Job, Queue
 from .protocol import (
     ChatRequest,
@@ -54,17 +54,7 @@ fastapi_exceptions = optional_import("fastapi.exceptions", "ds-inference serve")
 uvicorn = optional_import("uvicorn", "ds-inference serve")
 
 logger = logging.getLogger("ds_inference_integration.serve")
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/live", "/metrics")
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def error_response(error: ServeError):
-    headers = {}
-    if error.retry is False:
-        headers["x-should-retry"] = "false"
-    if error.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return responses.JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _finish_reason(row, texts: Texts, tokens) -> str:
@@ -435,7 +425,7 @@ def build_app(api: Api, max_body_bytes: int):
     async def models(request: fastapi.Request):
         api.check_key(request)
         return {"object": "list", "data": [{"id": api.model_id, "object": "model", "created": api.created,
-                                            "owned_by": "ds-inference", "max_model_len": api.limits.max_positions}]}
+                                            "owned_by": "ds-inference", "max_model_len": api.limits.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request):
@@ -449,83 +439,7 @@ def build_app(api: Api, max_body_bytes: int):
     async def generate(request: fastapi.Request):
         return await api.generate(request)
 
-    return _CountStatuses(_LimitBodies(app, max_body_bytes), server.metrics)
-
-
-class _CountStatuses:
-    """Requests by route and status for /metrics, as plain ASGI: Starlette's BaseHTTPMiddleware (`@app.middleware`)
-    wraps the request's receive channel, and `request.is_disconnected()` then never saw a client that went away
-    (its request stayed queued and was generated; tests/test_serve.py)."""
-
-    def __init__(self, app, metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = [500]
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            path = scope["path"]  # an unknown path is "other": a label per path a client makes up would grow forever
-            self.metrics.request(path if path in ROUTES else "other", status[0])
-
-
-class _LimitBodies:
-    """The body of every request, read to its end before the route runs and refused with 413 past `limit` bytes: at
-    once when its Content-Length says so, else as soon as that many have arrived (a 10 MB prompt was read, parsed
-    and tokenized whole, holding the event loop for 11 s). Plain ASGI, for the reason `_CountStatuses` gives; the
-    route then reads the body from here, and later calls of `receive` (a disconnect) go to the client's. After a big
-    body the C allocator is asked to return what it freed (`_release_memory`)."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._too_large(scope, send, int(length))
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before its body was sent: nobody to answer
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await self._too_large(scope, send, None)
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-        del chunks
-
-        async def replay():
-            return body.pop() if body else await receive()
-
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            if size > RELEASE_BYTES:
-                await asyncio.get_running_loop().run_in_executor(None, _release_memory)
-
-    async def _too_large(self, scope, send, length: int | None) -> None:
-        sent = f"{length} bytes" if length is not None else f"more than {self.limit} bytes"
-        error = ServeError(413, f"the body is {sent}; valid: at most {self.limit} bytes (--max_body_bytes)")
-        response = error_response(error)
-        response.headers["connection"] = "close"  # what is left of the body is not read
-        await response(scope, None, send)
-
-
-RELEASE_BYTES = 1024 * 1024
+    return CountStatuses(LimitBodies(app, max_body_bytes), server.metrics)
 
 
 def _paused(fn, args):
@@ -534,45 +448,6 @@ def _paused(fn, args):
     numbers); what it leaves for the collector is collected once, after the request (`_release_memory`)."""
     with collector_paused():
         return fn(*args)
-
-
-def _release_memory() -> None:
-    """After a big body: the cycles it left (an error's traceback holds the frames that held the body, and asyncio's
-    futures hold the error) collected, and what the C allocator kept returned. Without it the front stayed at 363 MB
-    after a 4 MB body of a million lists (274 MB idle); with it, 289. Cheap: the objects of the front's start are
-    frozen out of the collector's walks (`Server.start`). glibc keeps freed memory for reuse (the worker thread's own
-    arena above all): malloc_trim returns it; elsewhere (not glibc) that step does nothing."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn, with SIGTERM and SIGINT (Ctrl-C) meaning drain (new requests 503, open ones finish, then exit 0)
-    instead of closing at once; a second one ends the server now (open requests 503, exit 128 + the signal). uvicorn
-    itself closed at once on SIGINT: clients got a plain-text 500 or a cut stream, and the ranks, which Ctrl-C
-    reaches too, printed their tracebacks."""
-
-    server: Server | None = None
-
-    def handle_exit(self, sig, frame):
-        if sig not in (signal.SIGTERM, signal.SIGINT) or self.server is None:
-            return super().handle_exit(sig, frame)
-        name = signal.Signals(sig).name
-        loop = self.server.loop
-        if loop is None:  # before the event loop runs: nothing to drain
-            self.should_exit = True
-        elif self.server.state not in ("draining", "broken"):
-            loop.call_soon_threadsafe(self.server.drain, name)
-        else:
-            loop.call_soon_threadsafe(self.server.interrupt, name, 128 + sig)
 
 
 def main(argv: list[str]) -> int:
@@ -610,7 +485,7 @@ def main(argv: list[str]) -> int:
                         queue, tokenizer, inference_args.inference_timeout, serve_args.drain_timeout,
                         limits.encoder_decoder)
         api = Api(server, tokenizer, model_id, limits, serve_args.api_key, generation_config)
-        uv = _Uvicorn(uvicorn.Config(build_app(api, serve_args.max_body_bytes), log_level="warning",
+        uv = Uvicorn(uvicorn.Config(build_app(api, serve_args.max_body_bytes), log_level="warning",
                                      access_log=False, timeout_graceful_shutdown=5, lifespan="on"))
         uv.server = server
 

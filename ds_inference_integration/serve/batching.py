@@ -25,7 +25,8 @@ needs a decode loop of our own with a per-row KV cache (paged attention), writte
 for beam search and encoder-decoders, which transformers' `generate` is not; transformers' own continuous
 batching is decoder-only, without beams, and its TP does not recognise a DeepSpeed-sharded model. Here rows
 that finish early are answered as they finish (the leader reports them), but their slots stay in the batch
-until its longest row ends.
+until its longest row ends (a row whose client left ends at the next step). The jobs of a batch that failed come
+back first, each to run alone (`retry_alone`).
 """
 
 from __future__ import annotations

@@ -321,6 +321,8 @@ class ModelLimits:
     model_greedy: bool = True
     vocab_size: int | None = None  # the tokenizer's: token ids a request may name
     why: str = "the model's positions"  # where max_positions comes from, for the messages
+    max_batch_tokens: int | None = None  # --max_batch_tokens: no batch, so no request, pads to more
+    max_model_len: int | None = None  # as resolved (settings.model_limits), for /v1/models
 
 
 # float32 is what generate scores in: a factor beyond this (length_penalty's length ** penalty, the exponential decay
@@ -448,6 +450,11 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
                f"a factor up to {POWER_LIMIT ** (1 / max_tokens):.4g} with {names['max_tokens']} {max_tokens}")
     for i, ids in enumerate(prompts):
         check_length(i, len(ids), max_tokens, limits, names["max_tokens"])
+    rows, width = len(prompts) * (1 if beams else n), max(len(ids) for ids in prompts) + max_tokens
+    if limits.max_batch_tokens and rows * width > limits.max_batch_tokens:  # a batch of its own would be past it
+        raise ServeError(400, f"{rows} sequence(s) x ({width - max_tokens} prompt + {max_tokens} new tokens) = "
+                              f"{rows * width} padded tokens; valid: at most {limits.max_batch_tokens} "
+                              "(--max_batch_tokens)", names["max_tokens"])
     key = BatchKey(num_beams=num_beams, num_return_sequences=n if beams else 1,
                    max_new_tokens=max_tokens if beams else 0, stop=stops if beams else (),
                    min_tokens=min_tokens if beams else 0, repetition_penalty=repetition_penalty,

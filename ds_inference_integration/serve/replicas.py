@@ -1,9 +1,9 @@
 """The replicas the front starts and watches: each a world of T ranks (`run.ranks.start_ranks`, its own rendezvous
 port, as DeepSpeed-MII starts its replicas), whose leader connects back to the front's socket.
 
-A replica is *broken* when any of its ranks exits, when its connection drops, when a batch runs past
-`--inference_timeout`, or when its leader has not said it is alive for that long (a stopped rank: its peers'
-watchdogs end them within the timeout too). The front then answers every open request 503, ends every rank,
+A replica is *broken* when any of its ranks exits, when its connection drops, or when its leader has said
+nothing for `--inference_timeout`, idle or generating (a stopped rank: its peers' watchdogs end them within the
+timeout too; a long batch keeps saying it is alive). The front then answers every open request 503, ends every rank,
 and exits non-zero, so that a supervisor restarts it (TGI's launcher and vLLM's engine monitor do the same)."""
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Everything here runs on the event loop's thread (the replica reader threads hand their messages over with
 `call_soon_threadsafe`), so no lock is needed. States: loading (until every replica's leader says ready),
-ready, draining (after SIGTERM: new requests 503, open ones finish, then exit 0), broken (a rank died or stopped
-answering: every open request 503, every rank ended, exit non-zero)."""
+ready, draining (after SIGTERM, SIGINT or SIGHUP: new requests 503, open ones finish, then exit 0), broken (a rank
+died or stopped answering, or a second signal: every open request 503, every rank ended, exit non-zero). A batch that
+failed on every rank alike is its requests' failure: each runs again alone, so that only the one that fails alone is
+answered with the error (`Queue.retry_alone`)."""
 
 from __future__ import annotations
 

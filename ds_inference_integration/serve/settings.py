@@ -200,6 +200,6 @@ def model_limits(config, generation_config, serve: ServeArguments, tokenizer):
                          max_source_positions=min(length, source or length) if encoder_decoder else None,
                          max_n=serve.max_n, max_batch_size=serve.max_batch_size, default_max_tokens=serve.max_tokens,
                          model_greedy=not bool(getattr(generation_config, "do_sample", False)),
-                         vocab_size=len(tokenizer),
+                         vocab_size=len(tokenizer), max_batch_tokens=serve.max_batch_tokens, max_model_len=length,
                          why="the model's positions" if why == "the model's positions" else "--max_model_len")
     return limits, f"max_model_len {length} ({why})"

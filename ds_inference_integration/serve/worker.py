@@ -45,7 +45,7 @@ def _run(serve_args, inference_args, model_dir: str, local: int, log_dir: Path) 
           f"{world[1] + local - 1} of tp {inference_args.tp_size}, joining {serve_args.master_addr}:"
           f"{serve_args.master_port} (rank logs in {log_dir})", flush=True)
     stopping = []
-    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C as SIGTERM: the ranks end, no traceback
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # Ctrl-C, a closed terminal: as SIGTERM
         signal.signal(sig, lambda *_: stopping.append(True))
     while True:
         codes = [p.poll() for p in procs]

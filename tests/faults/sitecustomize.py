@@ -180,7 +180,7 @@ if KIND == "hide_module":
     sys.meta_path.insert(0, _Hidden())
 
 PATCHES = {"ds_inference_integration.run.files": _patch_files} if KIND == "fail_write" else (
-    {"ds_inference_integration.serve.engine": _patch_serve_raise} if KIND == "serve_raise" else
+    {"ds_inference_integration.serve.rules": _patch_serve_raise} if KIND == "serve_raise" else
     {} if KIND == "hide_module" else
     {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
     {"ds_inference_integration.tools.policy_check": _patch_abort_at_exit} if KIND == "abort_at_exit" else

@@ -1,0 +1,190 @@
+"""The rules each row of a served batch keeps inside transformers' `generate`, on every rank alike: its own minimum,
+end (EOS unless `ignore_eos`, its stop ids and strings, its `max_new_tokens`) and sampling (temperature, top-k,
+top-p, its own seeded generator); a row from which no token can be taken ends alone with why; a beam batch's guard,
+stop strings and cancelled requests. `serve/engine.py` runs them."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Refused(Exception):
+    """A batch that cannot go on because of what a request asked (every token masked) or what the model gave (scores
+    that are not finite): raised alike on every rank, answered with `status` for that request; the replica goes on."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def unusable(scores: torch.Tensor, produced: int) -> list[tuple[int, str] | None]:
+    """Per row of `scores` (after every mask), why no token can be taken from it, or None: scores that are NaN or
+    +infinity (the model's; a half-precision overflow: no token is right, and a draw from them fails), or every token
+    masked (the request's own rules: stop ids held back by min_tokens, suppressed or bad words covering the
+    vocabulary; greedy took token 0 then, and a draw failed)."""
+    broken = (torch.isnan(scores) | torch.isposinf(scores)).any(-1).tolist()
+    empty = torch.isneginf(scores).all(-1).tolist()
+    where = f"at new token {produced + 1}"
+    return [(500, f"the model's scores are not finite {where} (NaN or infinity: a half-precision overflow?)") if b
+            else (400, f"every token is masked {where}: the request's rules (stop_token_ids with min_tokens, "
+                       "suppress_tokens, bad_words_ids, no_repeat_ngram_size) leave nothing to generate; valid: rules "
+                       "that leave a token") if e else None for b, e in zip(broken, empty)]
+
+
+def sample(scores: torch.Tensor, row: dict, generator: torch.Generator) -> int:
+    """One token of a sampled row, as generate samples it (temperature, top-k, top-p, a draw from the row's own
+    generator). Where the temperature is so small that scores / temperature overflows a float (1e-40: transformers'
+    own warper then fails on NaN), the tokens of the highest score are the draw's only candidates, which is the limit
+    the distribution tends to; everywhere else the arithmetic is generate's, so a seeded row equals
+    `run_generation.py --do_sample` in one process."""
+    logits = scores.float() / row["temperature"]
+    if not torch.isfinite(logits.max()):
+        logits = torch.where(scores == scores.max(), 0.0, -float("inf"))
+    top_k = row.get("top_k") or 0
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    top_p = row.get("top_p", 1.0)
+    if top_p < 1.0:
+        ordered, index = torch.sort(logits, descending=True)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative - ordered.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, index, drop), -float("inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+class RowRules:
+    """A logits processor for per-row rules: EOS held back until a row's `min_tokens`, then, for a sampled row
+    (temperature > 0), a draw (`sample`), written back as a one-hot score so that generate's greedy step takes it.
+    Greedy rows pass through unchanged. A row from which no token can be taken (`unusable`) is marked failed, with
+    why, and given a filler token that RowStops drops as it ends the row: the other rows go on."""
+
+    def __init__(self, rows: list[dict], start: int, eos: list[int], device, finished: list | None = None):
+        self.rows, self.start, self.eos = rows, start, eos
+        self.finished = finished if finished is not None else [None] * len(rows)  # RowStops' lengths: rows that ended
+        self.failed: dict[int, tuple[int, str]] = {}
+        self.generators = []
+        for row in rows:
+            g = None
+            if row.get("temperature", 0) > 0:
+                g = torch.Generator(device=device)
+                g.manual_seed(int(row["seed"]))
+            self.generators.append(g)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        produced = input_ids.shape[1] - self.start
+        scores = scores.clone()
+        for i, row in enumerate(self.rows):
+            if produced < row.get("min_tokens", 0):  # EOS and the row's stop tokens wait for its minimum (vLLM's rule)
+                held = [*self.eos, *row.get("stop_token_ids", ())]
+                if held:
+                    scores[i, held] = -float("inf")
+        verdicts = unusable(scores, produced)
+        for i, row in enumerate(self.rows):
+            if self.finished[i] is not None or i in self.failed:
+                continue
+            if verdicts[i] is not None:
+                self.failed[i] = verdicts[i]
+                scores[i] = 0.0  # any token: the row ends at this step and the token is not kept
+                continue
+            if self.generators[i] is not None:
+                choice = sample(scores[i], row, self.generators[i])
+                scores[i] = -float("inf")
+                scores[i, choice] = 0.0
+        return scores
+
+
+class BeamGuard:
+    """The last logits processor of a beam batch: a request whose every beam has nothing to take (`unusable`), or
+    whose scores are not finite, ends the batch with `Refused` on every rank (generate cannot drop one request)."""
+
+    def __init__(self, num_beams: int, start: int):
+        self.num_beams, self.start = num_beams, start
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        verdicts = unusable(scores, input_ids.shape[1] - self.start)
+        for r in range(len(verdicts) // self.num_beams):
+            beams = verdicts[r * self.num_beams:(r + 1) * self.num_beams]
+            broken = next((v for v in beams if v is not None and v[0] == 500), None)
+            if broken or all(v is not None for v in beams):
+                status, why = broken or beams[0]
+                raise Refused(status, f"prompt {r}: {why}")
+        return scores
+
+
+class RowStops:
+    """A stopping criterion with each row's own end: EOS (unless `ignore_eos`, and not before `min_tokens`), its
+    `max_new_tokens`, its stop strings; a row RowRules failed (its filler token dropped) and a row whose client left
+    (`control`) end too. `report(step, tokens, finished, failed)` is called after every step on the leader (the new
+    token of each row still running, the rows that finished now with their reason, the rows that failed now with
+    status and why)."""
+
+    def __init__(self, rows: list[dict], start: int, eos: list[int], tokenizer, report=None, control=None):
+        self.rows, self.start, self.eos, self.tokenizer, self.report = rows, start, set(eos), tokenizer, report
+        self.control = control
+        self.lengths: list[int | None] = [None] * len(rows)
+        self.reasons: list[str | None] = [None] * len(rows)
+        self.rules: RowRules | None = None  # set by run_batch: the rows it failed
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        new = input_ids[:, self.start:]
+        produced = new.shape[1]
+        cancelled = self.control.step(len(self.rows)) if self.control is not None else None
+        done = torch.zeros(len(self.rows), dtype=torch.bool, device=input_ids.device)
+        tokens, finished, failed = {}, {}, {}
+        for i, row in enumerate(self.rows):
+            if self.lengths[i] is not None:
+                done[i] = True
+                continue
+            if self.rules is not None and i in self.rules.failed:
+                self.lengths[i], self.reasons[i] = produced - 1, "error"
+                failed[i] = list(self.rules.failed[i])
+                done[i] = True
+                continue
+            if cancelled is not None and cancelled[i]:
+                self.lengths[i], self.reasons[i] = produced - 1, "cancelled"
+                done[i] = True
+                continue
+            last = int(new[i, -1])
+            tokens[i] = last
+            reason = None
+            if last in self.eos and not row.get("ignore_eos") and produced >= row.get("min_tokens", 0):
+                reason = "stop"
+            elif last in row.get("stop_token_ids", ()) and produced >= row.get("min_tokens", 0):
+                reason = "stop"
+            elif row.get("stop") and self._hits_stop(new[i], row["stop"]):
+                reason = "stop"
+            elif produced >= row["max_new_tokens"]:
+                reason = "length"
+            if reason:
+                self.lengths[i], self.reasons[i] = produced, reason
+                finished[i] = reason
+                done[i] = True
+        if self.report is not None:
+            self.report(produced, tokens, finished, failed)
+        return done
+
+    def _hits_stop(self, ids: torch.Tensor, stops: list[str]) -> bool:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+
+class BeamSteps:
+    """A beam batch's stopping criterion for what generate's own rules do not know: a request whose client left
+    (`control`) has every candidate of its beams end now, so beam search drops it (and stops once every request is
+    done or gone); a candidate whose new text holds one of the batch's stop strings ends as a finished hypothesis,
+    as transformers' StopStringCriteria would end it, which fails on the embedded models' word-level tokenizers
+    ("ValueError: substring not found" in its vocabulary cleaning, before the first token; found by the serve fuzz)."""
+
+    def __init__(self, requests: int, control, stops: list[str], start: int, tokenizer):
+        self.requests, self.control, self.stops, self.start, self.tokenizer = requests, control, stops, start, tokenizer
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if self.control is not None:
+            cancelled = self.control.step(self.requests).to(input_ids.device)
+            done |= cancelled.repeat_interleave(input_ids.shape[0] // self.requests)
+        if self.stops:
+            texts = self.tokenizer.batch_decode(input_ids[:, self.start:], skip_special_tokens=True)
+            done |= torch.tensor([any(stop in text for stop in self.stops) for text in texts], device=input_ids.device)
+        return done
