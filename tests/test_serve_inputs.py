@@ -14,7 +14,7 @@ from conftest import EXAMPLES
 from ds_inference_integration import InferenceSetupError
 from ds_inference_integration.serve import bodies
 from ds_inference_integration.serve.batching import Job, Queue
-from ds_inference_integration.serve.engine import run_batch
+from ds_inference_integration.serve.engine import keepalive_seconds, run_batch
 from ds_inference_integration.serve.protocol import (
     BatchKey,
     ModelLimits,
@@ -160,6 +160,12 @@ def _batch(tokenizer, rows, num_beams=1):
             "rows": [r.wire() for r in rows],
             "shared": {"num_beams": num_beams, "num_return_sequences": 1,
                        "max_new_tokens": max(r.max_new_tokens for r in rows), "stop": [], "min_tokens": 0}}
+
+
+def test_a_replica_says_it_is_alive_well_within_the_timeout():
+    """The front takes a replica silent for --inference_timeout for a stopped one: at 1 s, the leader's one message a
+    second arrived just past it, and an idle server ended (exit 3) within seconds of starting."""
+    assert keepalive_seconds(120) == 1.0 and keepalive_seconds(1) == 0.25 and keepalive_seconds(3) == 0.75
 
 
 def test_a_failed_batch_runs_each_request_again_alone_first():

@@ -38,7 +38,14 @@ from .rules import BeamGuard, BeamSteps, Refused, RowRules, RowStops
 
 FRONT_ENV = "DS_INFERENCE_SERVE_FRONT"  # host:port of the front's socket (the leader connects)
 AUTHKEY_ENV = "DS_INFERENCE_SERVE_AUTHKEY"  # hex; the front makes a random one per start
-KEEPALIVE_SECONDS = 1.0
+KEEPALIVE_SECONDS = 1.0  # at most: a quarter of --inference_timeout where that is shorter (`keepalive_seconds`)
+
+
+def keepalive_seconds(inference_timeout: float) -> float:
+    """How often the leader says it is alive: every second, or four times within a shorter --inference_timeout (at
+    --inference_timeout 1 an idle server was taken for a stopped one within seconds: one message a second arrives
+    just past the front's limit)."""
+    return min(KEEPALIVE_SECONDS, inference_timeout / 4)
 
 
 class Control:
@@ -48,8 +55,8 @@ class Control:
     tells the front it is alive at least every KEEPALIVE_SECONDS while it generates, so a long batch is never taken
     for a stopped replica. Other messages that arrive meanwhile wait in `pending` for the main loop."""
 
-    def __init__(self, conn, group, world_size: int):
-        self.conn, self.group, self.world_size = conn, group, world_size
+    def __init__(self, conn, group, world_size: int, keepalive: float = KEEPALIVE_SECONDS):
+        self.conn, self.group, self.world_size, self.keepalive = conn, group, world_size, keepalive
         self.pending: collections.deque = collections.deque()
         self.batch_id = None
         self.cancelled: set[int] = set()
@@ -72,7 +79,7 @@ class Control:
                         self.cancelled.update(message["rows"])
                 else:
                     self.pending.append(message)
-            if time.monotonic() - self.said > KEEPALIVE_SECONDS:
+            if time.monotonic() - self.said > self.keepalive:
                 self.send({"op": "alive"})
             flags[[i for i in self.cancelled if i < rows]] = True
         if self.world_size > 1:
@@ -279,7 +286,8 @@ def main(argv: list[str]) -> None:
     world = topology.world_size
     # the control group: gloo, CPU tensors, whatever the model's backend (a step's flags never touch a GPU)
     group = dist.new_group(backend="gloo") if world > 1 else None
-    control = Control(conn, group, world)
+    keepalive = keepalive_seconds(inference_args.inference_timeout)
+    control = Control(conn, group, world, keepalive)
     if leader:
         conn.send({"op": "ready", "report": str(setup.report)})
     batches = 0
@@ -290,7 +298,7 @@ def main(argv: list[str]) -> None:
                 if control.pending:
                     message = control.pending.popleft()
                 else:
-                    message = conn.recv() if conn.poll(KEEPALIVE_SECONDS) else {"op": "keepalive"}
+                    message = conn.recv() if conn.poll(keepalive) else {"op": "keepalive"}
             except (EOFError, OSError):
                 message = {"op": "stop"}  # the front is gone: the replica ends with it
         box = [message]
