@@ -261,10 +261,13 @@ def test_t5_long_rows_leaving_clients_warnings_and_ctrl_c(tmp_path):
     ask for 80 GB and max_tokens 100000 with ignore_eos outlived --inference_timeout and was taken for a stopped rank;
     both are one 400 line now. A row longer than --inference_timeout (3 s here) is answered, since a busy replica
     says it is alive between steps; a client that leaves a long stream frees the replica at the next step. The
-    per-batch transformers warning is said once. Then Ctrl-C (SIGINT to the process group, as a terminal sends it)
+    per-batch transformers warning is said once. SIGUSR1, SIGUSR2 and SIGALRM (their default ends a process: SLURM
+    sends the first two before a job's end) leave it serving. Then Ctrl-C (SIGINT to the process group, as a terminal sends it)
     drains: the short open request is answered, new ones get 503; a second SIGINT ends the server at once: the long
     open request gets 503, exit 130, no traceback, no process and no temporary directory left."""
-    server = ServerProc(T5, ["--tp_size", "2", "--inference_timeout", "3"], tmp_path, 2, own_logs=True)
+    # batches wait 400 ms for company, so that the two requests open at Ctrl-C share one
+    server = ServerProc(T5, ["--tp_size", "2", "--inference_timeout", "3", "--max_wait_ms", "400", "--adaptive_wait",
+                             "false"], tmp_path, 2, own_logs=True)
     url = server.url + "/v1/completions"
     try:
         server.wait_ready()
@@ -293,18 +296,25 @@ def test_t5_long_rows_leaving_clients_warnings_and_ctrl_c(tmp_path):
         after = _first_token_time(server.port)  # the left stream's row ended at its next step
         assert after < max(1.0, 5 * idle), (idle, after)
 
+        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):  # to the group: Python's default ends a process
+            os.killpg(server.proc.pid, sig)
+        time.sleep(0.5)
+        status, _, _ = request("POST", url, {"prompt": PREFIX + "seven", "max_tokens": 4})
+        assert status == 200 and server.output().count("ignored; SIGTERM, SIGINT or SIGHUP stops the server") == 3
+
         answers: dict = {}
         threads = [threading.Thread(target=lambda k=k, n=n: answers.__setitem__(k, request(
             "POST", url, {"prompt": PREFIX + "five", "max_tokens": n, "ignore_eos": True}, timeout=120)))
             for k, n in (("short", 20), ("long", 1500))]
         for t in threads:
             t.start()
-        time.sleep(1.5)
+        time.sleep(0.8)  # one batch: the short row is answered as it ends, the long one runs on
         os.killpg(server.proc.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C
         time.sleep(1.5)
         health, _ = get(server.url + "/health", timeout=5)
         refused, _, _ = request("POST", url, {"prompt": PREFIX + "six", "max_tokens": 2}, timeout=10)
-        assert answers.get("short", (0,))[0] == 200, answers
+        threads[0].join(20)  # the short row ends while the long one runs on (1500 steps)
+        assert answers.get("short", (0,))[0] == 200 and "long" not in answers, answers
         os.kill(server.proc.pid, signal.SIGINT)  # again: now
         for t in threads:
             t.join(60)

@@ -120,6 +120,19 @@ def _release_memory() -> None:
         pass
 
 
+# signals whose default action ends a process and that mean nothing to a server (SLURM sends SIGUSR1/2 ahead of a
+# job's end; a stray alarm): ignored by the front (said once each) and by the ranks (`engine.main`)
+IGNORED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+_said: set = set()
+
+
+def _say_ignored(sig, frame) -> None:
+    if sig not in _said:
+        _said.add(sig)
+        print(f"ds-inference serve: {signal.Signals(sig).name} ignored; SIGTERM, SIGINT or SIGHUP stops the server",
+              flush=True)
+
+
 class Uvicorn(uvicorn.Server):
     """uvicorn, with SIGTERM, SIGINT (Ctrl-C) and SIGHUP (its terminal closed) meaning drain (new requests 503, open
     ones finish, then exit 0) instead of closing at once; a second one ends the server now (open requests 503, exit
@@ -129,13 +142,15 @@ class Uvicorn(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        hangup = signal.signal(signal.SIGHUP, self.handle_exit) if hasattr(signal, "SIGHUP") else None
+        saved = {signal.SIGHUP: signal.signal(signal.SIGHUP, self.handle_exit)}
+        for sig in IGNORED:  # Python's default for these ends the process where it stands: the server goes on
+            saved[sig] = signal.signal(sig, _say_ignored)
         try:
             with super().capture_signals():
                 yield
         finally:
-            if hangup is not None:
-                signal.signal(signal.SIGHUP, hangup)
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
 
     server: Server | None = None
 

@@ -262,7 +262,7 @@ def main(argv: list[str]) -> None:
     end_with_parent()  # a front (or worker) killed with SIGKILL takes its ranks with it
     # Ctrl-C (and a closed terminal's SIGHUP) reach every process of the group: the front (or worker) drains and
     # ends the ranks; a rank that died of them first made the front answer 503 and exit 3 instead
-    for sig in (signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):  # and asgi.IGNORED
         signal.signal(sig, signal.SIG_IGN)
     say_once()
     settings = json.loads(argv[0])

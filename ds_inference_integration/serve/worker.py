@@ -47,6 +47,8 @@ def _run(serve_args, inference_args, model_dir: str, local: int, log_dir: Path) 
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # Ctrl-C, a closed terminal: as SIGTERM
         signal.signal(sig, lambda *_: stopping.append(True))
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):  # as the front: they mean nothing here
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
