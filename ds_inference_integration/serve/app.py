@@ -392,7 +392,8 @@ def build_app(api: Api, max_body_bytes: int):
 
     @app.exception_handler(404)
     async def _not_found(request, error):
-        return error_response(ServeError(404, f"no route {request.method} {request.url.path}; valid: POST "
+        path = request.url.path if len(request.url.path) <= 100 else request.url.path[:97] + "..."
+        return error_response(ServeError(404, f"no route {request.method} {path}; valid: POST "
                                               "/v1/completions, /v1/chat/completions, /generate; GET /v1/models, "
                                               "/health, /live, /metrics"))
 

@@ -25,7 +25,8 @@ class ServeError(Exception):
     """An answer other than 200, as OpenAI's API gives it: {"error": {message, type, param, code}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  retry: bool | None = None):
