@@ -276,6 +276,8 @@ def test_t5_long_rows_leaving_clients_warnings_and_ctrl_c(tmp_path):
                             ({"prompt": PREFIX + "five", "max_tokens": 100_000, "ignore_eos": True}, "1 to 2047")):
             status, answer, _ = request("POST", url, body)
             assert status == 400 and words in answer["error"]["message"], answer
+            status, good, _ = request("POST", url, {"prompt": PREFIX + "seven hundred", "max_tokens": 8})
+            assert status == 200 and good["choices"][0]["text"] == _t5_greedy(PREFIX + "seven hundred", 8), good
         start = time.monotonic()
         status, long_row, _ = request("POST", url, {"prompt": PREFIX + "five", "max_tokens": 400, "ignore_eos": True},
                                       timeout=120)
@@ -327,6 +329,18 @@ def test_t5_long_rows_leaving_clients_warnings_and_ctrl_c(tmp_path):
         assert not list(server.tmp.glob("ds-inference-serve-*")), list(server.tmp.iterdir())
     finally:
         server.stop()
+
+
+def _t5_greedy(source: str, new: int) -> str:
+    """The single-process answer: transformers' generate on the unsharded T5 (an encoder-decoder's completion is
+    decoded alone)."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(T5), AutoModelForSeq2SeqLM.from_pretrained(T5).eval()
+    with torch.no_grad():
+        out = model.generate(tokenizer(source, return_tensors="pt")["input_ids"], max_new_tokens=new, do_sample=False)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
 def _first_token_time(port: int) -> float:
