@@ -2,6 +2,7 @@
 padding, prompts stripped, outputs in input order; tp 2 equals one process; length grouping."""
 
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -81,7 +82,7 @@ def test_bench_generation_writes_table_json_and_a_png_that_opens(tmp_path):
     for r in rows:
         sp = r["tokens_per_s_spread"]
         assert sp["n"] == 2 and sp["min"] <= sp["median"] <= sp["max"]
-        assert abs(sp["median"] - r["tokens_per_s"]) < 0.1
+        assert r["tokens_per_s"] == round(statistics.median(r["tokens_per_s_repeats"]), 1)  # the median, as shown
     ratio = report["ratios"]["embedded"]["trainer_streaming_over_generate_loop_bs8"]
     assert ratio["n"] == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
     assert "| embedded | generate_loop | 8 |" in (tmp_path / "bench.md").read_text()
