@@ -284,7 +284,10 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
            "test_dp2_x_tp2_serves_the_prompts_as_one_process": 16,
            "test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key": 16,
            "test_a_stopped_rank_gets_open_requests_503_within_the_timeout": 16,
-           "test_a_wrong_derived_policy_is_refused_before_ready": 12}
+           "test_a_wrong_derived_policy_is_refused_before_ready": 12,
+           "test_ctrl_c_ends_every_rank_in_one_line_and_the_same_command_resumes": 37,
+           "test_t5_long_rows_leaving_clients_warnings_and_ctrl_c": 22,
+           "test_the_requests_that_ended_the_server_are_answered_and_it_goes_on": 15}
 
 
 def pytest_collection_modifyitems(config, items):
