@@ -68,7 +68,7 @@ class Server:
             raise ServeError(503, f"the server is broken and exiting: {self.why}", retry=False)
 
     def drain(self, signal: str = "SIGTERM") -> None:
-        """SIGTERM or SIGINT: stop taking requests, finish the open ones, then end the replicas and exit 0."""
+        """SIGTERM, SIGINT or SIGHUP: stop taking requests, finish the open ones, then end the replicas and exit 0."""
         if self.state in ("draining", "broken"):
             return
         print(f"ds-inference serve: {signal}, draining {len(self.open_jobs)} open request(s) (up to --drain_timeout "
@@ -77,7 +77,7 @@ class Server:
         asyncio.ensure_future(self._drain())
 
     def interrupt(self, signal: str, code: int) -> None:
-        """A second SIGTERM or SIGINT while draining: every open request 503, every rank ended, exit `code` now."""
+        """A second signal while draining: every open request 503, every rank ended, exit `code` now."""
         if self.state == "broken":
             return
         self.state, self.why = "broken", f"{signal} again while draining"
@@ -165,7 +165,8 @@ class Server:
         job.events.put_nowait(("error", error, None))
         if not job.cancelled:
             job.cancelled = True  # nothing more of it is sent; its other rows end at the next step
-            self._end_rows(job)
+            if self.state != "broken":  # (a broken server's replicas are being ended, not told)
+                self._end_rows(job)
 
     def _finish_job(self, job: Job) -> None:
         self.open_jobs.discard(job)
