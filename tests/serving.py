@@ -148,3 +148,11 @@ def listening(pids: list[int]) -> list[tuple[str, int]]:
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # /proc prints 32-bit words host-order
             found.append((str(ipaddress.ip_address(raw[:width])), int(port, 16)))
     return found
+
+
+def admit(rows, num_beams: int = 1, k: int = 1, **key):
+    """`protocol.Row`s as the front admits them to an engine (which pads them itself), ids 0, 1, ..."""
+    from ds_inference_integration.serve.wire import Admit, BatchKey
+
+    return Admit(group=1, key=BatchKey(num_beams=num_beams, num_return_sequences=k, **key),
+                 rows=tuple(row.spec(i) for i, row in enumerate(rows)))

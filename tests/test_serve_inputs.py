@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from serving import admit
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from conftest import EXAMPLES
@@ -33,6 +34,7 @@ from ds_inference_integration.serve.text import (
     join_parts,
     template_reads_parts,
 )
+from ds_inference_integration.serve.wire import RowSpec
 
 GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
 T5 = EXAMPLES / "models" / "t5-num2words-en-ro"
@@ -116,12 +118,16 @@ def test_sampling_at_a_vanishing_temperature_is_the_limit_not_a_nan():
     """temperature 1e-40 is inside the documented range; scores / temperature overflowed float32 and the draw failed
     on NaN. Where it overflows the draw is the limit (the top token); elsewhere generate's own arithmetic."""
     scores = torch.tensor([1.0, 3.0, -2.0, 2.9])
+
+    def row(temperature):
+        return RowSpec(id=0, prompt_ids=(1,), max_new_tokens=1, temperature=temperature)
+
     for temperature in (1e-40, 1e-300, 5e-324, 1e-38):
         g = torch.Generator().manual_seed(0)
-        assert sample(scores, {"temperature": temperature}, g) == 1, temperature
+        assert sample(scores, row(temperature), g) == 1, temperature
     negative = torch.tensor([-5.0, -1.0, -3.0])  # every score / 1e-40 is -inf: the limit again
-    assert sample(negative, {"temperature": 1e-40}, torch.Generator().manual_seed(0)) == 1
-    draws = {sample(scores, {"temperature": 5.0}, torch.Generator().manual_seed(s)) for s in range(40)}
+    assert sample(negative, row(1e-40), torch.Generator().manual_seed(0)) == 1
+    draws = {sample(scores, row(5.0), torch.Generator().manual_seed(s)) for s in range(40)}
     assert len(draws) > 1  # an ordinary temperature still samples
 
 
@@ -140,26 +146,16 @@ def test_a_row_with_nothing_left_to_take_ends_alone_and_a_beam_batch_is_refused(
     vocab = list(range(model.config.vocab_size))
     masked = Row(prompt_ids=ids, max_new_tokens=6, temperature=1.0, seed=3, min_tokens=2, stop_token_ids=tuple(vocab))
     good = Row(prompt_ids=ids, max_new_tokens=6, temperature=0.8, seed=4)
-    both = run_batch(model, tokenizer, _batch(tokenizer, [masked, good]), "cpu")
-    alone = run_batch(model, tokenizer, _batch(tokenizer, [good]), "cpu")
+    both = run_batch(model, tokenizer, admit([masked, good]), "cpu")
+    alone = run_batch(model, tokenizer, admit([good]), "cpu")
     assert both["finish"][0] == ["error"] and both["failed"][0][0] == 400 and "every token is masked" in both["failed"][0][1]
     assert both["sequences"][0] == [[]]
     assert both["sequences"][1] == alone["sequences"][0] and len(alone["sequences"][0][0]) == 6
-    beams = _batch(tokenizer, [Row(prompt_ids=ids, max_new_tokens=6)], num_beams=2)
-    beams["shared"]["generate"] = {"suppress_tokens": vocab}
+    beams = admit([Row(prompt_ids=ids, max_new_tokens=6)], num_beams=2,
+                  generate=(("suppress_tokens", json.dumps(vocab)),))
     with pytest.raises(Refused, match="prompt 0: every token is masked") as e:
         run_batch(model, tokenizer, beams, "cpu")
     assert e.value.status == 400
-
-
-def _batch(tokenizer, rows, num_beams=1):
-    width = max(len(r.prompt_ids) for r in rows)
-    pad = tokenizer.pad_token_id or 0
-    return {"input_ids": [[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows],
-            "attention_mask": [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows],
-            "rows": [r.wire() for r in rows],
-            "shared": {"num_beams": num_beams, "num_return_sequences": 1,
-                       "max_new_tokens": max(r.max_new_tokens for r in rows), "stop": [], "min_tokens": 0}}
 
 
 def test_a_replica_says_it_is_alive_well_within_the_timeout():
@@ -311,9 +307,8 @@ def test_stop_strings_end_beams_on_a_word_level_tokenizer():
     tokenizer = AutoTokenizer.from_pretrained(GPT2)
     model = AutoModelForCausalLM.from_pretrained(GPT2).eval()
     ids = tokenizer("thirty-eight thousand, eight hundred and ninety-six =")["input_ids"]
-    batch = _batch(tokenizer, [Row(prompt_ids=ids, max_new_tokens=20)], num_beams=3)
-    free = tokenizer.decode(run_batch(model, tokenizer, batch, "cpu")["sequences"][0][0])
+    rows = [Row(prompt_ids=ids, max_new_tokens=20)]
+    free = tokenizer.decode(run_batch(model, tokenizer, admit(rows, num_beams=3), "cpu")["sequences"][0][0])
     assert free.startswith("treizeci și opt de mii ") and len(free.split()) > 5, free
-    batch["shared"]["stop"] = ["de mii"]
-    stopped = run_batch(model, tokenizer, batch, "cpu")["sequences"][0][0]
+    stopped = run_batch(model, tokenizer, admit(rows, num_beams=3, stop=("de mii",)), "cpu")["sequences"][0][0]
     assert tokenizer.decode(stopped) == "treizeci și opt de mii"

@@ -3,6 +3,7 @@ one batch (against generating each row alone, on the embedded GPT-2 and T5), str
 
 import pytest
 import torch
+from serving import admit
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from conftest import EXAMPLES
@@ -100,19 +101,6 @@ def test_a_request_is_checked_against_the_model_and_the_limits():
     assert plan()[1][0].temperature == 0.0  # the model's generation config is greedy
 
 
-def _batch(tokenizer, rows, encoder_decoder, num_beams=1, k=1):
-    width = max(len(r.prompt_ids) for r in rows)
-    pad = tokenizer.pad_token_id or 0
-    ids, mask = [], []
-    for r in rows:
-        n = width - len(r.prompt_ids)
-        ids.append(r.prompt_ids + [pad] * n if encoder_decoder else [pad] * n + r.prompt_ids)
-        mask.append([1] * len(r.prompt_ids) + [0] * n if encoder_decoder else [0] * n + [1] * len(r.prompt_ids))
-    return {"input_ids": ids, "attention_mask": mask, "rows": [r.wire() for r in rows],
-            "shared": {"num_beams": num_beams, "num_return_sequences": k,
-                       "max_new_tokens": max(r.max_new_tokens for r in rows), "stop": [], "min_tokens": 0}}
-
-
 @pytest.mark.parametrize("name", ["gpt2", "t5"])
 def test_each_row_generates_as_it_would_alone(name):
     """Rows with their own lengths, greedy and seeded sampling side by side in one batch: each row's tokens equal
@@ -128,9 +116,9 @@ def test_each_row_generates_as_it_would_alone(name):
     rows = [Row(prompt_ids=ids[0], max_new_tokens=20), Row(prompt_ids=ids[1], max_new_tokens=3),
             Row(prompt_ids=ids[2], max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=20, seed=5),
             Row(prompt_ids=ids[3], max_new_tokens=20, temperature=1.3, seed=6)]
-    together = run_batch(model, tokenizer, _batch(tokenizer, rows, name == "t5"), "cpu")
+    together = run_batch(model, tokenizer, admit(rows), "cpu")
     for i, row in enumerate(rows):
-        alone = run_batch(model, tokenizer, _batch(tokenizer, [row], name == "t5"), "cpu")
+        alone = run_batch(model, tokenizer, admit([row]), "cpu")
         assert together["sequences"][i] == alone["sequences"][0], i
     assert len(together["sequences"][1][0]) == 3 and together["finish"][1] == ["length"]
     with torch.no_grad():  # greedy rows: what generate gives for the prompt alone
@@ -152,11 +140,11 @@ def test_ignore_eos_and_min_tokens_hold_per_row():
     eos = model.generation_config.eos_token_id
     rows = [Row(prompt_ids=ids, max_new_tokens=24, ignore_eos=True), Row(prompt_ids=ids, max_new_tokens=24),
             Row(prompt_ids=ids, max_new_tokens=24, min_tokens=22)]
-    out = run_batch(model, tokenizer, _batch(tokenizer, rows, False), "cpu")
+    out = run_batch(model, tokenizer, admit(rows), "cpu")
     plain, ignored, least = (out["sequences"][i][0] for i in (1, 0, 2))
     assert plain[-1] == eos and out["finish"][1] == ["stop"] and len(plain) < 24
     assert len(ignored) == 24 and ignored[:len(plain)] == plain and out["finish"][0] == ["length"]
-    alone = run_batch(model, tokenizer, _batch(tokenizer, rows[:1], False), "cpu")  # no other row keeps it going
+    alone = run_batch(model, tokenizer, admit(rows[:1]), "cpu")  # no other row keeps it going
     assert alone["sequences"][0][0] == ignored and alone["finish"][0] == ["length"]
     assert eos not in least[:21] and len(least) >= 22
     assert model.generation_config.eos_token_id == eos  # given back
@@ -170,20 +158,20 @@ def test_stop_token_ids_end_their_row_and_wait_for_min_tokens():
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(GPT2).eval()
     ids = tokenizer("five =")["input_ids"]
-    free = run_batch(model, tokenizer, _batch(tokenizer, [Row(prompt_ids=ids, max_new_tokens=12)], False), "cpu")
+    free = run_batch(model, tokenizer, admit([Row(prompt_ids=ids, max_new_tokens=12)]), "cpu")
     seq = free["sequences"][0][0]
     stop = seq[3]  # a token the row makes at its 4th step
     first = seq.index(stop)
     rows = [Row(prompt_ids=ids, max_new_tokens=12, stop_token_ids=(stop,)), Row(prompt_ids=ids, max_new_tokens=12),
             Row(prompt_ids=ids, max_new_tokens=12, stop_token_ids=(stop,), min_tokens=first + 2)]
-    out = run_batch(model, tokenizer, _batch(tokenizer, rows, False), "cpu")
+    out = run_batch(model, tokenizer, admit(rows), "cpu")
     stopped, beside, held = (out["sequences"][i][0] for i in range(3))
     assert stopped == seq[:first + 1] and out["finish"][0] == ["stop"]
     assert beside == seq
     assert stop not in held[:first + 1] and len(held) > first + 1
     _, planned = plan_rows([ids], limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=1, stop=None,
                            seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False, stop_token_ids=[stop])
-    assert planned[0].stop_token_ids == (stop,) and planned[0].wire()["stop_token_ids"] == [stop]
+    assert planned[0].stop_token_ids == (stop,) and planned[0].spec(0).stop_token_ids == (stop,)
     for bad, says in (([LIMITS.vocab_size], "not in the vocabulary"), (["7"], "list of token ids"), ([-1], "vocabulary")):
         with pytest.raises(ServeError, match=says):
             plan_rows([ids], limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=1, stop=None,

@@ -477,7 +477,7 @@ def main(argv: list[str]) -> int:
     log_dir = Path(serve_args.log_dir or tempfile.mkdtemp(prefix="ds-inference-serve-"))
     server = None
     try:
-        settings = engine_settings(model_dir, inference_args)
+        settings = engine_settings(model_dir, serve_args, inference_args)
         queue = Queue(serve_args.max_batch_size, serve_args.max_batch_tokens, serve_args.max_wait_ms,
                       serve_args.max_queue, serve_args.adaptive_wait)
         nodes = (serve_args.nnodes, serve_args.master_addr, serve_args.master_port)

@@ -37,7 +37,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .protocol import BatchKey, Row
+from .protocol import Row
+from .wire import BatchKey
 
 _ids = itertools.count(1)
 # How far back the adaptive wait looks for the most requests open at once. With 5 s, each point of `bench serve`
@@ -61,6 +62,7 @@ class Job:
     first_token_at: float | None = None
     finished_rows: int = 0
     alone: bool = False  # its batch failed: it runs in a batch of its own, so a failure is its own
+    row_ids: list[int] = field(default_factory=list)  # its rows' ids while a replica holds them (Server._send)
 
 
     def width(self) -> int:
@@ -128,12 +130,14 @@ class Queue:
         peak = max((n for _, n in self._open), default=1)
         return max(1, peak - len(self.running))
 
-    def _fill(self) -> tuple[list[Job], bool]:
-        """The next batch's jobs, and whether it is full (no more rows or tokens fit)."""
+    def _fill(self, room: int) -> tuple[list[Job], bool]:
+        """The next batch's jobs (`room` rows at most, and the oldest job whatever its size), and whether it is full
+        (no more rows or tokens fit)."""
         first = self.waiting[0]
         jobs, rows = [first], len(first.rows)
         width, new = first.width(), first.new_tokens()
-        full = rows >= self.max_batch_size or first.alone
+        room = min(room, self.max_batch_size)
+        full = rows >= room or first.alone
         for job in self.waiting[1:]:
             if full:
                 break
@@ -141,21 +145,22 @@ class Queue:
                 continue
             n = rows + len(job.rows)
             w, m = max(width, job.width()), max(new, job.new_tokens())
-            if n > self.max_batch_size or (self.max_batch_tokens and n * (w + m) > self.max_batch_tokens):
+            if n > room or (self.max_batch_tokens and n * (w + m) > self.max_batch_tokens):
                 full = True
                 break
             jobs.append(job)
             rows, width, new = n, w, m
-            full = rows >= self.max_batch_size
+            full = rows >= room
         return jobs, full
 
-    def take(self, now: float | None = None, idle_since: float = 0.0) -> Batch | None:
-        """The batch that leaves now to a replica idle since `idle_since` (a full one, one holding the requests
-        expected, or one whose oldest job has waited `max_wait_ms` since that replica was free), or None."""
+    def take(self, now: float | None = None, idle_since: float = 0.0, room: int | None = None) -> Batch | None:
+        """The batch that leaves now to a replica free since `idle_since` with `room` rows (default
+        `max_batch_size`): a full one, one holding the requests expected, or one whose oldest job has waited
+        `max_wait_ms` since that replica was free; or None."""
         if not self.waiting:
             return None
         now = time.monotonic() if now is None else now
-        jobs, full = self._fill()
+        jobs, full = self._fill(self.max_batch_size if room is None else room)
         enough = self.adaptive and len(jobs) >= self.expected(now)
         if not full and not enough and now - max(jobs[0].arrived, idle_since) < self.max_wait:
             return None

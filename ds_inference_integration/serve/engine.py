@@ -1,10 +1,11 @@
 """One rank of a served replica: it loads and shards the model as predict does (`load_model`, `setup_inference`:
 policies, derived policies verified, shard-aware and pre-sharded loading), then runs, in lock-step with its TP
-peers, the batches the front hands to the replica's leader (its rank 0).
+peers, the rows the front admits to the replica's leader (its rank 0), over the typed messages of `wire`.
 
 The leader alone talks to the front (a `multiprocessing.connection` socket); it broadcasts each message to its
 peers (`broadcast_object_list` on the replica's gloo group, as transformers' own TP serving does), so it alone
-fixes the order of batches. Every rank then runs the lock-step guard and the same `generate`. While idle the
+fixes the order of admissions. Every rank then builds the model's inputs from the rows' prompts, runs the lock-step
+guard and the same `generate` (the batch engine: `run_batch`, one generate an admission). While idle the
 leader broadcasts a keep-alive every second, so that a waiting peer never reaches `--inference_timeout` (also
 its process group's timeout), and tells the front it is alive; while it generates, `Control` passes the front's
 word between steps (rows whose clients left end at the next step, on every rank) and keeps telling the front it is
@@ -35,9 +36,22 @@ import torch
 import torch.distributed as dist
 
 from .rules import BeamGuard, BeamSteps, Refused, RowRules, RowStops
+from .wire import (
+    AUTHKEY_ENV,
+    FRONT_ENV,
+    Admit,
+    Alive,
+    BatchKey,
+    Cancel,
+    Failed,
+    Finished,
+    Hello,
+    Keepalive,
+    Ready,
+    Stop,
+    Tokens,
+)
 
-FRONT_ENV = "DS_INFERENCE_SERVE_FRONT"  # host:port of the front's socket (the leader connects)
-AUTHKEY_ENV = "DS_INFERENCE_SERVE_AUTHKEY"  # hex; the front makes a random one per start
 KEEPALIVE_SECONDS = 1.0  # at most: a quarter of --inference_timeout where that is shorter (`keepalive_seconds`)
 
 
@@ -49,65 +63,62 @@ def keepalive_seconds(inference_timeout: float) -> float:
 
 
 class Control:
-    """What the leader learns from the front between decoding steps, given to every rank at the same step: the rows
-    whose clients left (the front's "cancel"), one broadcast on the control group per step (measured: 0.26 ms on
-    gloo between two CPU ranks, against 16 ms for a decoding step of the embedded GPT-2 at tp 2). The leader also
-    tells the front it is alive at least every KEEPALIVE_SECONDS while it generates, so a long batch is never taken
-    for a stopped replica. Other messages that arrive meanwhile wait in `pending` for the main loop."""
+    """The leader's line to the front while it generates, given to every rank at the same step: which running rows'
+    clients left (the front's Cancel), one broadcast on the control group per step (measured: 0.26 ms on gloo between
+    two CPU ranks, against 16 ms for a decoding step of the embedded GPT-2 at tp 2). The leader also tells the front
+    it is alive at least every `keepalive` seconds while it generates, so a long batch is never taken for a stopped
+    replica. Other messages that arrive meanwhile wait in `pending` for the main loop. On a peer `conn` is None: it
+    only takes part in the broadcast."""
 
     def __init__(self, conn, group, world_size: int, keepalive: float = KEEPALIVE_SECONDS):
         self.conn, self.group, self.world_size, self.keepalive = conn, group, world_size, keepalive
         self.pending: collections.deque = collections.deque()
-        self.batch_id = None
         self.cancelled: set[int] = set()
         self.said = time.monotonic()
 
-    def begin(self, batch_id) -> None:
-        self.batch_id, self.cancelled = batch_id, set()
+    def send(self, message) -> None:
+        if self.conn is not None:
+            self.conn.send(message)
+            self.said = time.monotonic()
 
-    def send(self, message: dict) -> None:
-        self.conn.send(message)
-        self.said = time.monotonic()
-
-    def step(self, rows: int) -> torch.BoolTensor:
-        flags = torch.zeros(rows, dtype=torch.bool)
+    def step(self, ids: list[int]) -> torch.BoolTensor:
+        """Which of the rows `ids` were cancelled, the same on every rank."""
+        flags = torch.zeros(len(ids), dtype=torch.bool)
         if self.conn is not None:  # the leader
             while self.conn.poll(0):
                 message = self.conn.recv()
-                if message["op"] == "cancel":
-                    if message["id"] == self.batch_id:
-                        self.cancelled.update(message["rows"])
+                if isinstance(message, Cancel):
+                    self.cancelled.update(message.rows)
                 else:
                     self.pending.append(message)
             if time.monotonic() - self.said > self.keepalive:
-                self.send({"op": "alive"})
-            flags[[i for i in self.cancelled if i < rows]] = True
+                self.send(Alive())
+            flags = torch.tensor([i in self.cancelled for i in ids], dtype=torch.bool)
         if self.world_size > 1:
             dist.broadcast(flags, src=0, group=self.group)
         return flags
 
 
-def _generation_config(model, batch: dict, pad_token_id: int | None):
+def _generation_config(model, key: BatchKey, max_new_tokens: int, pad_token_id: int | None):
     config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
-    shared = batch["shared"]
-    config.update(**shared.get("generate", {}))  # /generate's other settings (protocol.GENERATE_PASSED), checked
-    config.num_beams = shared["num_beams"]
-    config.num_return_sequences = shared["num_return_sequences"]
+    config.update(**{name: json.loads(value) for name, value in key.generate})  # /generate's (GENERATE_PASSED)
+    config.num_beams = key.num_beams
+    config.num_return_sequences = key.num_return_sequences
     config.do_sample = False  # sampling is per row, in RowRules
-    config.max_new_tokens = shared["max_new_tokens"]
+    config.max_new_tokens = max_new_tokens
     config.max_length = None
     config.min_new_tokens = None
     config.min_length = 0
-    if shared.get("repetition_penalty") is not None:
-        config.repetition_penalty = shared["repetition_penalty"]
-    if shared.get("length_penalty") is not None:
-        config.length_penalty = shared["length_penalty"]
+    if key.repetition_penalty is not None:
+        config.repetition_penalty = key.repetition_penalty
+    if key.length_penalty is not None:
+        config.length_penalty = key.length_penalty
     if pad_token_id is not None:
         config.pad_token_id = pad_token_id
-    if shared["num_beams"] == 1:
-        config.eos_token_id = None  # RowStops ends each row at EOS itself (and _no_eos keeps generate from refilling it)
-    elif shared.get("min_tokens"):
-        config.min_new_tokens = shared["min_tokens"]
+    if key.num_beams == 1:
+        config.eos_token_id = None  # RowStops ends each row at EOS itself (`_without` keeps generate from refilling it)
+    elif key.min_tokens:
+        config.min_new_tokens = key.min_tokens
     config.temperature, config.top_k, config.top_p = 1.0, None, 1.0  # no warpers: RowRules samples
     return config
 
@@ -119,49 +130,100 @@ def eos_ids(model) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
-def run_batch(model, tokenizer, batch: dict, device, report=None, control: Control | None = None) -> dict:
-    """Generate one batch (every rank, the same call); returns per row its sequences (new tokens only), finish
-    reasons ("error" for a row that failed, "cancelled" for one whose client left) and the failed rows' status and
-    why. `control`: the front's word between steps (cancelled rows), on every rank alike."""
-    input_ids = torch.tensor(batch["input_ids"], dtype=torch.long, device=device)
-    attention_mask = torch.tensor(batch["attention_mask"], dtype=torch.long, device=device)
-    rows = batch["rows"]
+def model_inputs(rows, pad_token_id: int | None, encoder_decoder: bool, device) -> dict[str, torch.Tensor]:
+    """The rows' prompts as one padded batch: right-padded for an encoder (as the seq2seq collator pads sources),
+    left-padded for a decoder-only model (new tokens follow every prompt directly)."""
+    pad = pad_token_id if pad_token_id is not None else 0
+    width = max(len(r.prompt_ids) for r in rows)
+    ids, mask = [], []
+    for r in rows:
+        prompt, padding = list(r.prompt_ids), [pad] * (width - len(r.prompt_ids))
+        ones, zeros = [1] * len(prompt), [0] * len(padding)
+        ids.append(prompt + padding if encoder_decoder else padding + prompt)
+        mask.append(ones + zeros if encoder_decoder else zeros + ones)
+    return {"input_ids": torch.tensor(ids, dtype=torch.long, device=device),
+            "attention_mask": torch.tensor(mask, dtype=torch.long, device=device)}
+
+
+class Answers:
+    """What the leader tells the front of an admission's rows (every rank keeps the record, the leader sends it):
+    each row answered once, Finished or Failed; `ended` the rows answered so far."""
+
+    def __init__(self, control: Control):
+        self.control, self.ended = control, set()
+
+    def tokens(self, step: int, tokens: dict[int, int]) -> None:
+        if tokens:
+            self.control.send(Tokens(step, tokens))
+
+    def finished(self, row: int, sequences: list[list[int]], reasons: list[str]) -> None:
+        if row not in self.ended:
+            self.ended.add(row)
+            self.control.send(Finished(row, sequences, reasons))
+
+    def failed(self, rows, status: int, message: str, together: bool = False) -> None:
+        rows = tuple(r for r in rows if r not in self.ended)
+        if rows:
+            self.ended.update(rows)
+            self.control.send(Failed(rows, status, message, together))
+
+
+def run_batch(model, tokenizer, admit: Admit, device, control: Control | None = None,
+              answers: Answers | None = None) -> dict:
+    """The batch engine: an admission's rows generated by one `generate` (every rank, the same call). The leader's
+    `answers` report each step's tokens and each row's end as it happens; returned, per row in the admission's order:
+    its sequences (new tokens only), finish reasons ("error" for a row that failed, "cancelled" for one whose client
+    left) and the failed rows' status and why."""
+    rows, key = list(admit.rows), admit.key
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    start = 1 if encoder_decoder else input_ids.shape[1]
+    inputs = model_inputs(rows, tokenizer.pad_token_id, encoder_decoder, device)
+    start = 1 if encoder_decoder else inputs["input_ids"].shape[1]
     eos = eos_ids(model)
-    config = _generation_config(model, batch, tokenizer.pad_token_id)
-    beams = batch["shared"]["num_beams"]
+    config = _generation_config(model, key, key.max_new_tokens or max(r.max_new_tokens for r in rows),
+                                tokenizer.pad_token_id)
     stops = None
-    if beams == 1:
+    if key.num_beams == 1:
+        def report(step, tokens, finished, failed):
+            if answers is not None:
+                answers.tokens(step, {rows[i].id: t for i, t in tokens.items()})
+                for i, (reason, sequence) in finished.items():
+                    answers.finished(rows[i].id, [sequence], [reason])
+                for i, (status, why) in failed.items():
+                    answers.failed((rows[i].id,), status, why)
+
         stops = RowStops(rows, start, eos, tokenizer, report, control)
         stops.rules = RowRules(rows, start, eos, device, finished=stops.lengths)
         kwargs = {"stopping_criteria": [stops], "logits_processor": [stops.rules]}
     else:
-        kwargs = {"logits_processor": [BeamGuard(beams, start)],
-                  "stopping_criteria": [BeamSteps(len(rows), control, batch["shared"].get("stop") or [], start,
-                                                  tokenizer)]}
+        kwargs = {"logits_processor": [BeamGuard(key.num_beams, start)],
+                  "stopping_criteria": [BeamSteps([r.id for r in rows], control, key.stop, start, tokenizer)]}
     cleared = ("max_length", *(("eos_token_id",) if stops is not None else ()))
     with torch.no_grad(), _without(model.generation_config, cleared):
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **kwargs)
+        out = model.generate(**inputs, generation_config=config, **kwargs)
     new = out[:, start:].tolist()
+    sequences, reasons = [], []
     if stops is not None:
-        sequences, reasons = [], []
         for i, seq in enumerate(new):
             n = stops.lengths[i] if stops.lengths[i] is not None else len(seq)
             sequences.append([seq[:n]])
             reasons.append([stops.reasons[i] or "length"])
-        return {"sequences": sequences, "finish": reasons, "failed": {i: list(v) for i, v in stops.rules.failed.items()}}
-    k = batch["shared"]["num_return_sequences"]
-    sequences, reasons = [], []
-    for i in range(len(rows)):
-        mine, why = [], []
-        for seq in new[i * k:(i + 1) * k]:
-            cut = next((j for j, t in enumerate(seq) if t in eos), None)
-            mine.append(seq[:cut] if cut is not None else _strip_pad(seq, tokenizer.pad_token_id))
-            why.append("stop" if cut is not None else "length")
-        sequences.append(mine)
-        reasons.append(why)
-    return {"sequences": sequences, "finish": reasons, "failed": {}}
+        failed = {i: list(v) for i, v in stops.rules.failed.items()}
+    else:
+        k, cancelled = key.num_return_sequences, control.cancelled if control is not None else set()
+        for i, row in enumerate(rows):
+            mine, why = [], []
+            for seq in new[i * k:(i + 1) * k]:
+                cut = next((j for j, t in enumerate(seq) if t in eos), None)
+                mine.append(seq[:cut] if cut is not None else _strip_pad(seq, tokenizer.pad_token_id))
+                why.append("cancelled" if row.id in cancelled else "stop" if cut is not None else "length")
+            sequences.append(mine)
+            reasons.append(why)
+        failed = {}
+    if answers is not None:  # what the steps did not answer: beam rows, rows that ended when their client left
+        for i, row in enumerate(rows):
+            if i not in failed:
+                answers.finished(row.id, sequences[i], reasons[i])
+    return {"sequences": sequences, "finish": reasons, "failed": failed}
 
 
 @contextlib.contextmanager
@@ -273,7 +335,7 @@ def main(argv: list[str]) -> None:
     if leader:
         host, port = os.environ[FRONT_ENV].rsplit(":", 1)
         conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-        conn.send({"op": "hello", "pid": os.getpid()})
+        conn.send(Hello(os.getpid()))
     model_dir = settings["model_dir"]
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -288,8 +350,7 @@ def main(argv: list[str]) -> None:
     group = dist.new_group(backend="gloo") if world > 1 else None
     keepalive = keepalive_seconds(inference_args.inference_timeout)
     control = Control(conn, group, world, keepalive)
-    if leader:
-        conn.send({"op": "ready", "report": str(setup.report)})
+    control.send(Ready(str(setup.report), capacity=settings["capacity"], joins_running=False))
     batches = 0
     while True:
         message = None
@@ -298,33 +359,28 @@ def main(argv: list[str]) -> None:
                 if control.pending:
                     message = control.pending.popleft()
                 else:
-                    message = conn.recv() if conn.poll(keepalive) else {"op": "keepalive"}
+                    message = conn.recv() if conn.poll(keepalive) else Keepalive()
             except (EOFError, OSError):
-                message = {"op": "stop"}  # the front is gone: the replica ends with it
+                message = Stop()  # the front is gone: the replica ends with it
         box = [message]
         dist.broadcast_object_list(box, src=0)
         message = box[0]
-        op = message["op"]
-        if op == "stop":
+        if isinstance(message, Stop):
             return
-        if op in ("keepalive", "cancel"):  # a cancel that arrives after its batch ended has nothing left to end
-            if leader and op == "keepalive":
-                control.send({"op": "alive"})
+        if isinstance(message, Keepalive):
+            control.send(Alive())
+            continue
+        if isinstance(message, Cancel):  # rows already answered: nothing left to end
             continue
         batches += 1
-        report = None
-        if leader:
-            def report(step, tokens, finished, failed, _id=message["id"]):
-                control.send({"op": "tokens", "id": _id, "step": step, "tokens": tokens, "finished": finished,
-                              "failed": failed})
-        control.begin(message["id"])
+        control.cancelled = set()
+        answers = Answers(control)
         failure = None
         try:
-            inputs = {"input_ids": torch.tensor(message["input_ids"]),
-                      "attention_mask": torch.tensor(message["attention_mask"])}
             if topology.tp_size > 1 and inference_args.lockstep_guard:
-                check_lockstep(inputs, topology, setup.groups.tp, device, batches)
-            result = run_batch(model, tokenizer, message, device, report, control)
+                check_lockstep(model_inputs(message.rows, tokenizer.pad_token_id, False, "cpu"), topology,
+                               setup.groups.tp, device, batches)
+            run_batch(model, tokenizer, message, device, control, answers)
         except Exception as e:  # noqa: BLE001 - a batch's failure is its requests' (see `fatal`)
             if fatal(e):
                 raise
@@ -333,11 +389,8 @@ def main(argv: list[str]) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # what a failed allocation left behind
         failure = agree(failure, group, world)
-        if leader:
-            if failure is not None:
-                control.send({"op": "failed", "id": message["id"], "status": failure[0], "message": failure[1]})
-            else:
-                control.send({"op": "done", "id": message["id"], **result})
+        if failure is not None:
+            answers.failed([row.id for row in message.rows], *failure, together=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from typing import Any
 
 import pydantic  # DeepSpeed's own dependency (its config classes), so installed wherever the plugin is
 
+from .wire import BatchKey, RowSpec  # noqa: F401 - BatchKey: what plan_rows returns, named here for the routes
+
 
 class ServeError(Exception):
     """An answer other than 200, as OpenAI's API gives it: {"error": {message, type, param, code}}."""
@@ -267,21 +269,6 @@ def check_not_served(body) -> None:
                               f"valid: best_of null or equal to n ({body.n}), or use_beam_search true", "best_of")
 
 
-@dataclass(frozen=True)
-class BatchKey:
-    """What the rows of one batch must share: beam search's settings (a beam batch has one length, one set of
-    stop strings); greedy and sampled rows share only the repetition penalty."""
-
-    num_beams: int = 1
-    num_return_sequences: int = 1
-    max_new_tokens: int = 0  # beams only; 0 for per-row lengths
-    stop: tuple[str, ...] = ()  # beams only
-    min_tokens: int = 0  # beams only
-    repetition_penalty: float | None = None
-    length_penalty: float | None = None
-    generate: tuple[tuple[str, str], ...] = ()  # other generate settings (/generate), as (name, JSON value)
-
-
 @dataclass
 class Row:
     """One sequence to generate: a prompt (token ids) and its own rules."""
@@ -302,10 +289,12 @@ class Row:
     sequences: list[list[int]] | None = None  # beams: num_return_sequences of them
     finish: list[str] | None = None
 
-    def wire(self) -> dict:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
+    def spec(self, row_id: int) -> RowSpec:
+        """What the engine needs of this row, under the id the front gives it for this admission."""
+        return RowSpec(id=row_id, prompt_ids=tuple(self.prompt_ids), max_new_tokens=self.max_new_tokens,
+                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                       min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
+                       stop_token_ids=self.stop_token_ids)
 
 
 @dataclass

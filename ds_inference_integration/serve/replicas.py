@@ -18,20 +18,31 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from ..run.ranks import start_ranks
-from .engine import AUTHKEY_ENV, FRONT_ENV
+from .wire import AUTHKEY_ENV, FRONT_ENV, Hello, Stop
 
 ENGINE = "ds_inference_integration.serve.engine"
 
 
 class Replica:
+    """One replica as the front sees it: its ranks, its leader's connection, and the rows it holds (admitted, not yet
+    answered). It takes rows up to its capacity; an engine that does not take rows while others run (the batch
+    engine: one generate a batch) takes none until it holds none."""
+
     def __init__(self, index: int, procs: list[subprocess.Popen], log_dir: Path):
         self.index, self.procs, self.log_dir = index, procs, log_dir
         self.conn = None
-        self.state = "loading"  # loading, idle, busy, broken
-        self.batch = None
-        self.last_heard = self.idle_since = time.monotonic()
+        self.state = "loading"  # loading, ready
+        self.capacity, self.joins_running = 0, False  # the leader's Ready says
+        self.rows: set[int] = set()  # ids of the rows it holds
+        self.last_heard = self.free_since = time.monotonic()
 
-    def send(self, message: dict) -> None:
+    def free(self) -> int:
+        """How many rows it takes now."""
+        if self.state != "ready" or (self.rows and not self.joins_running):
+            return 0
+        return self.capacity - len(self.rows)
+
+    def send(self, message) -> None:
         self.conn.send(message)
 
     def exited(self) -> str | None:
@@ -104,7 +115,7 @@ class Replicas:
                 hello = conn.recv()
             except (OSError, EOFError):
                 return
-            replica = pending.pop(hello.get("pid"), None)
+            replica = pending.pop(hello.pid, None) if isinstance(hello, Hello) else None
             if replica is None:
                 conn.close()
                 continue
@@ -124,9 +135,9 @@ class Replicas:
     def stop(self) -> None:
         """Ask every leader to end its replica, then end what is left."""
         for replica in self.replicas:
-            if replica.conn is not None and replica.state in ("idle", "busy"):
+            if replica.conn is not None and replica.state == "ready":
                 try:
-                    replica.send({"op": "stop"})
+                    replica.send(Stop())
                 except OSError:
                     pass
         deadline = time.monotonic() + 5

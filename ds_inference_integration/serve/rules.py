@@ -31,20 +31,20 @@ def unusable(scores: torch.Tensor, produced: int) -> list[tuple[int, str] | None
                        "that leave a token") if e else None for b, e in zip(broken, empty)]
 
 
-def sample(scores: torch.Tensor, row: dict, generator: torch.Generator) -> int:
+def sample(scores: torch.Tensor, row, generator: torch.Generator) -> int:
     """One token of a sampled row, as generate samples it (temperature, top-k, top-p, a draw from the row's own
     generator). Where the temperature is so small that scores / temperature overflows a float (1e-40: transformers'
     own warper then fails on NaN), the tokens of the highest score are the draw's only candidates, which is the limit
     the distribution tends to; everywhere else the arithmetic is generate's, so a seeded row equals
     `run_generation.py --do_sample` in one process."""
-    logits = scores.float() / row["temperature"]
+    logits = scores.float() / row.temperature
     if not torch.isfinite(logits.max()):
         logits = torch.where(scores == scores.max(), 0.0, -float("inf"))
-    top_k = row.get("top_k") or 0
+    top_k = row.top_k or 0
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -float("inf"))
-    top_p = row.get("top_p", 1.0)
+    top_p = row.top_p
     if top_p < 1.0:
         ordered, index = torch.sort(logits, descending=True)
         cumulative = ordered.softmax(-1).cumsum(-1)
@@ -59,24 +59,24 @@ class RowRules:
     Greedy rows pass through unchanged. A row from which no token can be taken (`unusable`) is marked failed, with
     why, and given a filler token that RowStops drops as it ends the row: the other rows go on."""
 
-    def __init__(self, rows: list[dict], start: int, eos: list[int], device, finished: list | None = None):
+    def __init__(self, rows: list, start: int, eos: list[int], device, finished: list | None = None):
         self.rows, self.start, self.eos = rows, start, eos
         self.finished = finished if finished is not None else [None] * len(rows)  # RowStops' lengths: rows that ended
         self.failed: dict[int, tuple[int, str]] = {}
         self.generators = []
         for row in rows:
             g = None
-            if row.get("temperature", 0) > 0:
+            if row.temperature > 0:
                 g = torch.Generator(device=device)
-                g.manual_seed(int(row["seed"]))
+                g.manual_seed(int(row.seed))
             self.generators.append(g)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         produced = input_ids.shape[1] - self.start
         scores = scores.clone()
         for i, row in enumerate(self.rows):
-            if produced < row.get("min_tokens", 0):  # EOS and the row's stop tokens wait for its minimum (vLLM's rule)
-                held = [*self.eos, *row.get("stop_token_ids", ())]
+            if produced < row.min_tokens:  # EOS and the row's stop tokens wait for its minimum (vLLM's rule)
+                held = [*self.eos, *row.stop_token_ids]
                 if held:
                     scores[i, held] = -float("inf")
         verdicts = unusable(scores, produced)
@@ -116,10 +116,10 @@ class RowStops:
     """A stopping criterion with each row's own end: EOS (unless `ignore_eos`, and not before `min_tokens`), its
     `max_new_tokens`, its stop strings; a row RowRules failed (its filler token dropped) and a row whose client left
     (`control`) end too. `report(step, tokens, finished, failed)` is called after every step on the leader (the new
-    token of each row still running, the rows that finished now with their reason, the rows that failed now with
-    status and why)."""
+    token of each row still running, the rows that finished now with their reason and new tokens, the rows that
+    failed now with status and why), each keyed by the row's place in the batch."""
 
-    def __init__(self, rows: list[dict], start: int, eos: list[int], tokenizer, report=None, control=None):
+    def __init__(self, rows: list, start: int, eos: list[int], tokenizer, report=None, control=None):
         self.rows, self.start, self.eos, self.tokenizer, self.report = rows, start, set(eos), tokenizer, report
         self.control = control
         self.lengths: list[int | None] = [None] * len(rows)
@@ -129,7 +129,7 @@ class RowStops:
     def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
         new = input_ids[:, self.start:]
         produced = new.shape[1]
-        cancelled = self.control.step(len(self.rows)) if self.control is not None else None
+        cancelled = self.control.step([row.id for row in self.rows]) if self.control is not None else None
         done = torch.zeros(len(self.rows), dtype=torch.bool, device=input_ids.device)
         tokens, finished, failed = {}, {}, {}
         for i, row in enumerate(self.rows):
@@ -148,17 +148,17 @@ class RowStops:
             last = int(new[i, -1])
             tokens[i] = last
             reason = None
-            if last in self.eos and not row.get("ignore_eos") and produced >= row.get("min_tokens", 0):
+            if last in self.eos and not row.ignore_eos and produced >= row.min_tokens:
                 reason = "stop"
-            elif last in row.get("stop_token_ids", ()) and produced >= row.get("min_tokens", 0):
+            elif last in row.stop_token_ids and produced >= row.min_tokens:
                 reason = "stop"
-            elif row.get("stop") and self._hits_stop(new[i], row["stop"]):
+            elif row.stop and self._hits_stop(new[i], row.stop):
                 reason = "stop"
-            elif produced >= row["max_new_tokens"]:
+            elif produced >= row.max_new_tokens:
                 reason = "length"
             if reason:
                 self.lengths[i], self.reasons[i] = produced, reason
-                finished[i] = reason
+                finished[i] = (reason, new[i].tolist())
                 done[i] = True
         if self.report is not None:
             self.report(produced, tokens, finished, failed)
@@ -176,14 +176,14 @@ class BeamSteps:
     as transformers' StopStringCriteria would end it, which fails on the embedded models' word-level tokenizers
     ("ValueError: substring not found" in its vocabulary cleaning, before the first token; found by the serve fuzz)."""
 
-    def __init__(self, requests: int, control, stops: list[str], start: int, tokenizer):
-        self.requests, self.control, self.stops, self.start, self.tokenizer = requests, control, stops, start, tokenizer
+    def __init__(self, ids: list[int], control, stops: tuple[str, ...], start: int, tokenizer):
+        self.ids, self.control, self.stops, self.start, self.tokenizer = ids, control, stops, start, tokenizer
 
     def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         if self.control is not None:
-            cancelled = self.control.step(self.requests).to(input_ids.device)
-            done |= cancelled.repeat_interleave(input_ids.shape[0] // self.requests)
+            cancelled = self.control.step(self.ids).to(input_ids.device)
+            done |= cancelled.repeat_interleave(input_ids.shape[0] // len(self.ids))
         if self.stops:
             texts = self.tokenizer.batch_decode(input_ids[:, self.start:], skip_special_tokens=True)
             done |= torch.tensor([any(stop in text for stop in self.stops) for text in texts], device=input_ids.device)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
+import itertools
 import logging
 import time
 
 from .batching import Batch, Job, Queue
 from .metrics import Metrics
-from .protocol import BatchKey, Row, ServeError
+from .protocol import Row, ServeError
 from .replicas import Replica, Replicas
+from .wire import Admit, BatchKey, Cancel, Failed, Finished, Ready, Tokens
 
 logger = logging.getLogger("ds_inference_integration.serve")
 
@@ -41,6 +42,8 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wakeup: asyncio.Event | None = None
         self.open_jobs: set[Job] = set()
+        self.rows: dict[int, tuple[Job, int]] = {}  # the id of every row a replica holds -> its job and place there
+        self._row_ids = itertools.count(1)
         self.on_exit = None  # set by the app: ends uvicorn
         self._tasks: list[asyncio.Task] = []
 
@@ -148,14 +151,12 @@ class Server:
     def _end_rows(self, job: Job) -> None:
         """A running job's rows, ended at its replica's next step (the leader passes the word to its peers)."""
         for replica in self.replicas.replicas if self.replicas is not None else ():
-            batch = replica.batch
-            if batch is None or job not in batch.jobs:
-                continue
-            first = sum(len(j.rows) for j in batch.jobs[:batch.jobs.index(job)])
-            try:
-                replica.send({"op": "cancel", "id": batch.id, "rows": list(range(first, first + len(job.rows)))})
-            except OSError:
-                pass  # the replica is gone: the watch sees it
+            held = [i for i in job.row_ids if i in replica.rows]
+            if held:
+                try:
+                    replica.send(Cancel(tuple(held)))
+                except OSError:
+                    pass  # the replica is gone: the watch sees it
 
     def _fail_job(self, job: Job, error: ServeError) -> None:
         self.open_jobs.discard(job)
@@ -178,13 +179,13 @@ class Server:
     # ----- replicas
     async def _dispatch(self) -> None:
         while True:
-            idle = sorted((r for r in self.replicas.replicas if r.state == "idle"), key=lambda r: r.idle_since)
-            if idle and self.state in ("ready", "draining"):
-                batch = self.queue.take(idle_since=idle[0].idle_since)
+            free = sorted((r for r in self.replicas.replicas if r.free()), key=lambda r: r.free_since)
+            if free and self.state in ("ready", "draining"):
+                batch = self.queue.take(idle_since=free[0].free_since, room=free[0].free())
                 if batch is not None:
-                    self._send(idle[0], batch)
+                    self._send(free[0], batch)
                     continue
-            deadline = self.queue.next_deadline(idle[0].idle_since) if idle else None
+            deadline = self.queue.next_deadline(free[0].free_since) if free else None
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.wakeup.clear()
             try:
@@ -193,96 +194,81 @@ class Server:
                 pass
 
     def _send(self, replica: Replica, batch: Batch) -> None:
-        live = [j for j in batch.jobs if not j.cancelled]
-        if not live:
+        """A batch's rows to a replica, each under a new id (a job run again alone gets new ones)."""
+        batch.jobs = [j for j in batch.jobs if not j.cancelled]
+        if not batch.jobs:
             return
-        batch.jobs = live
-        rows = batch.rows
-        width = max(len(r.prompt_ids) for r in rows)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        input_ids, mask = [], []
-        for r in rows:
-            padding = [pad] * (width - len(r.prompt_ids))
-            ones, zeros = [1] * len(r.prompt_ids), [0] * len(padding)
-            if self.encoder_decoder:  # the encoder reads right-padded sources, as the seq2seq collator pads them
-                input_ids.append(r.prompt_ids + padding)
-                mask.append(ones + zeros)
-            else:  # decoder-only: new tokens follow every prompt directly
-                input_ids.append(padding + r.prompt_ids)
-                mask.append(zeros + ones)
-        key = batch.key
-        shared = {"num_beams": key.num_beams, "num_return_sequences": key.num_return_sequences,
-                  "max_new_tokens": key.max_new_tokens or max(r.max_new_tokens for r in rows),
-                  "stop": list(key.stop), "min_tokens": key.min_tokens,
-                  "repetition_penalty": key.repetition_penalty, "length_penalty": key.length_penalty,
-                  "generate": {k: json.loads(v) for k, v in key.generate}}
-        replica.state, replica.batch = "busy", batch
+        specs = []
+        for job in batch.jobs:
+            job.row_ids = [next(self._row_ids) for _ in job.rows]
+            for ri, (row, row_id) in enumerate(zip(job.rows, job.row_ids)):
+                self.rows[row_id] = (job, ri)
+                specs.append(row.spec(row_id))
+        replica.rows.update(s.id for s in specs)
         batch.started = time.monotonic()
-        self.metrics.batch(len(rows), len(self.queue), replica.index)
+        self.metrics.batch(len(specs), len(self.queue), replica.index)
         try:
-            replica.send({"op": "batch", "id": batch.id, "input_ids": input_ids, "attention_mask": mask,
-                          "rows": [r.wire() for r in rows], "shared": shared})
+            replica.send(Admit(group=batch.id, key=batch.key, rows=tuple(specs)))
         except OSError as e:
             self.break_down(f"replica {replica.index}: sending a batch failed: {e}")
 
-    def _row(self, batch: Batch, index: int) -> tuple[Job, int, Row]:
-        for job in batch.jobs:
-            if index < len(job.rows):
-                return job, index, job.rows[index]
-            index -= len(job.rows)
-        raise IndexError(index)
+    def _answered(self, replica: Replica, row_id: int) -> tuple[Job, int, Row] | None:
+        """A row the replica no longer holds: its job, place and row (None for one the front forgot)."""
+        had_room = replica.free() > 0
+        replica.rows.discard(row_id)
+        if replica.free() and not had_room:
+            replica.free_since = time.monotonic()
+            self.wakeup.set()
+        found = self.rows.pop(row_id, None)
+        return None if found is None else (found[0], found[1], found[0].rows[found[1]])
 
-    def _on_message(self, replica: Replica, message: dict) -> None:
+    def _on_message(self, replica: Replica, message) -> None:
         replica.last_heard = time.monotonic()
-        op = message["op"]
-        if op == "ready":
-            replica.state, replica.idle_since = "idle", time.monotonic()
-            logger.info("replica %d ready: %s", replica.index, message.get("report", ""))
+        if isinstance(message, Ready):
+            replica.state, replica.free_since = "ready", time.monotonic()
+            replica.capacity, replica.joins_running = message.capacity, message.joins_running
+            logger.info("replica %d ready: %s", replica.index, message.report)
             if self.state == "loading" and all(r.state != "loading" for r in self.replicas.replicas):
                 self.state = "ready"
                 print("ds-inference serve: ready", flush=True)
             self.wakeup.set()
-            return
-        batch = replica.batch
-        if op in ("tokens", "done", "failed") and (batch is None or batch.id != message["id"]):
-            return
-        if op == "tokens":
+        elif isinstance(message, Tokens):
             now = time.monotonic()
-            for i, token in message["tokens"].items():
-                job, ri, row = self._row(batch, i)
-                if len(row.tokens) >= message["step"]:
+            for row_id, token in message.tokens.items():
+                found = self.rows.get(row_id)
+                if found is None:
+                    continue
+                job, ri = found
+                row = job.rows[ri]
+                if len(row.tokens) >= message.step:
                     continue  # a job run again alone (its batch failed): these tokens were sent the first time
                 row.tokens.append(token)
                 if not job.cancelled:
                     if job.first_token_at is None:
                         job.first_token_at = now
                     job.events.put_nowait(("token", ri, token))
-            for i, reason in message["finished"].items():
-                job, ri, row = self._row(batch, i)
-                row.sequences = [list(row.tokens)]
-                self._row_finished(job, ri, [reason])
-            for i, (status, why) in message.get("failed", {}).items():
-                job, ri, row = self._row(batch, i)
-                self._fail_job(job, ServeError(status, f"prompt {row.prompt_index}: {why}", retry=False))
-        elif op == "done":
-            for i, (sequences, reasons) in enumerate(zip(message["sequences"], message["finish"])):
-                job, ri, row = self._row(batch, i)
+        elif isinstance(message, Finished):
+            found = self._answered(replica, message.row)
+            if found is not None and message.reasons != ["cancelled"]:
+                job, ri, row = found
                 if row.finish is None and not job.cancelled:
-                    row.sequences = sequences
+                    row.sequences = message.sequences
                     if job.first_token_at is None:
                         job.first_token_at = time.monotonic()
-                    self._row_finished(job, ri, reasons)
-            self._batch_over(replica)
-        elif op == "failed":
-            status, why = message.get("status", 500), message["message"]
-            open_jobs = [j for j in batch.jobs if not j.done.done()]
-            if len(open_jobs) > 1:  # which request made it fail is not known: each runs again, alone
+                    self._row_finished(job, ri, message.reasons)
+        elif isinstance(message, Failed):
+            found = [f for f in (self._answered(replica, row_id) for row_id in message.rows) if f is not None]
+            jobs = list(dict.fromkeys(job for job, _, _ in found if not job.done.done()))
+            if message.together and len(jobs) > 1:  # which request made it fail is not known: each runs again alone
                 logger.warning("a batch of %d requests failed (%s); each runs again in a batch of its own",
-                               len(open_jobs), why)
-                self.queue.retry_alone(open_jobs)
-            for job in open_jobs if len(open_jobs) == 1 else ():
-                self._fail_job(job, ServeError(status, why, retry=False))
-            self._batch_over(replica)
+                               len(jobs), message.message)
+                self.queue.retry_alone(jobs)
+                self.wakeup.set()
+                return
+            for job, _, row in found:
+                if not job.done.done():
+                    why = message.message if message.together else f"prompt {row.prompt_index}: {message.message}"
+                    self._fail_job(job, ServeError(message.status, why, retry=False))
 
     def _row_finished(self, job: Job, ri: int, reasons: list[str]) -> None:
         row = job.rows[ri]
@@ -294,10 +280,6 @@ class Server:
             job.events.put_nowait(("finish", ri, None))
             if job.finished_rows == len(job.rows):
                 self._finish_job(job)
-
-    def _batch_over(self, replica: Replica) -> None:
-        replica.state, replica.batch, replica.idle_since = "idle", None, time.monotonic()
-        self.wakeup.set()
 
     def _on_lost(self, replica: Replica, why: str) -> None:
         if self.state not in ("broken",) and not (self.state == "draining" and not self.open_jobs):
@@ -313,7 +295,7 @@ class Server:
             for replica in self.replicas.replicas:
                 why = replica.exited()
                 if why is None and replica.state != "loading" and now - replica.last_heard > self.inference_timeout:
-                    doing = "while generating" if replica.state == "busy" else "while idle"
+                    doing = "while generating" if replica.rows else "while idle"
                     why = (f"replica {replica.index}'s leader said nothing {doing} for --inference_timeout "
                            f"{self.inference_timeout:g} s (a stopped rank, or one decoding step that long)")
                 if why:

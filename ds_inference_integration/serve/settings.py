@@ -127,9 +127,10 @@ def check_nodes(serve: ServeArguments, tp_size: int) -> None:
                                   "front (no --worker), every other node --worker")
 
 
-def engine_settings(model_dir: str, inference: DeepSpeedInferenceArguments) -> dict:
-    """What every rank of a replica is started with (the engine's one argument, as JSON)."""
-    return {"model_dir": str(Path(model_dir).resolve()),
+def engine_settings(model_dir: str, serve: ServeArguments, inference: DeepSpeedInferenceArguments) -> dict:
+    """What every rank of a replica is started with (the engine's one argument, as JSON): the model, the flag
+    family, and the rows a replica holds at most."""
+    return {"model_dir": str(Path(model_dir).resolve()), "capacity": serve.max_batch_size,
             "inference": {k: getattr(inference, k) for k in inference.__dataclass_fields__}}
 
 

@@ -162,7 +162,7 @@ def _patch_serve_raise(module):
     seed, rules = int(ARG), module.RowRules.__call__
 
     def failing(self, input_ids, scores):
-        if input_ids.shape[1] - self.start == 1 and any(int(row["seed"]) == seed for row in self.rows):
+        if input_ids.shape[1] - self.start == 1 and any(int(row.seed) == seed for row in self.rows):
             raise RuntimeError(f"injected generate failure for seed {seed} (DS_INFERENCE_FAULT)")
         return rules(self, input_ids, scores)
 

@@ -1,0 +1,120 @@
+"""The wire between the front and each replica's leader, and from the leader to its peers: every message a typed
+dataclass (pickled by `multiprocessing.connection` and by the peers' broadcast). Rows are named by the id the front
+gives each when it admits it, never by their place in a batch; the engine builds the model's inputs from each row's
+prompt.
+
+    front -> leader -> every rank   Admit (rows, with what rows generated together share), Cancel (rows whose
+                                    clients left), Stop; the leader adds Keepalive while it has nothing to run
+    leader -> front                 Hello (which replica this is), Ready (with its capacity), Alive, Tokens (the new
+                                    token of each running row, a step), Finished (a row's sequences and why it
+                                    ended), Failed (rows that failed, and why)
+
+Every admitted row is answered once, by Finished or Failed (a cancelled row too: Finished, reason "cancelled"), so
+the front always knows which rows a replica holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FRONT_ENV = "DS_INFERENCE_SERVE_FRONT"  # host:port of the front's socket (the leader connects)
+AUTHKEY_ENV = "DS_INFERENCE_SERVE_AUTHKEY"  # hex; the front makes a random one per start
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What rows generated together must share: beam search's settings (a beam batch has one length, one set of
+    stop strings) and generate's own settings; greedy and sampled rows share only the repetition penalty."""
+
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    max_new_tokens: int = 0  # beams only; 0 for per-row lengths
+    stop: tuple[str, ...] = ()  # beams only
+    min_tokens: int = 0  # beams only
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+    generate: tuple[tuple[str, str], ...] = ()  # other generate settings (/generate), as (name, JSON value)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One sequence to generate, as the engine needs it: its prompt and its own rules."""
+
+    id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+# front -> leader -> every rank ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Admit:
+    """Rows to generate, sharing `key`; `group`: the batch they form (the batch engine runs it as one generate)."""
+
+    group: int
+    key: BatchKey
+    rows: tuple[RowSpec, ...]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Rows whose clients left: each ends at the next step (and is answered Finished, reason "cancelled")."""
+
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the replica (the front drains or is gone)."""
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """The leader's, to its peers while idle, so that a waiting peer never reaches the process group's timeout."""
+
+
+# leader -> front --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    pid: int  # the leader's: which replica's connection this is
+
+
+@dataclass(frozen=True)
+class Ready:
+    report: str  # the setup line
+    capacity: int  # rows it holds at most
+    joins_running: bool  # whether rows may be admitted while others run (the batch engine: no)
+
+
+@dataclass(frozen=True)
+class Alive:
+    pass
+
+
+@dataclass(frozen=True)
+class Tokens:
+    step: int  # the new tokens' count so far, this one included
+    tokens: dict[int, int] = field(default_factory=dict)  # row id -> its new token
+
+
+@dataclass(frozen=True)
+class Finished:
+    row: int
+    sequences: list[list[int]]  # new tokens only; beams: num_return_sequences of them
+    reasons: list[str]  # "stop", "length" or "cancelled", one per sequence
+
+
+@dataclass(frozen=True)
+class Failed:
+    rows: tuple[int, ...]
+    status: int  # the HTTP status it answers: 400 for what the request asked, 500 otherwise
+    message: str
+    together: bool = False  # the rows' batch failed as one (which row made it fail is not known)
