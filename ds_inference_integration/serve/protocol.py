@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pydantic  # DeepSpeed's own dependency (its config classes), so installed wherever the plugin is
@@ -270,19 +270,10 @@ def check_not_served(body) -> None:
 
 
 @dataclass
-class Row:
-    """One sequence to generate: a prompt (token ids) and its own rules."""
+class Row(RowSpec):
+    """One sequence to generate, as the front keeps it: what the engine gets (`RowSpec`: a prompt and its own rules)
+    and what comes back as it runs."""
 
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()  # vLLM's: end the row at any of these (kept in its text), not before min_tokens
     prompt_index: int = 0  # which prompt of its request
     # filled as it runs
     tokens: list[int] = field(default_factory=list)
@@ -291,10 +282,8 @@ class Row:
 
     def spec(self, row_id: int) -> RowSpec:
         """What the engine needs of this row, under the id the front gives it for this admission."""
-        return RowSpec(id=row_id, prompt_ids=tuple(self.prompt_ids), max_new_tokens=self.max_new_tokens,
-                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                       min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
-                       stop_token_ids=self.stop_token_ids)
+        given = {f.name: getattr(self, f.name) for f in fields(RowSpec)}
+        return RowSpec(**{**given, "id": row_id, "prompt_ids": tuple(self.prompt_ids)})
 
 
 @dataclass

@@ -35,11 +35,11 @@ class BatchKey:
     generate: tuple[tuple[str, str], ...] = ()  # other generate settings (/generate), as (name, JSON value)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RowSpec:
-    """One sequence to generate, as the engine needs it: its prompt and its own rules."""
+    """One sequence to generate, as the engine needs it: its prompt and its own rules, and the id the front gave it
+    (`protocol.Row`, the front's record of a row, adds what comes back)."""
 
-    id: int
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     temperature: float = 0.0  # 0: greedy
@@ -49,7 +49,8 @@ class RowSpec:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: end the row at any of these (kept in its text), not before min_tokens
+    id: int = 0
 
 
 # front -> leader -> every rank ---------------------------------------------------------------------------------
