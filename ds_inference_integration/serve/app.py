@@ -133,9 +133,11 @@ class Api:
                                       "is)", name)
         check_not_served(body)
 
-    def plan_openai(self, body, prompts):
-        extra = body.model_extra or {}
-        num_beams = extra.get("num_beams")
+    @staticmethod
+    def openai_beams(body) -> int:
+        """An OpenAI-style body's beam count (1: greedy or sampling): our `num_beams`, or vLLM's `use_beam_search`
+        with `best_of` beams (at least n)."""
+        num_beams = (body.model_extra or {}).get("num_beams")
         if body.use_beam_search:
             if body.best_of is not None and body.best_of < body.n:  # vLLM's rule: best_of beams, n of them returned
                 raise ServeError(400, f"best_of {body.best_of} is less than n {body.n} with use_beam_search; valid: "
@@ -143,28 +145,22 @@ class Api:
             num_beams = body.best_of or max(body.n, 2)
         if num_beams is not None and (not isinstance(num_beams, int) or isinstance(num_beams, bool)):
             raise ServeError(400, f"num_beams {num_beams!r} is not an integer; valid: 1 to 16", "num_beams")
+        return num_beams or 1
+
+    def plan_openai(self, body, prompts):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return plan_rows(prompts, limits=self.limits, max_tokens=max_tokens, temperature=body.temperature,
                          top_p=body.top_p, top_k=body.top_k, n=body.n, stop=body.stop, seed=body.seed,
-                         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, num_beams=num_beams or 1,
+                         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, num_beams=self.openai_beams(body),
                          stream=body.stream, repetition_penalty=body.repetition_penalty,
                          length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"))
-
-    def openai_beams(self, body) -> tuple[int, int]:
-        """(num_beams, the beams' count of rows per prompt) of an OpenAI-style body, before any prompt is tokenized."""
-        extra = body.model_extra or {}
-        num_beams = extra.get("num_beams") or 1
-        if body.use_beam_search:
-            num_beams = body.best_of or max(body.n, 2)
-        return num_beams, body.n
 
     def plan_completion(self, body):
         """A /v1/completions body to rows (in a worker thread): checked, counted, then tokenized."""
         self.check_model(body.model)
         self.unsupported(body)
         prompts = completion_prompts(body.prompt)
-        num_beams, n = self.openai_beams(body)
-        check_count(len(prompts), n, isinstance(num_beams, int) and num_beams > 1, self.limits)
+        check_count(len(prompts), body.n, self.openai_beams(body) > 1, self.limits)
         return self.plan_openai(body, self.tokenize(prompts))
 
     def plan_chat(self, body):
