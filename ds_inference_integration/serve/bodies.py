@@ -102,3 +102,29 @@ def _check_text(text: str, path: tuple) -> None:
 
 def _where(path: tuple) -> str:
     return ".".join(str(p) for p in path) or "body"
+
+
+RELEASE_SLICE = 4096
+
+
+def release(*values) -> None:
+    """Empty the containers of a refused body (its decoded JSON, or the pydantic model holding it), a slice at a time.
+    A million small lists dropped at once are freed in one C loop, or, held in a cycle by the error's traceback and
+    asyncio's futures, walked by the collector in one go: either holds the event loop's lock (a 3.9 MB body of 1.3M
+    lists kept /live waiting 176 ms under the full suite's load). Emptied here a slice at a time, the lock changes
+    hands between slices, and nothing big is left for the collector."""
+    stack = list(values)
+    while stack:
+        item = stack.pop()
+        if hasattr(item, "__pydantic_fields__"):  # a request model: its fields and the unknown ones it kept
+            stack.extend(vars(item).values())
+            stack.extend((getattr(item, "model_extra", None) or {}).values())
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+            item.clear()
+        elif isinstance(item, list):
+            while item:
+                piece = item[-RELEASE_SLICE:]
+                del item[-RELEASE_SLICE:]
+                stack.extend(child for child in piece if isinstance(child, (list, dict)) and child)
+                del piece  # its items freed here, a slice's worth
