@@ -13,6 +13,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import sys
 import time
 
 from .batching import Batch, Job, Queue
@@ -52,6 +53,9 @@ class Server:
         # everything the front made to start (torch, transformers, the tokenizer: some 240k objects) out of the
         # cyclic collector's walks: a full one took 0.10 s of the event loop, now microseconds
         gc.freeze()
+        # a worker thread decoding a big body hands Python's lock back to the event loop every millisecond, not every
+        # 5 (the default): /live is answered between its slices
+        sys.setswitchinterval(0.001)
         self.loop = asyncio.get_running_loop()
         self.wakeup = asyncio.Event()
         self.replicas = self._replicas_factory(self._from_thread(self._on_message), self._from_thread(self._on_lost))
