@@ -574,11 +574,15 @@ def test_bf16_with_fp32_sums_serves_as_one_process(tmp_path):
 @pytest.mark.slow
 def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
     """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests, one repeat): every point has
-    its figures, the ratios are there, the plot opens, and no server is left."""
+    its figures, the ratios are there, the plot opens, and no server is left, nor its logs' temporary directory (it
+    was)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     done = subprocess.run([str(BIN / "ds-inference"), "bench", "serve", "--models", "gpt2", "--concurrency", "1,4",
                            "--requests", "8", "--repeats", "1", "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
     result = json.loads((tmp_path / "bench_serve.json").read_text())
     assert {(p["mode"], p["concurrency"]) for p in result["points"]} == {
         (m, c) for m in ("batched", "one_at_a_time") for c in (1, 4)}

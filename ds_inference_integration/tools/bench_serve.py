@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -177,6 +178,7 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
         finally:
             for server in servers.values():
                 server.stop()
+    shutil.rmtree(log_dir, ignore_errors=True)  # the servers' logs, kept only where a point failed (it raised above)
     results["ratios"] = _ratios(results["points"])
     write_text_atomic(output_dir / "bench_serve.json", json.dumps(results, indent=1) + "\n")
     write_text_atomic(output_dir / "bench_serve.md", _table(results))
