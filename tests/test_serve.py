@@ -582,7 +582,9 @@ def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
                            "--requests", "8", "--repeats", "1", "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert not list(scratch.iterdir()), list(scratch.iterdir())
+    # torch's own compile cache (`torchinductor_<user>`, made by an import in the ranks) is torch's to keep
+    left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
+    assert not left, left
     result = json.loads((tmp_path / "bench_serve.json").read_text())
     assert {(p["mode"], p["concurrency"]) for p in result["points"]} == {
         (m, c) for m in ("batched", "one_at_a_time") for c in (1, 4)}
