@@ -22,7 +22,8 @@ Sections, in this order (the most important first, so a time-out loses the least
   (CUDA graphs: transformers' CompileConfig, mode reduce-overhead); each with tokens/s and its fraction of
   the memory-bandwidth bound (every decode step reads every weight once: batch x bandwidth / weight bytes,
   bandwidth measured by a device copy and, where known, the GPU's nominal figure); the compiled tokens
-  against eager's; a profile of batch 1 (the top operators, and how much of the wall time the device is busy).
+  against eager's; the serve step engine (`--scheduler continuous`) on the same rows beside them; a profile of
+  batch 1 (the top operators, and how much of the wall time the device is busy).
 * loading: `ds-inference bench memory --device cuda --dtype bf16 --tp-size 1` on a ~0.9B Llama built
   from a config: peak GPU memory and time to a ready model for from_pretrained, full, shard-aware and
   pre-sharded loading onto the GPU; tokens compared across the paths.
@@ -471,12 +472,64 @@ def decode_worker(out: Path, smoke: bool) -> None:
             report["rows"].append(entry)
             print(json.dumps(entry), flush=True)
             write_json(out, report)
+    for bs in batch_sizes:  # the server's step engine (issue #42) against generate's batch, the same rows
+        entry = {"path": "plugin tp 1, step engine", "batch_size": bs}
+        try:
+            tokens, seconds = timed_steps(model, prompts[bs], new_tokens, device, sync)
+            entry = decode_row("plugin tp 1, step engine", bs, new_tokens, seconds, weight_bytes, bound_bw)
+            entry["tokens_equal_eager"] = tokens == eager[bs][:, prompt_len:].tolist()
+        except Exception as e:  # record and go on
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        report["rows"].append(entry)
+        print(json.dumps(entry), flush=True)
+        write_json(out, report)
     eager_speed = {r["batch_size"]: r["tokens_per_s"] for r in report["rows"]
                    if r["path"] == "plugin tp 1" and "tokens_per_s" in r}
     report["compiled_faster_at"] = [r["batch_size"] for r in report["rows"] if "compile" in r["path"]
                                     and r.get("tokens_per_s", 0) > eager_speed.get(r["batch_size"], float("inf"))]
     report["profile_batch_1"] = profile_decode(model, prompts[batch_sizes[0]], cuda)
     write_json(out, report)
+
+
+def timed_steps(model, ids, new_tokens: int, device, sync) -> tuple[list[list[int]], float]:
+    """The rows of `ids` through the serve step engine (prefilled together, then one decoding step at a time), greedy,
+    `new_tokens` each: each row's new tokens and the seconds of the second of two runs (the first warms up)."""
+    import torch
+
+    from ds_inference_integration.serve.steps import StepEngine
+    from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
+
+    class Ids:  # what the engine asks of a tokenizer without stop strings
+        pad_token_id = 0
+
+        def decode(self, ids, **kwargs):
+            return ""
+
+    class Kept:
+        def __init__(self):
+            self.rows = {}
+
+        def tokens(self, *args, **kwargs):
+            pass
+
+        def finished(self, row, sequences, reasons):
+            self.rows[row] = sequences[0]
+
+        def failed(self, rows, status, message, together=False):
+            raise RuntimeError(message)
+
+    for _ in range(2):
+        engine, kept = StepEngine(model, Ids(), device, ids.shape[0]), Kept()
+        engine.take(Admit(0, BatchKey(), tuple(RowSpec(tuple(row), max_new_tokens=new_tokens, ignore_eos=True, id=i)
+                                              for i, row in enumerate(ids.tolist()))))
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            while engine.busy():
+                engine.step(kept)
+        sync()
+        seconds = time.perf_counter() - start
+    return [kept.rows[i] for i in range(ids.shape[0])], seconds
 
 
 def decode_row(path: str, batch: int, new_tokens: int, seconds: float, weight_bytes: int, bandwidth: float) -> dict:

@@ -63,14 +63,15 @@ def test_smoke_loading_and_engine(tmp_path):
 @pytest.mark.launched
 def test_smoke_decode_and_real_shape_verdict(tmp_path):
     """In `make test` (~25 s): the decode section (plain generate, the plugin at tp 1, the plugin with a static cache
-    compiled, each with its fraction of the bandwidth bound; batch 1 profiled) and the real-shape verdict (a model
-    of Llama-3.2-1B's config family saved in bf16, through `policy check --dtype bf16` at tp 2), on CPU."""
+    compiled, the serve step engine, each with its fraction of the bandwidth bound; batch 1 profiled) and the
+    real-shape verdict (a model of Llama-3.2-1B's config family saved in bf16, through `policy check --dtype bf16` at
+    tp 2), on CPU."""
     sections = gpu_check(tmp_path, "decode,verdict_1b")["sections"]
     decode = sections["decode"]
     assert decode["ok"], json.dumps(decode, indent=1)[:4000]
     paths = {(r["path"], r["batch_size"]) for r in decode["rows"]}
-    assert paths == {(p, b) for p in ("plain generate", "plugin tp 1", "plugin tp 1, static cache + torch.compile")
-                     for b in (1, 2)}
+    assert paths == {(p, b) for p in ("plain generate", "plugin tp 1", "plugin tp 1, static cache + torch.compile",
+                                      "plugin tp 1, step engine") for b in (1, 2)}
     for row in decode["rows"]:
         assert 0 < row["fraction_of_bound"] < 1 and row["bound_tokens_per_s"] > row["tokens_per_s"] > 0
         assert row.get("tokens_equal_eager", True)  # the plugin's and the compiled tokens against plain generate's

@@ -69,16 +69,16 @@ def _metric(url: str, name: str) -> float:
 def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2, run_generation_greedy,
                                                                           run_generation_sampled):
     """The 40 embedded prompts, 16 clients at once, greedy: each text equals the single-process run_generation.py
-    line for it; and they were batched (fewer batches than requests). Seeded sampling (a seed per request):
+    line for it; and they were batched (more than 2 rows per decoding step on average). Seeded sampling (a seed per request):
     each text equals run_generation.py's with that seed, though the server batches the requests together."""
-    batches_before = _metric(gpt2.url, "ds_inference_batch_size_count")
+    steps_before = [_metric(gpt2.url, f"ds_inference_step_rows_{n}") for n in ("sum", "count")]
     bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
     answers = post_all(gpt2.url + "/v1/completions", bodies, concurrency=16)
     assert [s for s, _ in answers] == [200] * len(PROMPTS), answers[:2]
     got = [a["choices"][0]["text"].strip() for _, a in answers]
     assert got == run_generation_greedy
-    batches = _metric(gpt2.url, "ds_inference_batch_size_count") - batches_before
-    assert batches < len(PROMPTS) / 2, batches
+    rows, steps = (_metric(gpt2.url, f"ds_inference_step_rows_{n}") - b for n, b in zip(("sum", "count"), steps_before))
+    assert rows / steps > 2, (rows, steps)  # rows shared decoding steps
     usage = answers[0][1]["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
     sampled = post_all(gpt2.url + "/v1/completions", _sampled_bodies(), concurrency=16)
@@ -240,8 +240,9 @@ def test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server(tmp_pat
     under 100 ms; a client that goes away while its request waits takes it out of the queue. Then a
     rank is SIGKILLed while a request waits: it gets 503 with x-should-retry false, /health turns 503 (or the
     server is gone), and the server exits non-zero within 10 s with no process left."""
+    # the batch engine: --max_wait_ms holds requests in the queue (the step engine admits them at the next step)
     server = _server(tmp_path, GPT2, ["--tp_size", "2", "--max_queue", "2", "--max_wait_ms", "3000",
-                                      "--adaptive_wait", "false",
+                                      "--adaptive_wait", "false", "--scheduler", "batch",
                                       "--max_batch_size", "8", "--inference_timeout", "20"])
     try:
         url = server.url + "/v1/completions"
@@ -290,16 +291,16 @@ def test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server(tmp_pat
 
 
 def test_a_stopped_rank_gets_open_requests_503_within_the_timeout(tmp_path):
-    """SIGSTOP on rank 1 while a batch runs: the open request gets 503 within --inference_timeout (+ the watch's
+    """SIGSTOP on rank 1 while a row runs: the open request gets 503 within --inference_timeout (+ the watch's
     period), and the server exits non-zero within 10 s after, leaving no process (the stopped rank included)."""
     timeout = 6
-    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--inference_timeout", str(timeout), "--max_wait_ms", "1000",
-                                       "--adaptive_wait", "false"])
+    server = _server(tmp_path, GPT2, ["--tp_size", "2", "--inference_timeout", str(timeout)])
     try:
         url = server.url + "/v1/completions"
         waiting: list = []
-        thread = _post_later(url, {"prompt": "five =", "max_tokens": 20}, waiting, timeout=60)
-        time.sleep(0.3)  # the request is in the queue, its batch leaves after 1 s
+        # 60 tokens: about a second of steps at tp 2, so the rank is stopped while the row runs
+        thread = _post_later(url, {"prompt": "five =", "max_tokens": 60, "ignore_eos": True}, waiting, timeout=60)
+        time.sleep(0.3)
         os.kill(server.ranks()[1], signal.SIGSTOP)
         stopped = time.monotonic()
         thread.join(60)
@@ -323,7 +324,9 @@ def test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key(
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (model / "tokenizer_config.json").write_text(json.dumps(config))
+    # the batch engine: --max_wait_ms holds requests in the queue (the step engine admits them at the next step)
     server = _server(tmp_path, model, ["--tp_size", "2", "--max_wait_ms", "1500", "--adaptive_wait", "false",
+                                       "--scheduler", "batch",
                                        "--inference_timeout", "3", "--api_key", "sesame"])
     key = {"Authorization": "Bearer sesame"}
     try:
@@ -443,7 +446,8 @@ def test_a_replica_spanning_two_nodes_serves_as_one_process_and_a_lost_worker_en
 
     port = str(free_port())
     nodes = ["--tp_size", "2", "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", port,
-             "--inference_timeout", "20", "--max_wait_ms", "1000", "--adaptive_wait", "false"]
+             "--inference_timeout", "20", "--max_wait_ms", "1000", "--adaptive_wait", "false",
+             "--scheduler", "batch"]  # the batch engine: --max_wait_ms holds the request in the queue
     worker_dir = tmp_path / "worker"
     worker_dir.mkdir()
     worker = ServerProc(GPT2, [*nodes, "--node_rank", "1", "--worker"], worker_dir, 2, http=False)

@@ -384,7 +384,9 @@ def test_a_closed_terminal_drains_the_server_as_sigterm_does(tmp_path):
     """SIGHUP to the process group (its terminal closed): uvicorn does not handle it, so the front ended where it
     stood (its temporary directory left behind) and the ranks died of it too. Now it drains: the open request is
     answered, the server exits 0, no process and no temporary directory left."""
-    server = ServerProc(GPT2, ["--tp_size", "2", "--max_wait_ms", "1500", "--adaptive_wait", "false"], tmp_path, 2,
+    # the batch engine: --max_wait_ms holds the request in the queue (the step engine admits it at the next step)
+    server = ServerProc(GPT2, ["--tp_size", "2", "--max_wait_ms", "1500", "--adaptive_wait", "false",
+                               "--scheduler", "batch"], tmp_path, 2,
                         own_logs=True)
     try:
         server.wait_ready()

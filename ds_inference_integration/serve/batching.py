@@ -20,13 +20,10 @@ one-request-at-a-time's (p50 367 against 336 ms, 20 ms of it the wait; `ds-infer
 --concurrency 1`, 2026-12-04). A load that grows makes batches grow: requests that arrive while a batch runs
 wait for the next one.
 
-Why not continuous batching (rows joining and leaving a running batch at every step, as vLLM and TGI do): it
-needs a decode loop of our own with a per-row KV cache (paged attention), written for every architecture and
-for beam search and encoder-decoders, which transformers' `generate` is not; transformers' own continuous
-batching is decoder-only, without beams, and its TP does not recognise a DeepSpeed-sharded model. Here rows
-that finish early are answered as they finish (the leader reports them), but their slots stay in the batch
-until its longest row ends (a row whose client left ends at the next step). The jobs of a batch that failed come
-back first, each to run alone (`retry_alone`).
+The queue feeds both engines: the batch engine takes a batch only when idle, and its batch waits as above; the step
+engine (`--scheduler continuous`, `serve/steps.py`) takes rows up to its free slots at any step, so nothing waits
+for company (`take(wait=False)`: a row admitted now decodes at the next step beside the running rows). The jobs of
+a batch that failed come back first, each to run alone (`retry_alone`).
 """
 
 from __future__ import annotations
@@ -153,16 +150,18 @@ class Queue:
             full = rows >= room
         return jobs, full
 
-    def take(self, now: float | None = None, idle_since: float = 0.0, room: int | None = None) -> Batch | None:
+    def take(self, now: float | None = None, idle_since: float = 0.0, room: int | None = None,
+             wait: bool = True) -> Batch | None:
         """The batch that leaves now to a replica free since `idle_since` with `room` rows (default
         `max_batch_size`): a full one, one holding the requests expected, or one whose oldest job has waited
-        `max_wait_ms` since that replica was free; or None."""
+        `max_wait_ms` since that replica was free; or None. Without `wait` (a replica whose rows join a running
+        batch at the next step: nothing is gained by waiting) what is waiting leaves at once."""
         if not self.waiting:
             return None
         now = time.monotonic() if now is None else now
         jobs, full = self._fill(self.max_batch_size if room is None else room)
         enough = self.adaptive and len(jobs) >= self.expected(now)
-        if not full and not enough and now - max(jobs[0].arrived, idle_since) < self.max_wait:
+        if wait and not full and not enough and now - max(jobs[0].arrived, idle_since) < self.max_wait:
             return None
         for job in jobs:
             self.waiting.remove(job)

@@ -5,7 +5,8 @@ peers, the rows the front admits to the replica's leader (its rank 0), over the 
 The leader alone talks to the front (a `multiprocessing.connection` socket); it broadcasts each message to its
 peers (`broadcast_object_list` on the replica's gloo group, as transformers' own TP serving does), so it alone
 fixes the order of admissions. Every rank then builds the model's inputs from the rows' prompts, runs the lock-step
-guard and the same `generate` (the batch engine: `run_batch`, one generate an admission). While idle the
+guard and the same work: the step engine's steps (`serve/steps.py`, `--scheduler continuous`: the messages that
+came since the last step, then one step) or the batch engine's `generate` (`run_batch`, one an admission). While idle the
 leader broadcasts a keep-alive every second, so that a waiting peer never reaches `--inference_timeout` (also
 its process group's timeout), and tells the front it is alive; while it generates, `Control` passes the front's
 word between steps (rows whose clients left end at the next step, on every rank) and keeps telling the front it is
@@ -35,13 +36,12 @@ from multiprocessing.connection import Client
 import torch
 import torch.distributed as dist
 
-from .rules import BeamGuard, BeamSteps, Refused, RowRules, RowStops
+from .rules import BeamGuard, BeamSteps, Refused, RowRules, RowStops, eos_ids, fatal, generation_config
 from .wire import (
     AUTHKEY_ENV,
     FRONT_ENV,
     Admit,
     Alive,
-    BatchKey,
     Cancel,
     Failed,
     Finished,
@@ -89,45 +89,13 @@ class Control:
                 message = self.conn.recv()
                 if isinstance(message, Cancel):
                     self.cancelled.update(message.rows)
-                else:
-                    self.pending.append(message)
+                self.pending.append(message)  # a Cancel too: the step engine's waiting rows (every rank's) end by it
             if time.monotonic() - self.said > self.keepalive:
                 self.send(Alive())
             flags = torch.tensor([i in self.cancelled for i in ids], dtype=torch.bool)
         if self.world_size > 1:
             dist.broadcast(flags, src=0, group=self.group)
         return flags
-
-
-def _generation_config(model, key: BatchKey, max_new_tokens: int, pad_token_id: int | None):
-    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
-    config.update(**{name: json.loads(value) for name, value in key.generate})  # /generate's (GENERATE_PASSED)
-    config.num_beams = key.num_beams
-    config.num_return_sequences = key.num_return_sequences
-    config.do_sample = False  # sampling is per row, in RowRules
-    config.max_new_tokens = max_new_tokens
-    config.max_length = None
-    config.min_new_tokens = None
-    config.min_length = 0
-    if key.repetition_penalty is not None:
-        config.repetition_penalty = key.repetition_penalty
-    if key.length_penalty is not None:
-        config.length_penalty = key.length_penalty
-    if pad_token_id is not None:
-        config.pad_token_id = pad_token_id
-    if key.num_beams == 1:
-        config.eos_token_id = None  # RowStops ends each row at EOS itself (`_without` keeps generate from refilling it)
-    elif key.min_tokens:
-        config.min_new_tokens = key.min_tokens
-    config.temperature, config.top_k, config.top_p = 1.0, None, 1.0  # no warpers: RowRules samples
-    return config
-
-
-def eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
 def model_inputs(rows, pad_token_id: int | None, encoder_decoder: bool, device) -> dict[str, torch.Tensor]:
@@ -152,9 +120,9 @@ class Answers:
     def __init__(self, control: Control):
         self.control, self.ended = control, set()
 
-    def tokens(self, step: int, tokens: dict[int, int]) -> None:
+    def tokens(self, step: int, tokens: dict[int, int], counts: dict[int, int] | None = None) -> None:
         if tokens:
-            self.control.send(Tokens(step, tokens))
+            self.control.send(Tokens(step, tokens, counts))
 
     def finished(self, row: int, sequences: list[list[int]], reasons: list[str]) -> None:
         if row not in self.ended:
@@ -179,7 +147,7 @@ def run_batch(model, tokenizer, admit: Admit, device, control: Control | None = 
     inputs = model_inputs(rows, tokenizer.pad_token_id, encoder_decoder, device)
     start = 1 if encoder_decoder else inputs["input_ids"].shape[1]
     eos = eos_ids(model)
-    config = _generation_config(model, key, key.max_new_tokens or max(r.max_new_tokens for r in rows),
+    config = generation_config(model, key, key.max_new_tokens or max(r.max_new_tokens for r in rows),
                                 tokenizer.pad_token_id)
     stops = None
     if key.num_beams == 1:
@@ -249,20 +217,6 @@ def _strip_pad(seq: list[int], pad: int | None) -> list[int]:
     return seq
 
 
-def fatal(error: BaseException) -> bool:
-    """Whether a failure during a batch leaves this rank untrusted, so that the replica must end (the front then
-    answers 503 and exits for a supervisor to restart it): a collective or a connection that broke (the ranks may
-    no longer be in step), inputs that differed between ranks, a device error (CUDA's poison the context for every
-    later call). Anything else (an exception in generate or our rules, an overflow, an allocation that failed) is
-    that batch's failure, answered to its requests, and the replica goes on."""
-    from ..errors import LockstepError
-
-    return (not isinstance(error, Exception)
-            or isinstance(error, (dist.DistError, ConnectionError, TimeoutError, EOFError, LockstepError,
-                                  torch.AcceleratorError))
-            or "CUDA error" in str(error))
-
-
 def agree(failure: tuple[int, str] | None, group, world_size: int) -> tuple[int, str] | None:
     """Every rank's outcome of a batch, the same on each: the first failure of any rank (status, why), or None. A rank
     that failed where its peers did not (their forward still waits for it) meets them nowhere: this collective then
@@ -315,7 +269,6 @@ def main(argv: list[str]) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..errors import first_line
     from ..load.loaders import load_model, model_class_for
     from ..predict.lockstep import check_lockstep
     from ..run.ranks import end_with_parent, init_rank
@@ -350,47 +303,134 @@ def main(argv: list[str]) -> None:
     group = dist.new_group(backend="gloo") if world > 1 else None
     keepalive = keepalive_seconds(inference_args.inference_timeout)
     control = Control(conn, group, world, keepalive)
-    control.send(Ready(str(setup.report), capacity=settings["capacity"], joins_running=False))
-    batches = 0
-    while True:
-        message = None
-        if leader:
+    capacity = settings["capacity"]
+    steps, scheduler = None, "batch"
+    if settings.get("scheduler", "batch") == "continuous":
+        from .steps import StepEngine, probe
+
+        why = agree(None if (why := probe(model, tokenizer, device, capacity)) is None else (0, why), group, world)
+        if why is None:
+            steps, scheduler = StepEngine(model, tokenizer, device, capacity), "continuous"
+        else:
+            scheduler = f"batch (--scheduler continuous: this model is served by the batch engine: {why[1]})"
+    guard = None
+    if topology.tp_size > 1 and inference_args.lockstep_guard:
+        def guard(rows, index):
+            check_lockstep(model_inputs(rows, tokenizer.pad_token_id, False, "cpu"), topology, setup.groups.tp,
+                           device, index)
+    if leader:
+        print(f"ds-inference serve: scheduler {scheduler}", flush=True)
+    control.send(Ready(f"{setup.report}; scheduler {scheduler}", capacity=capacity, joins_running=steps is not None))
+    serve = Serving(model, tokenizer, device, control, group, world, guard)
+    if steps is not None:
+        steps.run_batch = serve.run_batch
+        serve.steps_loop(steps)
+    else:
+        serve.batch_loop()
+
+
+class Serving:
+    """A rank's loop over the leader's messages: the batch engine's (`batch_loop`: one generate an admission) or the
+    step engine's (`steps_loop`: one step at a time, admissions and cancellations between steps). A failure is its
+    rows' unless `fatal`; every rank agrees on each outcome (`agree`)."""
+
+    def __init__(self, model, tokenizer, device, control: Control, group, world: int, guard=None):
+        self.model, self.tokenizer, self.device, self.control = model, tokenizer, device, control
+        self.group, self.world, self.guard = group, world, guard
+        self.batches = 0
+
+    def receive(self, wait: bool) -> list:
+        """The leader's next messages, the same on every rank: what the front sent (waiting up to the keep-alive
+        interval for one when `wait`, else what has arrived), or Keepalive when nothing came; Stop when the front is
+        gone."""
+        control, messages = self.control, []
+        if control.conn is not None:
             try:
-                if control.pending:
-                    message = control.pending.popleft()
-                else:
-                    message = conn.recv() if conn.poll(keepalive) else Keepalive()
+                messages.extend(control.pending)
+                control.pending.clear()
+                if wait and not messages:
+                    messages.append(control.conn.recv() if control.conn.poll(control.keepalive) else Keepalive())
+                while control.conn.poll(0):
+                    messages.append(control.conn.recv())
             except (EOFError, OSError):
-                message = Stop()  # the front is gone: the replica ends with it
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
-        if isinstance(message, Stop):
-            return
-        if isinstance(message, Keepalive):
-            control.send(Alive())
-            continue
-        if isinstance(message, Cancel):  # rows already answered: nothing left to end
-            continue
-        batches += 1
-        control.cancelled = set()
-        answers = Answers(control)
+                messages = [Stop()]  # the front is gone: the replica ends with it
+        if self.world > 1:
+            count = torch.tensor([len(messages)])
+            dist.broadcast(count, src=0, group=self.group)
+            if count.item():
+                box = [messages]
+                dist.broadcast_object_list(box, src=0, group=self.group)
+                messages = box[0]
+        return messages
+
+    def run_batch(self, admit: Admit, control: Control, answers: Answers) -> None:
+        """The batch engine on one admission, its failure agreed and answered as its rows' (`fatal` ends the rank)."""
+        self.batches += 1
         failure = None
         try:
-            if topology.tp_size > 1 and inference_args.lockstep_guard:
-                check_lockstep(model_inputs(message.rows, tokenizer.pad_token_id, False, "cpu"), topology,
-                               setup.groups.tp, device, batches)
-            run_batch(model, tokenizer, message, device, control, answers)
+            if self.guard is not None:
+                self.guard(admit.rows, self.batches)
+            run_batch(self.model, self.tokenizer, admit, self.device, control, answers)
         except Exception as e:  # noqa: BLE001 - a batch's failure is its requests' (see `fatal`)
-            if fatal(e):
-                raise
-            failure = ((e.status, str(e)) if isinstance(e, Refused) else
-                       (500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300]))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # what a failed allocation left behind
-        failure = agree(failure, group, world)
+            failure = self._failure(e)
+        failure = agree(failure, self.group, self.world)
         if failure is not None:
-            answers.failed([row.id for row in message.rows], *failure, together=True)
+            answers.failed([row.id for row in admit.rows], *failure, together=True)
+
+    def _failure(self, error: Exception) -> tuple[int, str]:
+        from ..errors import first_line
+
+        if fatal(error):
+            raise error
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what a failed allocation left behind
+        return ((error.status, str(error)) if isinstance(error, Refused) else
+                (500, f"generate failed: {type(error).__name__}: {first_line(error)}"[:300]))
+
+    def batch_loop(self) -> None:
+        while True:
+            for message in self.receive(wait=True):
+                if isinstance(message, Stop):
+                    return
+                if isinstance(message, Keepalive):
+                    self.control.send(Alive())
+                elif isinstance(message, Admit):
+                    self.control.cancelled = set()
+                    self.run_batch(message, self.control, Answers(self.control))
+                # a Cancel here names rows already answered: nothing left to end
+
+    def steps_loop(self, engine) -> None:
+        """The step engine: between two steps, the leader's messages (admissions, cancellations) reach every rank
+        alike; each step's outcome is agreed, and a step that failed on every rank fails its running rows together
+        (the front runs their requests again one at a time)."""
+        control, answers = self.control, Answers(self.control)
+        while True:
+            admitted = []
+            for message in self.receive(wait=not engine.busy()):
+                if isinstance(message, Stop):
+                    return
+                if isinstance(message, Keepalive):
+                    control.send(Alive())
+                elif isinstance(message, Cancel):
+                    engine.cancel(message.rows)
+                elif isinstance(message, Admit):
+                    engine.take(message)
+                    admitted.extend(message.rows)
+            if not engine.busy():
+                continue
+            if control.conn is not None and time.monotonic() - control.said > control.keepalive:
+                control.send(Alive())
+            failure = None
+            try:
+                if admitted and self.guard is not None:
+                    self.batches += 1
+                    self.guard(admitted, self.batches)
+                engine.step(answers, control)
+            except Exception as e:  # noqa: BLE001 - a step's failure is its rows' (see `fatal`)
+                failure = self._failure(e)
+            failure = agree(failure, self.group, self.world)
+            if failure is not None:
+                answers.failed(engine.fail_running(), *failure, together=True)
 
 
 if __name__ == "__main__":

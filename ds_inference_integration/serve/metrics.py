@@ -1,5 +1,5 @@
 """`GET /metrics`: Prometheus text (prometheus_client, its own registry): requests by route and status, prompt and
-generated tokens, batch sizes, queue depth, latency and time to first token."""
+generated tokens, batch sizes (rows per admission), rows per decoding step, queue depth, latency and time to first token."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ class Metrics:
         self.batch_size = prometheus.Histogram(p + "batch_size", "Rows per batch", registry=r,
                                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.batches = prometheus.Counter(p + "batches", "Batches run, by replica", ["replica"], registry=r)
+        self.step_rows = prometheus.Histogram(p + "step_rows", "Rows given a token by one decoding step", registry=r,
+                                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.queue = prometheus.Gauge(p + "queue_depth", "Requests waiting for a batch", registry=r)
         self.latency = prometheus.Histogram(p + "request_latency_seconds", "From arrival to the last row's end",
                                             registry=r, buckets=LATENCY_BUCKETS)

@@ -1,11 +1,17 @@
 """The rules each row of a served batch keeps inside transformers' `generate`, on every rank alike: its own minimum,
 end (EOS unless `ignore_eos`, its stop ids and strings, its `max_new_tokens`) and sampling (temperature, top-k,
 top-p, its own seeded generator); a row from which no token can be taken ends alone with why; a beam batch's guard,
-stop strings and cancelled requests. `serve/engine.py` runs them."""
+stop strings and cancelled requests; the generation config every row starts from, and which failures end the replica
+(`fatal`). `serve/engine.py` and `serve/steps.py` run them."""
 
 from __future__ import annotations
 
+import json
+
 import torch
+import torch.distributed as dist
+
+from .wire import BatchKey
 
 
 class Refused(Exception):
@@ -147,15 +153,8 @@ class RowStops:
                 continue
             last = int(new[i, -1])
             tokens[i] = last
-            reason = None
-            if last in self.eos and not row.ignore_eos and produced >= row.min_tokens:
-                reason = "stop"
-            elif last in row.stop_token_ids and produced >= row.min_tokens:
-                reason = "stop"
-            elif row.stop and self._hits_stop(new[i], row.stop):
-                reason = "stop"
-            elif produced >= row.max_new_tokens:
-                reason = "length"
+            reason = row_end(row, last, produced, self.eos, lambda i=i: self.tokenizer.decode(
+                new[i], skip_special_tokens=True))
             if reason:
                 self.lengths[i], self.reasons[i] = produced, reason
                 finished[i] = (reason, new[i].tolist())
@@ -164,9 +163,20 @@ class RowStops:
             self.report(produced, tokens, finished, failed)
         return done
 
-    def _hits_stop(self, ids: torch.Tensor, stops: list[str]) -> bool:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return any(s in text for s in stops)
+
+def row_end(row, last: int, produced: int, eos: set[int], text) -> str | None:
+    """Why a row ends with its new token `last`, its `produced`-th: "stop" (EOS unless `ignore_eos`, or one of its
+    stop ids, neither before `min_tokens`; one of its stop strings in its new text, `text()`), "length" (its
+    `max_new_tokens`), or None. Both engines end rows by it."""
+    if last in eos and not row.ignore_eos and produced >= row.min_tokens:
+        return "stop"
+    if last in row.stop_token_ids and produced >= row.min_tokens:
+        return "stop"
+    if row.stop and any(s in text() for s in row.stop):
+        return "stop"
+    if produced >= row.max_new_tokens:
+        return "length"
+    return None
 
 
 class BeamSteps:
@@ -188,3 +198,60 @@ class BeamSteps:
             texts = self.tokenizer.batch_decode(input_ids[:, self.start:], skip_special_tokens=True)
             done |= torch.tensor([any(stop in text for stop in self.stops) for text in texts], device=input_ids.device)
         return done
+
+
+def generation_config(model, key: BatchKey, max_new_tokens: int, pad_token_id: int | None):
+    """The generation config rows of `key` are generated with: the model's own, /generate's settings, the key's beam
+    settings and penalties, and none of generate's own sampling or ending for greedy and sampled rows (`RowRules`
+    and `RowStops` keep each row's)."""
+    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
+    config.update(**{name: json.loads(value) for name, value in key.generate})  # /generate's (GENERATE_PASSED)
+    config.num_beams = key.num_beams
+    config.num_return_sequences = key.num_return_sequences
+    config.do_sample = False  # sampling is per row, in RowRules
+    config.max_new_tokens = max_new_tokens
+    config.max_length = None
+    config.min_new_tokens = None
+    config.min_length = 0
+    if key.repetition_penalty is not None:
+        config.repetition_penalty = key.repetition_penalty
+    if key.length_penalty is not None:
+        config.length_penalty = key.length_penalty
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    if key.num_beams == 1:
+        config.eos_token_id = None  # RowStops ends each row at EOS itself (`_without` keeps generate from refilling it)
+    elif key.min_tokens:
+        config.min_new_tokens = key.min_tokens
+    config.temperature, config.top_k, config.top_p = 1.0, None, 1.0  # no warpers: RowRules samples
+    return config
+
+
+def with_defaults(model, config):
+    """`config` with what generate fills before it runs (`_prepare_generation_config`, transformers 5): the model's
+    own generation config, then transformers' defaults, into each field still None (length_penalty 1.0,
+    early_stopping False...). The step engine builds generate's processors and beam search from it."""
+    config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config.update(**model.generation_config._get_default_generation_params(), defaults_only=True)
+    return config
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def fatal(error: BaseException) -> bool:
+    """Whether a failure during a batch leaves this rank untrusted, so that the replica must end (the front then
+    answers 503 and exits for a supervisor to restart it): a collective or a connection that broke (the ranks may
+    no longer be in step), inputs that differed between ranks, a device error (CUDA's poison the context for every
+    later call). Anything else (an exception in generate or our rules, an overflow, an allocation that failed) is
+    that batch's failure, answered to its requests, and the replica goes on."""
+    from ..errors import LockstepError  # (errors imports nothing of serve)
+
+    return (not isinstance(error, Exception)
+            or isinstance(error, (dist.DistError, ConnectionError, TimeoutError, EOFError, LockstepError,
+                                  torch.AcceleratorError))
+            or "CUDA error" in str(error))

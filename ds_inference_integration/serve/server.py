@@ -183,9 +183,12 @@ class Server:
     # ----- replicas
     async def _dispatch(self) -> None:
         while True:
-            free = sorted((r for r in self.replicas.replicas if r.free()), key=lambda r: r.free_since)
+            # the replica with the most room first (rows spread over replicas that take them while others run),
+            # then the one free the longest
+            free = sorted((r for r in self.replicas.replicas if r.free()), key=lambda r: (-r.free(), r.free_since))
             if free and self.state in ("ready", "draining"):
-                batch = self.queue.take(idle_since=free[0].free_since, room=free[0].free())
+                batch = self.queue.take(idle_since=free[0].free_since, room=free[0].free(),
+                                        wait=not free[0].joins_running)
                 if batch is not None:
                     self._send(free[0], batch)
                     continue
@@ -212,7 +215,7 @@ class Server:
         batch.started = time.monotonic()
         self.metrics.batch(len(specs), len(self.queue), replica.index)
         try:
-            replica.send(Admit(group=batch.id, key=batch.key, rows=tuple(specs)))
+            replica.send(Admit(group=batch.id, key=batch.key, rows=tuple(specs), alone=batch.jobs[0].alone))
         except OSError as e:
             self.break_down(f"replica {replica.index}: sending a batch failed: {e}")
 
@@ -238,13 +241,14 @@ class Server:
             self.wakeup.set()
         elif isinstance(message, Tokens):
             now = time.monotonic()
+            self.metrics.step_rows.observe(len(message.tokens))
             for row_id, token in message.tokens.items():
                 found = self.rows.get(row_id)
                 if found is None:
                     continue
                 job, ri = found
                 row = job.rows[ri]
-                if len(row.tokens) >= message.step:
+                if len(row.tokens) >= message.count(row_id):
                     continue  # a job run again alone (its batch failed): these tokens were sent the first time
                 row.tokens.append(token)
                 if not job.cancelled:

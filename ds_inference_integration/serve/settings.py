@@ -34,6 +34,11 @@ class ServeArguments:
     adaptive_wait: bool = field(default=True, metadata={"help": "A batch also leaves once it holds as many requests "
                                                                 "as the batch before it (false: only full, over the "
                                                                 "token budget, or after --max_wait_ms)."})
+    scheduler: str = field(default="continuous", metadata={
+        "help": "How a replica runs rows: continuous (rows join and leave the running batch at every decoding step, "
+                "beam requests as groups of slots; a model the step engine's probe refuses runs as batches, said at "
+                "start) or batch (one generate a batch: a request waits for the running batch).",
+        "choices": ["continuous", "batch"]})
     max_queue: int = field(default=256, metadata={"help": "Requests waiting at most; more get 429 at once."})
     max_n: int = field(default=8, metadata={"help": "Largest n (outputs per prompt) a request may ask for."})
     max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request gives none (OpenAI's default)."})
@@ -130,7 +135,7 @@ def check_nodes(serve: ServeArguments, tp_size: int) -> None:
 def engine_settings(model_dir: str, serve: ServeArguments, inference: DeepSpeedInferenceArguments) -> dict:
     """What every rank of a replica is started with (the engine's one argument, as JSON): the model, the flag
     family, and the rows a replica holds at most."""
-    return {"model_dir": str(Path(model_dir).resolve()), "capacity": serve.max_batch_size,
+    return {"model_dir": str(Path(model_dir).resolve()), "capacity": serve.max_batch_size, "scheduler": serve.scheduler,
             "inference": {k: getattr(inference, k) for k in inference.__dataclass_fields__}}
 
 

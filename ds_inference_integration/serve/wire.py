@@ -62,6 +62,7 @@ class Admit:
     group: int
     key: BatchKey
     rows: tuple[RowSpec, ...]
+    alone: bool = False  # a request run again after its batch failed: run with no other request beside it
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,12 @@ class Alive:
 
 @dataclass(frozen=True)
 class Tokens:
-    step: int  # the new tokens' count so far, this one included
+    step: int  # the new tokens' count so far, this one included (the batch engine: every row's)
     tokens: dict[int, int] = field(default_factory=dict)  # row id -> its new token
+    counts: dict[int, int] | None = None  # row id -> its count (the step engine: rows of one step differ)
+
+    def count(self, row: int) -> int:
+        return self.counts[row] if self.counts is not None else self.step
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,17 @@
 """`ds-inference bench serve`: `ds-inference serve` at tp 2 on this machine, a fixed request set sent at each
-concurrency (streamed, as `vllm bench serve` sends it: `ignore_eos`, `stream_options.include_usage`), side by
-side with the same server at `--max_batch_size 1` (one request at a time, as the handler this project grew from
-served), for the embedded GPT-2 and T5.
+concurrency (streamed, as `vllm bench serve` sends it: `ignore_eos`, `stream_options.include_usage`), to the same
+model served three ways side by side: `continuous` (the step engine), `batched` (`--scheduler batch`: one generate
+a batch) and `one_at_a_time` (the batch engine at `--max_batch_size 1`, as the handler this project grew from
+served), for the embedded GPT-2 and T5 (an encoder-decoder: the step engine sends it to the batch engine).
 
 Per model, mode and concurrency, over repeats (min / median / max): requests/s, output tokens/s, p50 / p99
-latency, p50 / p99 time to first token, and the mean batch size (from the server's /metrics). Every load loop
-is bounded: `--requests` per point, and a point stops sending after `--point_timeout` seconds.
+latency, p50 / p99 time to first token, and the mean rows per decoding step (from the server's /metrics). Every
+load loop is bounded: `--requests` per point, and a point stops sending after `--point_timeout` seconds.
+`--output_lengths A-B` draws each request's max_tokens from A to B (one seeded draw, the same for every mode), the
+load where a batch's rows end at different steps.
 
     ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64] [--repeats 3]
+                             [--modes continuous,batched,one_at_a_time] [--output_lengths 4-48]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -31,7 +36,8 @@ from ..topology import threads_per_rank
 from .bench import REPO, spread
 
 MODELS = {"gpt2": ("gpt2-num2words-en-ro", 24), "t5": ("t5-num2words-en-ro", 24)}
-MODES = {"batched": [], "one_at_a_time": ["--max_batch_size", "1"]}
+MODES = {"continuous": ["--scheduler", "continuous"], "batched": ["--scheduler", "batch"],
+         "one_at_a_time": ["--scheduler", "batch", "--max_batch_size", "1"]}
 
 
 def _prompts(model: str) -> list[str]:
@@ -66,12 +72,13 @@ class _Server:
         except OSError:
             return 0
 
-    def batches(self) -> tuple[float, float]:
+    def steps(self) -> tuple[float, float]:
+        """Rows given a token and decoding steps so far (the server's /metrics)."""
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         c.request("GET", "/metrics")
         text = c.getresponse().read().decode()
         values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-        return float(values["ds_inference_batch_size_sum"]), float(values["ds_inference_batch_size_count"])
+        return float(values["ds_inference_step_rows_sum"]), float(values["ds_inference_step_rows_count"])
 
     def stop(self) -> None:
         stop_session(self.proc, grace=60)
@@ -106,11 +113,12 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
-def _point(server: _Server, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+def _point(server: _Server, prompts: list[str], concurrency: int, requests: int, lengths: tuple[int, int],
            point_timeout: float) -> dict:
-    bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-               "stream": True, "stream_options": {"include_usage": True}} for i in range(requests)]
-    sums = server.batches()
+    draw = random.Random(concurrency)  # the same lengths for every mode and repeat of a point
+    bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": draw.randint(*lengths), "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for i in range(requests)]
+    sums = server.steps()
     deadline = time.monotonic() + point_timeout
     start = time.perf_counter()
 
@@ -122,7 +130,7 @@ def _point(server: _Server, prompts: list[str], concurrency: int, requests: int,
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(send, bodies))
     wall = time.perf_counter() - start
-    after = server.batches()
+    after = server.steps()
     ok = [r for r in results if r["ok"]]
     if not ok:
         raise InferenceSetupError(f"bench serve: no request succeeded at concurrency {concurrency}: {results[0]}")
@@ -131,50 +139,72 @@ def _point(server: _Server, prompts: list[str], concurrency: int, requests: int,
             "latency_p50": _pct([r["latency"] for r in ok], 0.5), "latency_p99": _pct([r["latency"] for r in ok], 0.99),
             "ttft_p50": _pct([r["ttft"] or r["latency"] for r in ok], 0.5),
             "ttft_p99": _pct([r["ttft"] or r["latency"] for r in ok], 0.99),
-            "mean_batch_size": (after[0] - sums[0]) / max(1.0, after[1] - sums[1])}
+            "mean_step_rows": (after[0] - sums[0]) / max(1.0, after[1] - sums[1])}
 
 
-METRICS = ("req_per_s", "output_tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "ttft_p99", "mean_batch_size")
+METRICS = ("req_per_s", "output_tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "ttft_p99", "mean_step_rows")
+
+
+def parse_lengths(text: str | None) -> tuple[int, int] | None:
+    """`--output_lengths A-B` (or one number) as (A, B); None for the model's fixed length."""
+    if not text:
+        return None
+    low, _, high = text.partition("-")
+    try:
+        lengths = (int(low), int(high or low))
+    except ValueError:
+        lengths = (0, 0)
+    if not 1 <= lengths[0] <= lengths[1]:
+        raise InferenceSetupError(f"--output_lengths {text!r} is invalid; valid: A-B with 1 <= A <= B (or one number)")
+    return lengths
 
 
 def run_bench(models: list[str], concurrencies: list[int], requests: int, repeats: int, tp_size: int,
-              max_wait_ms: float, point_timeout: float, output_dir: Path) -> dict:
+              max_wait_ms: float, point_timeout: float, output_dir: Path, modes: list[str] | None = None,
+              output_lengths: tuple[int, int] | None = None) -> dict:
     for name in models:
         if name not in MODELS:
             raise InferenceSetupError(f"--models {name!r} is unknown; valid: {', '.join(MODELS)}")
+    modes = modes or list(MODES)
+    for mode in modes:
+        if mode not in MODES:
+            raise InferenceSetupError(f"--modes {mode!r} is unknown; valid: {', '.join(MODES)}")
     optional_import("fastapi", "ds-inference bench serve")
     output_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     results: dict = {"command": "ds-inference bench serve " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else
                      "ds-inference bench serve", "date": time.strftime("%Y-%m-%d"), "tp_size": tp_size,
-                     "max_wait_ms": max_wait_ms, "requests_per_point": requests, "cpus": os.cpu_count(), "points": []}
+                     "max_wait_ms": max_wait_ms, "requests_per_point": requests, "cpus": os.cpu_count(),
+                     "output_lengths": list(output_lengths) if output_lengths else None, "points": []}
     for name in models:
         directory, max_tokens = MODELS[name]
+        lengths = output_lengths or (max_tokens, max_tokens)
         prompts = _prompts(name)
         # Both servers run at once and the modes alternate point by point (one idle server costs a keep-alive a
         # second), so that a drift of the machine over the run falls on both alike.
         servers = {}
         try:
-            for mode, extra in MODES.items():
+            for mode in modes:
+                extra = MODES[mode]
                 servers[mode] = _Server(REPO / "examples" / "models" / directory,
                                         [*extra, "--max_wait_ms", str(max_wait_ms), "--max_queue",
                                          str(max(concurrencies) * 2)], log_dir, tp_size)
-                _point(servers[mode], prompts, 4, 8, max_tokens, point_timeout)  # warm-up, not counted
+                _point(servers[mode], prompts, 4, 8, lengths, point_timeout)  # warm-up, not counted
             for concurrency in concurrencies:
-                runs = {mode: [] for mode in MODES}
+                runs = {mode: [] for mode in modes}
                 for _ in range(repeats):
-                    for mode in MODES:
-                        runs[mode].append(_point(servers[mode], prompts, concurrency, requests, max_tokens,
+                    for mode in modes:
+                        runs[mode].append(_point(servers[mode], prompts, concurrency, requests, lengths,
                                                  point_timeout))
-                for mode in MODES:
+                for mode in modes:
                     point = {"model": name, "mode": mode, "concurrency": concurrency,
                              **{m: spread([r[m] for r in runs[mode]]) for m in METRICS},
                              "requests_ok": min(r["requests_ok"] for r in runs[mode])}
                     results["points"].append(point)
                     print(f"{name:5} {mode:14} c={concurrency:<3} {point['req_per_s']['median']:8.1f} req/s  "
                           f"p50 {point['latency_p50']['median'] * 1000:6.0f} ms  p99 "
-                          f"{point['latency_p99']['median'] * 1000:6.0f} ms  batch "
-                          f"{point['mean_batch_size']['median']:.1f}", flush=True)
+                          f"{point['latency_p99']['median'] * 1000:6.0f} ms  rows/step "
+                          f"{point['mean_step_rows']['median']:.1f}", flush=True)
         finally:
             for server in servers.values():
                 server.stop()
@@ -187,26 +217,35 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
 
 
 def _ratios(points: list[dict]) -> list[dict]:
-    """Batched against one-at-a-time per model and concurrency: the req/s ratio and the p99 ratio (medians)."""
+    """Per model and concurrency, medians against medians: batched / one at a time (req/s, p99 latency) and
+    continuous / batched (output tokens/s, p99 time to first token), where both modes ran."""
     by = {(p["model"], p["mode"], p["concurrency"]): p for p in points}
     out = []
-    for (model, mode, c), p in by.items():
-        single = by.get((model, "one_at_a_time", c))
-        if mode != "batched" or single is None:
-            continue
-        out.append({"model": model, "concurrency": c,
-                    "req_per_s_ratio": p["req_per_s"]["median"] / single["req_per_s"]["median"],
-                    "latency_p99_ratio": p["latency_p99"]["median"] / single["latency_p99"]["median"],
-                    "latency_p50_ms_batched": p["latency_p50"]["median"] * 1000,
-                    "latency_p50_ms_one_at_a_time": single["latency_p50"]["median"] * 1000})
+    for model, c in dict.fromkeys((p["model"], p["concurrency"]) for p in points):
+        row = {"model": model, "concurrency": c}
+        batched, single, steps = (by.get((model, m, c)) for m in ("batched", "one_at_a_time", "continuous"))
+        if batched and single:
+            row.update(req_per_s_ratio=batched["req_per_s"]["median"] / single["req_per_s"]["median"],
+                       latency_p99_ratio=batched["latency_p99"]["median"] / single["latency_p99"]["median"],
+                       latency_p50_ms_batched=batched["latency_p50"]["median"] * 1000,
+                       latency_p50_ms_one_at_a_time=single["latency_p50"]["median"] * 1000)
+        if steps and batched:
+            row.update(continuous_tokens_per_s_ratio=(steps["output_tokens_per_s"]["median"]
+                                                      / batched["output_tokens_per_s"]["median"]),
+                       continuous_ttft_p99_ratio=steps["ttft_p99"]["median"] / batched["ttft_p99"]["median"])
+        if len(row) > 2:
+            out.append(row)
     return out
 
 
 def _table(results: dict) -> str:
+    lengths = results.get("output_lengths")
     lines = [f"`{results['command']}` ({results['date']}, tp {results['tp_size']}, {results['cpus']} CPUs, "
-             f"{results['requests_per_point']} requests per point, medians of repeats with min-max)", "",
+             f"{results['requests_per_point']} requests per point"
+             + (f", max_tokens drawn from {lengths[0]} to {lengths[1]}" if lengths else "")
+             + ", medians of repeats with min-max)", "",
              "| model | mode | concurrency | req/s | output tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | "
-             "p99 TTFT ms | mean batch |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "p99 TTFT ms | rows per step |", "|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(s, scale=1.0, digits=1):
         return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
@@ -215,11 +254,16 @@ def _table(results: dict) -> str:
         lines.append(f"| {p['model']} | {p['mode']} | {p['concurrency']} | {f(p['req_per_s'])} | "
                      f"{f(p['output_tokens_per_s'], digits=0)} | {f(p['latency_p50'], 1000, 0)} | "
                      f"{f(p['latency_p99'], 1000, 0)} | {f(p['ttft_p50'], 1000, 0)} | {f(p['ttft_p99'], 1000, 0)} | "
-                     f"{f(p['mean_batch_size'])} |")
-    lines += ["", "| model | concurrency | req/s batched / one at a time | p99 latency batched / one at a time |",
-              "|---|---|---|---|"]
+                     f"{f(p['mean_step_rows'])} |")
+    lines += ["", "| model | concurrency | req/s batched / one at a time | p99 latency batched / one at a time | "
+              "output tok/s continuous / batched | p99 TTFT continuous / batched |", "|---|---|---|---|---|---|"]
+
+    def x(r, name):
+        return f"{r[name]:.2f}x" if name in r else "-"
+
     for r in results["ratios"]:
-        lines.append(f"| {r['model']} | {r['concurrency']} | {r['req_per_s_ratio']:.2f}x | {r['latency_p99_ratio']:.2f}x |")
+        lines.append(f"| {r['model']} | {r['concurrency']} | {x(r, 'req_per_s_ratio')} | {x(r, 'latency_p99_ratio')} | "
+                     f"{x(r, 'continuous_tokens_per_s_ratio')} | {x(r, 'continuous_ttft_p99_ratio')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -231,7 +275,7 @@ def _plot(results: dict, path: Path) -> None:
     for m, model in enumerate(models):
         for k, (metric, label) in enumerate((("req_per_s", "requests/s"), ("latency_p99", "p99 latency (s)"))):
             ax = axes[0][2 * m + k]
-            for mode in MODES:
+            for mode in dict.fromkeys(p["mode"] for p in results["points"]):
                 pts = [p for p in results["points"] if p["model"] == model and p["mode"] == mode]
                 xs = [p["concurrency"] for p in pts]
                 ax.errorbar(xs, [p[metric]["median"] for p in pts],

@@ -21,9 +21,11 @@
     ds-inference bench predict [--scales 1,10] [--nprocs N]
                                           streamed vs accumulate-everything predict: peak RSS per rank and
                                           examples/s at 1x and 10x the test set
-    ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64]
-                                          the server at tp 2, batched vs --max_batch_size 1: req/s, tokens/s,
-                                          p50/p99 latency and time to first token, mean batch size
+    ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64] [--output_lengths A-B]
+                                          the server at tp 2, continuous vs batched vs --max_batch_size 1:
+                                          req/s, tokens/s, p50/p99 latency and time to first token, rows/step
+    ds-inference bench steps [--lengths 16,256,1024] [--batches 1,8,31]
+                                          the step engine in process: admission cost against the rows running
 Every bench repeats its measurements (--repeats, default 3) and gives min / median / max beside each ratio.
 """
 
@@ -176,11 +178,21 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _bench_serve(ns: argparse.Namespace) -> int:
-    from .bench_serve import run_bench
+    from .bench_serve import parse_lengths, run_bench
 
     run_bench(ns.models.split(","), _int_list(ns.concurrency, "--concurrency"), ns.requests, ns.repeats, ns.tp_size,
-              ns.max_wait_ms, ns.point_timeout, Path(ns.output_dir))
+              ns.max_wait_ms, ns.point_timeout, Path(ns.output_dir), ns.modes.split(","),
+              parse_lengths(ns.output_lengths))
     print(f"wrote {ns.output_dir}/bench_serve.json, bench_serve.md, bench_serve.png")
+    return 0
+
+
+def _bench_steps(ns: argparse.Namespace) -> int:
+    from .bench_steps import run_bench_steps
+
+    lengths, batches = _int_list(ns.lengths, "--lengths"), _int_list(ns.batches, "--batches")
+    run_bench_steps(lengths, batches, ns.repeats, ns.hidden, ns.layers, Path(ns.output_dir))
+    print(f"wrote {ns.output_dir}/bench_steps.json, bench_steps.md")
     return 0
 
 
@@ -304,8 +316,23 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--tp_size", type=int, default=2)
     bserve.add_argument("--max_wait_ms", type=float, default=20.0)
     bserve.add_argument("--point_timeout", type=float, default=120.0, help="a point stops sending after this long")
+    bserve.add_argument("--modes", default="continuous,batched,one_at_a_time",
+                        help="servers to compare: continuous (the step engine), batched (--scheduler batch), "
+                             "one_at_a_time (--scheduler batch --max_batch_size 1)")
+    bserve.add_argument("--output_lengths", default=None,
+                        help="A-B: each request's max_tokens drawn from A to B (default: 24 for every request)")
     bserve.add_argument("--output-dir", default="bench_out")
     bserve.set_defaults(func=_bench_serve)
+    bsteps = bsub.add_parser("steps", help="the step engine in this process: an admission's cost against the rows "
+                                           "running, a shared decoding step against single-row ones")
+    bsteps.add_argument("--lengths", default="16,256,1024", help="prompt tokens of the admitted and running rows")
+    bsteps.add_argument("--batches", default="1,8,31", help="rows running when one is admitted (the first is the "
+                                                           "baseline of the ratios)")
+    bsteps.add_argument("--hidden", type=int, default=512)
+    bsteps.add_argument("--layers", type=int, default=4)
+    bsteps.add_argument("--repeats", type=int, default=5)
+    bsteps.add_argument("--output-dir", default="bench_out")
+    bsteps.set_defaults(func=_bench_steps)
     shard = sub.add_parser("shard", help="write a pre-sharded copy of a model directory (one file per rank)")
     shard.add_argument("model_dir")
     shard.add_argument("--tp-size", type=int, required=True)

@@ -1,0 +1,234 @@
+"""A key/value cache with a slot per row, for the step engine (`serve/steps.py`): rows of different lengths share a
+decoding step, and a row joins or leaves without the other rows' cache being copied or re-padded.
+
+Each attention layer keeps `[slots, heads, width, head_dim]` keys and values (this rank's heads: a sharded layer's
+first write sizes it); an encoder-decoder's cross-attention layers keep `[slots, heads, source width, head_dim]`,
+written once per row (its encoder runs once). The rows admitted at one step are prefilled together through
+transformers' own `DynamicCache` (generate's prefill) and each row's keys and values are copied into its slot: an
+admission costs the admitted rows' lengths, whatever the batch holds. A decoding step runs every slot below the highest one in use
+(`decode`): each row's new key is written at that row's own position, and the layer returns views of the first
+`hi` slots and `width` columns, which the step's 4D mask limits to each row's own past. No copy is made per step.
+
+The width grows by doubling as rows need it (a copy of the whole cache, log2(longest row) times in a server's
+life), so memory follows the longest row held, not `--max_model_len` x slots; the step's shapes change only then
+and when the highest slot in use changes. Layers this cache cannot hold a row of (sliding windows, state-space and
+linear-attention states) are refused by `check_layers`, and the model is then served by the batch engine."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+
+class SlotLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, slots: int):
+        super().__init__()
+        self.slots = slots
+        self.plan: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # (slot ids, positions, hi, width)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, heads, _, key_dim = key_states.shape
+        self.device = key_states.device
+        self.keys = key_states.new_zeros((self.slots, heads, 16, key_dim))
+        self.values = value_states.new_zeros((self.slots, value_states.shape[1], 16, value_states.shape[3]))
+        self.is_initialized = True
+
+    def width(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def grow(self, width: int) -> None:
+        """At least `width` columns, doubling: the one copy of the whole cache, log2 times in a row's life."""
+        if width <= self.width():
+            return
+        new = max(width, 2 * self.width())
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
+            grown[:, :, :old.shape[2]] = old
+            setattr(self, name, grown)
+
+    def write_prompt(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A prefilled row's keys and values (`[1, heads, length, dim]`) into its slot, columns 0.. length - 1."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        length = keys.shape[2]
+        self.grow(length)
+        self.keys[slot, :, :length] = keys[0]
+        self.values[slot, :, :length] = values[0]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """A decoding step: the new key and value (`[hi, heads, 1, dim]`) of each decoding row at its slot's own
+        position (other slots below `hi` are not written: a row admitted this step keeps its prompt); returns the
+        first `hi` slots' first `width` columns (views)."""
+        slots, positions, hi, width = self.plan
+        self.grow(width)
+        self.keys[slots, :, positions] = key_states[slots, :, 0]
+        self.values[slots, :, positions] = value_states[slots, :, 0]
+        return self.keys[:hi, :, :width], self.values[:hi, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.plan[3] if self.plan else 0), 0
+
+    def get_seq_length(self) -> int:
+        return (self.plan[3] - 1) if self.plan else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class CrossSlotLayer(CacheLayerMixin):
+    """One cross-attention layer's keys and values for every slot (`[slots, heads, source width, head_dim]`),
+    written once when a row is admitted (its encoder ran once) and read as they are at every step: the decoder reads
+    `keys` and `values` directly once its cross-attention is marked updated, so while a step runs they are the views
+    of its first `hi` slots and the step's source width."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, slots: int):
+        super().__init__()
+        self.slots, self.view = slots, None
+
+    @property
+    def keys(self):
+        return self._keys if self.view is None or self._keys is None else self._keys[:self.view[0], :, :self.view[1]]
+
+    @keys.setter
+    def keys(self, value):
+        self._keys = value
+
+    @property
+    def values(self):
+        return (self._values if self.view is None or self._values is None
+                else self._values[:self.view[0], :, :self.view[1]])
+
+    @values.setter
+    def values(self, value):
+        self._values = value
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._keys = key_states.new_zeros((self.slots, key_states.shape[1], 16, key_states.shape[3]))
+        self._values = value_states.new_zeros((self.slots, value_states.shape[1], 16, value_states.shape[3]))
+        self.is_initialized = True
+
+    def write_prompt(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        length = keys.shape[2]
+        if length > self._keys.shape[2]:
+            new = max(length, 2 * self._keys.shape[2])
+            for name in ("_keys", "_values"):
+                old = getattr(self, name)
+                grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
+                grown[:, :, :old.shape[2]] = old
+                setattr(self, name, grown)
+        self._keys[slot, :, :length] = keys[0]
+        self._values[slot, :, :length] = values[0]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("a slot's cross-attention keys are written once, when its row is admitted")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.view[1] if self.view else 0), 0
+
+    def get_seq_length(self) -> int:
+        return self.view[1] if self.view else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotCache(Cache):
+    """One `SlotLayer` per attention layer of the model, and the plan of the step being run."""
+
+    def __init__(self, layers: int, slots: int, cross: bool = False):
+        super().__init__(layers=[SlotLayer(slots) for _ in range(layers)])
+        self.slots = slots
+        self.cross = Cache(layers=[CrossSlotLayer(slots) for _ in range(layers)]) if cross else None
+        self.sources = [1] * slots  # each slot's source length (an encoder-decoder's)
+
+    def write_prompt(self, slot: int, prefilled: Cache, row: int, length: int, source: int = 0) -> None:
+        """Row `row` of a prefill (its first `length` positions; an encoder-decoder's first `source` source
+        positions of its cross-attention) into `slot`."""
+        own = prefilled.self_attention_cache if self.cross is not None else prefilled
+        for mine, theirs in zip(self.layers, own.layers):
+            mine.write_prompt(slot, theirs.keys[row:row + 1, :, :length], theirs.values[row:row + 1, :, :length])
+        if self.cross is not None:
+            self.sources[slot] = source
+            for mine, theirs in zip(self.cross.layers, prefilled.cross_attention_cache.layers):
+                mine.write_prompt(slot, theirs.keys[row:row + 1, :, :source], theirs.values[row:row + 1, :, :source])
+
+    def reorder(self, slots: list[int], sources: list[int]) -> None:
+        """Beam search's reorder within one request: slot slots[i] continues the self-attention past of sources[i]
+        (a copy of the group's own slots; its cross-attention is the same in every beam)."""
+        if slots != sources:
+            into, come = torch.tensor(slots), torch.tensor(sources)
+            for each in self.layers:
+                each.keys[into] = each.keys[come]
+                each.values[into] = each.values[come]
+
+    def for_step(self):
+        """What the model is given as its cache for a decoding step: this cache, or for an encoder-decoder the pair
+        (self-attention, cross-attention) with the cross-attention marked computed."""
+        if self.cross is None:
+            return self
+        from transformers import EncoderDecoderCache
+
+        pair = EncoderDecoderCache(self, self.cross)
+        pair.is_updated = {i: True for i in range(len(self.layers))}
+        return pair
+
+    def source_mask(self, hi: int) -> torch.Tensor:
+        """An encoder-decoder step's cross-attention mask (`[hi, width]`: 1 on each slot's own source), and the
+        cross views set to that width."""
+        width = max(self.sources[:hi])
+        for each in self.cross.layers:
+            each.view = (hi, width)
+        lengths = torch.tensor(self.sources[:hi], device=self.layers[0].keys.device)
+        return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
+
+    def decode(self, positions: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plan a step over slots 0..hi-1 (hi: the highest slot in `positions`, + 1), slot s writing at
+        `positions[s]`; returns the step's `position_ids` (`[hi, 1]`) and additive 4D mask (`[hi, 1, 1, width]`: 0 on
+        each row's own past and new token, the dtype's lowest elsewhere; a slot not decoding sees its column 0 only,
+        so no row of the softmax is empty, and its output is not used)."""
+        hi, width = max(positions) + 1, max(positions.values()) + 1
+        layer = self.layers[0]
+        device, dtype = layer.keys.device, layer.keys.dtype
+        slots = torch.tensor(sorted(positions), device=device)
+        pos = torch.tensor([positions[s] for s in sorted(positions)], device=device)
+        plan = (slots, pos, hi, width)
+        for each in self.layers:
+            each.plan = plan
+        every = torch.zeros(hi, dtype=torch.long, device=device).index_copy(0, slots, pos)
+        columns = torch.arange(width, device=device)
+        mask = torch.where(columns[None, :] <= every[:, None], 0.0, torch.finfo(dtype).min).to(dtype)
+        return every[:, None], mask[:, None, None, :]
+
+    def done(self) -> None:
+        for each in self.layers:
+            each.plan = None
+        for each in self.cross.layers if self.cross is not None else ():
+            each.view = None
+
+
+def check_layers(prefilled: Cache) -> str | None:
+    """Why a model's cache cannot be held a slot per row (None: it can): each of its layers (an encoder-decoder's
+    self- and cross-attention alike) must be transformers' plain `DynamicLayer` (keys and values of every past
+    position, one tensor per layer)."""
+    from transformers import EncoderDecoderCache
+
+    if isinstance(prefilled, EncoderDecoderCache):
+        layers = [*prefilled.self_attention_cache.layers, *prefilled.cross_attention_cache.layers]
+    else:
+        layers = prefilled.layers
+    for i, layer in enumerate(layers):
+        if type(layer) is not DynamicLayer:
+            return f"its layer {i} keeps a {type(layer).__name__} (sliding window, state or other): not held per row yet"
+        if layer.keys is None or layer.keys.dim() != 4:
+            return f"its layer {i} keeps no 4D keys"
+    return None

@@ -1,0 +1,544 @@
+"""The step engine (`--scheduler continuous`): rows join and leave a running batch at every decoding step.
+
+Every rank runs the same steps in lock step (the leader broadcasts each step's admissions and cancellations,
+`engine.Serving.steps_loop`). A step: rows whose clients left end (their slots freed); the rows waiting are admitted
+while slots are free, prefilled together (their prompts right-padded through the model with transformers' own
+cache, as generate prefills; an encoder-decoder's encoder runs here, once per row, and its first decoder step), each
+row's keys and values copied into its slot of `slots.SlotCache`, and each given its first token; then every row that
+was running decodes one token, all together, each at its own position under a 4D mask (`SlotCache.decode`). A row
+ends the step it ends (answered, slot freed), so a short row never waits for a long one and a new row never waits
+for a batch.
+
+Each row keeps generate's own rules, one row at a time: the logits processors generate builds from the model's
+generation config and the row's settings (`_get_logits_processor`, repetition penalty included), then our per-row
+rules (`rules.RowRules`: minimum, sampling with the row's seeded generator; `rules.row_end`: EOS, stop ids and
+strings, max_tokens, as the batch engine's `RowStops` ends rows). A row's tokens are then those of its request
+generated alone in one process.
+
+Decoders that take no per-row positions (an encoder-decoder's decoder computes them from its cache's one length:
+BART's family adds learned or sinusoidal embeddings at that position, T5's a relative bias from it) get them from
+`DecoderPositions` while a step runs. What the step engine does not take yet, run by the batch engine
+(`engine.run_batch`, one generate) when no row is running, rows behind it waiting (first come, first served): beam
+search and /generate's other generate settings. A model whose probe (`probe`: rows joining a running batch must
+give each row's logits alone) fails, or whose cache is not plain per-layer keys and values, is served by the batch
+engine alone, said at start."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList
+from transformers.modeling_outputs import BaseModelOutput
+
+from ..errors import first_line
+from .beams import BeamGroup
+from .rules import Refused, RowRules, eos_ids, fatal, generation_config, row_end, with_defaults
+from .slots import SlotCache, check_layers
+from .wire import Admit, BatchKey, RowSpec
+
+
+class NotPerRow(Exception):
+    """A model whose cache the step engine cannot hold a row of (`probe` says why)."""
+
+
+def steps_take(key: BatchKey, capacity: int) -> bool:
+    """Whether the step engine runs rows of this key (else the batch engine runs their admission whole): any key
+    whose beams fit the slots (/generate's other settings are logits processors and beam settings, which each row
+    and beam group builds as generate builds them)."""
+    return key.num_beams <= capacity
+
+
+@dataclass(eq=False)  # a row is itself (a set member, a dict key)
+class _Row:
+    spec: RowSpec
+    slot: int
+    ids: list[int]  # prompt and new tokens
+    start: int  # the prompt's length
+    processors: LogitsProcessorList
+    rules: RowRules
+
+    @property
+    def new(self) -> list[int]:
+        return self.ids[self.start:]
+
+
+class StepEngine:
+    """The rows of one replica, slot by slot. `take` queues an admission (rows) or a cancellation; `step` runs one
+    step and reports through `answers` (`engine.Answers`: tokens, rows finished or failed); `run_batch(admit)` is
+    the batch engine, for admissions the steps do not take."""
+
+    def __init__(self, model, tokenizer, device, capacity: int, run_batch=None):
+        self.model, self.tokenizer, self.device, self.capacity = model, tokenizer, device, capacity
+        self.run_batch = run_batch
+        self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        self.positions = DecoderPositions(model) if self.encoder_decoder else None
+        self.source_state = None  # an encoder-decoder's encoder output: (width, dtype), for the steps' stand-in
+        self.eos = eos_ids(model)
+        self.eos_set = set(self.eos)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        parameters = set(inspect.signature(model.forward).parameters)
+        self.cache_name = "cache" if "cache" in parameters else "past_key_values"
+        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        self.waiting: collections.deque = collections.deque()  # (spec, key) of a row, or an Admit for the batch engine
+        self.running: dict[int, _Row] = {}  # slot -> row
+        self.cancelled: set[int] = set()
+        self.alone = False  # running an admission that must run alone
+        self.cache: SlotCache | None = None
+        self.record: dict[int, list[torch.Tensor]] | None = None  # row id -> each step's logits (`probe`)
+
+    # ----- what the leader passes on
+    def take(self, admit: Admit) -> None:
+        if steps_take(admit.key, self.capacity) and not admit.alone:
+            self.waiting.extend((spec, admit.key) for spec in admit.rows)  # a row, or a beam request's group
+        else:  # run whole, with no other row beside it
+            self.waiting.append(admit)
+
+    def cancel(self, ids) -> None:
+        self.cancelled.update(ids)
+
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def rows(self) -> list[int]:
+        """The ids of every row held (running or waiting), in order."""
+        held = list(dict.fromkeys(r.spec.id for r in self.running.values()))  # a beam group holds several slots
+        for item in self.waiting:
+            held.extend(s.id for s in item.rows) if isinstance(item, Admit) else held.append(item[0].id)
+        return held
+
+    # ----- one step
+    def step(self, answers, control=None) -> None:
+        self._end_cancelled(answers)
+        decoding = dict(self.running)  # the rows that were running: they decode together below
+        tokens: dict[int, tuple[int, int]] = {}
+        if self.waiting and isinstance(self.waiting[0], Admit) and not self.running:
+            # a whole admission's turn, alone (while rows run, none is admitted before it: first come, first served)
+            admit = self.waiting.popleft()
+            if not steps_take(admit.key, self.capacity):
+                if control is not None:
+                    control.cancelled = set(self.cancelled)
+                self.run_batch(admit, control, answers)
+                if control is not None:
+                    self.cancel(control.cancelled)  # cancellations that came while it ran
+                return
+            self.alone = True  # a request run again alone (its batch failed): nothing joins it until it ends
+            self.waiting.extendleft(reversed([(spec, admit.key) for spec in admit.rows]))
+            limit = len(admit.rows)
+        else:
+            limit = 0 if self.alone and self.running else len(self.waiting)
+        joining, groups, free = [], [], self.capacity - len(self.running)
+        while self.waiting and not isinstance(self.waiting[0], Admit) and len(joining) + len(groups) < limit:
+            need = self.waiting[0][1].num_beams  # a beam request takes its beams' slots at once (first come first)
+            if need > free:
+                break
+            free -= need
+            (groups if need > 1 else joining).append(self.waiting.popleft())
+        if joining:
+            self._admit(joining, tokens, answers)
+        for spec, key in groups:
+            self._admit_beams(spec, key, answers)
+        if decoding:
+            self._decode(decoding, tokens, answers)
+        if not self.running:
+            self.alone = False
+        if tokens:
+            answers.tokens(0, {i: t for i, (_, t) in tokens.items()}, counts={i: c for i, (c, _) in tokens.items()})
+
+    def _end_cancelled(self, answers) -> None:
+        if not self.cancelled:
+            return
+        for slot, row in list(self.running.items()):
+            if row.spec.id in self.cancelled:
+                del self.running[slot]
+                answers.finished(row.spec.id, [row.new] if isinstance(row, _Row) else [[]], ["cancelled"])
+        kept = collections.deque()
+        for item in self.waiting:
+            specs = item.rows if isinstance(item, Admit) else (item[0],)
+            if all(s.id in self.cancelled for s in specs):
+                for s in specs:
+                    answers.finished(s.id, [[]], ["cancelled"])
+            else:
+                kept.append(item)
+        self.waiting = kept
+        self.cancelled &= set(self.rows())  # ids no longer held are forgotten
+
+    def _row(self, spec: RowSpec, key: BatchKey, slot: int) -> _Row:
+        """A new row's record: its processors (generate's, from the model's generation config and the key), rules and
+        stops; its ids start as its prompt (a decoder-only model) or the decoder's start token."""
+        prompt = torch.tensor([list(spec.prompt_ids)], dtype=torch.long, device=self.device)
+        config = with_defaults(self.model, generation_config(self.model, key, spec.max_new_tokens,
+                                                             self.tokenizer.pad_token_id))
+        self.model._prepare_special_tokens(config, True, device=self.device)
+        processors = self.model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
+            logits_processor=LogitsProcessorList(), device=self.device, model_kwargs={})
+        if self.encoder_decoder:
+            ids = [int(config._decoder_start_token_tensor.reshape(-1)[0])]
+        else:
+            ids = list(spec.prompt_ids)
+        start = len(ids)
+        return _Row(spec, slot, ids, start, processors, RowRules([spec], start, self.eos, self.device))
+
+    def _admit(self, items: list, tokens: dict, answers) -> None:
+        """New rows ((spec, key) each): prefilled together, copied into free slots, each given its first token. A
+        prefill that fails is run again a row at a time, so that only the row that fails alone fails."""
+        free = sorted(set(range(self.capacity)) - set(self.running))
+        rows = [self._row(spec, key, slot) for (spec, key), slot in zip(items, free)]
+        try:
+            prefilled, logits = self._prefill(rows)
+        except Exception as e:  # noqa: BLE001 - the rows' failure (alike on every rank), unless `fatal`
+            if fatal(e) or isinstance(e, NotPerRow):
+                raise
+            if len(items) > 1:
+                for item in items:
+                    self._admit([item], tokens, answers)
+                return
+            answers.failed((rows[0].spec.id,), 500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
+            return
+        for b, row in enumerate(rows):
+            self.cache.write_prompt(row.slot, prefilled, b, len(row.ids), len(row.spec.prompt_ids))
+            self.running[row.slot] = row
+            self._next(row, logits[b], tokens, answers)
+
+    def _prefill(self, rows: list[_Row]) -> tuple:
+        """The rows' prompts through the model at once, right-padded (a row's positions never see the padding after
+        it), with transformers' own cache: (that cache, each row's last logits in float32)."""
+        n, prompts = len(rows), [list(r.spec.prompt_ids) for r in rows]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([p + [self.pad] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+        mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long,
+                            device=self.device)
+        with torch.no_grad():
+            if self.encoder_decoder:
+                encoded = self.model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True)
+                state = encoded.last_hidden_state
+                self.source_state = (state.shape[-1], state.dtype)
+                prefilled = EncoderDecoderCache(DynamicCache(config=self.model.config),
+                                                DynamicCache(config=self.model.config))
+                start = torch.tensor([r.ids for r in rows], dtype=torch.long, device=self.device)
+                out = self.model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=start,
+                                 use_cache=True, **{self.cache_name: prefilled}, **self.keep)
+                logits = out.logits[:, -1]
+            else:
+                prefilled = DynamicCache(config=self.model.config)
+                last = [len(p) - 1 for p in prompts]
+                keep = {}
+                if self.keep:  # only the rows' last positions through the head (generate: logits_to_keep=1)
+                    kept = sorted(set(last))
+                    keep = {"logits_to_keep": 1 if kept == [width - 1] else torch.tensor(kept, device=self.device)}
+                    last = [kept.index(i) - len(kept) for i in last]
+                out = self.model(input_ids=ids, attention_mask=mask, use_cache=True,
+                                 position_ids=torch.arange(width, device=self.device)[None].expand(n, -1),
+                                 **{self.cache_name: prefilled}, **keep)
+                logits = out.logits[torch.arange(n), torch.tensor(last)]
+        if self.cache is None:
+            why = check_layers(prefilled)
+            if why:
+                raise NotPerRow(f"the step engine cannot hold this model's cache: {why}")
+            layers = prefilled.self_attention_cache if self.encoder_decoder else prefilled
+            self.cache = SlotCache(len(layers.layers), self.capacity, cross=self.encoder_decoder)
+        return prefilled, logits.to(dtype=torch.float32)
+
+    def _admit_beams(self, spec: RowSpec, key: BatchKey, answers) -> None:
+        """A beam request: its prompt prefilled once, copied into `num_beams` free slots, and its first step taken."""
+        slots = sorted(set(range(self.capacity)) - set(self.running))[:key.num_beams]
+        config = with_defaults(self.model, generation_config(self.model, key, key.max_new_tokens or spec.max_new_tokens,
+                                                             self.tokenizer.pad_token_id))
+        row = self._row(spec, BatchKey(), slots[0])  # the prompt as a row, for the prefill
+        try:
+            group = BeamGroup(self.model, spec, key, slots, row.ids, config, self.eos, self.tokenizer, self.device,
+                              encoder_ids=list(spec.prompt_ids))
+            prefilled, logits = self._prefill([row])
+        except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
+            if fatal(e) or isinstance(e, NotPerRow):
+                raise
+            answers.failed((spec.id,), 500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
+            return
+        for slot in slots:
+            self.cache.write_prompt(slot, prefilled, 0, len(row.ids), len(spec.prompt_ids))
+            self.running[slot] = group
+        self._beam_step(group, logits[0][None].expand(len(slots), -1), answers)
+
+    def _beam_step(self, group: BeamGroup, logits: torch.Tensor, answers) -> None:
+        """A beam group's step from its beams' logits: the search advances, its slots are reordered within the group,
+        and it is answered when the search ends; a request with nothing left to take fails alone."""
+        try:
+            sources = group.step(logits)
+        except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
+            if fatal(e):
+                raise
+            for slot in group.slots:
+                del self.running[slot]
+            failed = ((e.status, str(e)) if isinstance(e, Refused) else
+                      (500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300]))
+            answers.failed((group.spec.id,), *failed)
+            return
+        self.cache.reorder(group.slots, [group.slots[j] for j in sources])
+        if group.done:
+            for slot in group.slots:
+                del self.running[slot]
+            answers.finished(group.spec.id, *group.result(self.tokenizer.pad_token_id))
+
+    def _decode(self, rows: dict, tokens: dict, answers) -> None:
+        """One token for every row in `rows` (slot -> its row, or its beam group), each at its own position."""
+        hi = max(rows) + 1
+        feed, positions = [], {}
+        for slot in range(hi):
+            held = rows.get(slot)
+            if isinstance(held, BeamGroup):
+                feed.append(held.last_tokens()[held.slots.index(slot)])
+                positions[slot] = held.position()
+            elif held is not None:
+                feed.append(held.ids[-1])
+                positions[slot] = len(held.ids) - 1
+            else:
+                feed.append(self.pad)
+        ids = torch.tensor([[t] for t in feed], dtype=torch.long, device=self.device)
+        position_ids, mask = self.cache.decode(positions)
+        try:
+            with torch.no_grad():
+                if self.encoder_decoder:
+                    sources = self.cache.source_mask(hi)
+                    width, dtype = self.source_state
+                    # the decoder reads the cached cross-attention keys; the encoder's output only gives its shape
+                    stand_in = torch.zeros((1, 1, width), dtype=dtype, device=self.device).expand(
+                        hi, sources.shape[1], width)
+                    with self.positions.per_row(position_ids[:, 0].tolist()):
+                        out = self.model(encoder_outputs=BaseModelOutput(last_hidden_state=stand_in),
+                                         attention_mask=sources, decoder_input_ids=ids, decoder_attention_mask=mask,
+                                         use_cache=True, **{self.cache_name: self.cache.for_step()}, **self.keep)
+                else:
+                    out = self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                                     **{self.cache_name: self.cache}, **self.keep)
+        finally:
+            self.cache.done()
+        logits = out.logits[:, -1].to(dtype=torch.float32)
+        plain = [s for s, held in rows.items() if isinstance(held, _Row) and self._plain(held)]
+        taken = {}
+        if plain:  # one argmax and one finiteness check for every plain row (a row with a problem takes `_next`'s way)
+            index = torch.tensor(plain, device=logits.device)
+            scores = logits[index]
+            fine = (~(torch.isnan(scores) | torch.isposinf(scores)).any(-1) & ~torch.isneginf(scores).all(-1)).tolist()
+            taken = {s: t for s, t, ok in zip(plain, scores.argmax(-1).tolist(), fine) if ok}
+        for held in dict.fromkeys(rows.values()):  # each row, each beam group once
+            if isinstance(held, BeamGroup):
+                self._beam_step(held, logits[held.slots], answers)
+            else:
+                self._next(held, logits[held.slot], tokens, answers, taken.get(held.slot))
+
+    def _next(self, row: _Row, logits: torch.Tensor, tokens: dict, answers, token: int | None = None) -> None:
+        """The row's next token from its logits, by its rules (`token`: already taken, where `_plain` allows); the
+        row ends here if that ends it."""
+        if self.record is not None:
+            self.record.setdefault(row.spec.id, []).append(logits.clone())
+        failed = None
+        if token is None:
+            ids = torch.tensor([row.ids], dtype=torch.long, device=self.device)
+            try:
+                scores = row.rules(ids, row.processors(ids, logits[None]))
+                failed = row.rules.failed.get(0)
+            except Exception as e:  # noqa: BLE001 - a row's own rules failing is its failure (alike on every rank)
+                if fatal(e):
+                    raise
+                failed = (500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
+            if failed is None:
+                token = int(scores[0].argmax())
+        if failed is not None:
+            del self.running[row.slot]
+            answers.failed((row.spec.id,), *failed)
+            return
+        row.ids.append(token)
+        new = row.new
+        tokens[row.spec.id] = (len(new), token)
+        reason = row_end(row.spec, token, len(new), self.eos_set,
+                         lambda: self.tokenizer.decode(new, skip_special_tokens=True))
+        if reason:
+            del self.running[row.slot]
+            answers.finished(row.spec.id, [new], [reason])
+
+    def _plain(self, row: _Row) -> bool:
+        """Whether the row's next token is simply the highest logit: greedy, no processor of generate's, nothing held
+        back (its minimum reached); its scores are then checked and its token taken with every such row's at once,
+        the same token `_next`'s rules would take (argmax of the same float32 logits)."""
+        return (row.spec.temperature <= 0 and not row.processors and len(row.new) >= row.spec.min_tokens
+                and self.record is None)
+
+    def fail_running(self) -> list[int]:
+        """A step that failed on every rank: its rows end (their ids returned, to be answered together)."""
+        ids = list(dict.fromkeys(r.spec.id for r in self.running.values()))
+        self.running.clear()
+        return ids
+
+
+# The probe's bound on |logits - alone| / max |alone|, in fp32 (key True) and in half precision: rows decoded in one
+# step sum in another order than alone. Measured (2026-12-05, tiny random GPT-2, T5, BART, Marian, rows fed the same
+# tokens): right, at most 1.6e-6 in fp32, 0.0037 in fp16, 0.019 in bf16; a row given one shared position (the same
+# models without `DecoderPositions`): 0.017-0.43 in fp32, 0.015-0.52 in half precision. So fp32 tells every error
+# measured; half precision only those above its rounding (T5's relative bias on a tiny random model, 0.015, is not),
+# which docs/serving.md says.
+PROBE_TOLERANCE = {True: 1e-4, False: 3e-2}
+
+
+class _Captured(Exception):
+    pass
+
+
+class DecoderPositions:
+    """Per-row positions for a decoder that computes its positions from its cache's one length (an encoder-decoder's
+    decoder takes no position ids): while a step runs (`per_row`), the decoder's position embedding module
+    (`embed_positions`: BART's family, learned or sinusoidal) answers each row's own position, from a table of its
+    own outputs (captured from one call over positions 0..n-1, whatever its signature or offset), and a relative
+    position bias (`compute_bias`: T5's family) is computed for each row from its own position. The probe checks the
+    result against each row run alone."""
+
+    def __init__(self, model):
+        self.decoder = model.get_decoder()
+        self.embed = getattr(self.decoder, "embed_positions", None)
+        self.biases = [m for m in self.decoder.modules()
+                       if getattr(m, "has_relative_attention_bias", False) and hasattr(m, "compute_bias")]
+        self.table: torch.Tensor | None = None
+
+    def _table(self, n: int) -> torch.Tensor:
+        """The position module's output for positions 0..n-1 (at least), `[n, dim]`: the decoder called on n tokens,
+        stopped once the module has answered."""
+        if self.table is None or self.table.shape[0] < n:
+            size = max(n, 64, 2 * (0 if self.table is None else self.table.shape[0]))
+            limit = getattr(self.embed, "num_embeddings", None)
+            offset = getattr(self.embed, "offset", 0)
+            if limit is not None:
+                size = min(size, limit - offset)
+            found = []
+
+            def capture(module, args, output):
+                found.append(output)
+                raise _Captured
+
+            weight = next(self.decoder.parameters())
+            handle = self.embed.register_forward_hook(capture)
+            try:
+                with torch.no_grad():
+                    self.decoder(input_ids=torch.zeros((1, size), dtype=torch.long, device=weight.device),
+                                 encoder_hidden_states=torch.zeros((1, 1, self.embed.embedding_dim),
+                                                                   dtype=weight.dtype, device=weight.device))
+            except _Captured:
+                pass
+            finally:
+                handle.remove()
+            self.table = found[0].reshape(-1, found[0].shape[-1])
+        return self.table
+
+    @contextlib.contextmanager
+    def per_row(self, positions: list[int]):
+        handle = None
+        if self.embed is not None:
+            rows = self._table(max(positions) + 1)[torch.tensor(positions, device=self.table.device)][:, None, :]
+            handle = self.embed.register_forward_hook(lambda module, args, output: rows.to(output.dtype))
+        for module in self.biases:
+            own = type(module).compute_bias.__get__(module)
+
+            def per_row_bias(query_length, key_length, device=None, past_seen_tokens=0, own=own):
+                return torch.cat([own(query_length, key_length, device=device, past_seen_tokens=p)
+                                  for p in positions])
+
+            module.compute_bias = per_row_bias
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+            for module in self.biases:
+                del module.compute_bias
+
+
+def probe(model, tokenizer, device, capacity: int = 4) -> str | None:
+    """Why this model cannot be served by the step engine (None: it can). Three rows of different lengths, two
+    admitted together and the third joining while they run, must each give the logits of that row run alone (the
+    plain forward at batch 1 with transformers' own cache, as generate runs it), step for step, within rounding: a
+    model whose attention does not follow per-row positions and a 4D mask (a relative bias or ALiBi computed from one
+    shared position or a 2D mask...) differs by far more. Run on every rank alike (its forward is sharded)."""
+    vocab = min(int(model.config.get_text_config().vocab_size), len(tokenizer))
+    # lengths far apart, and the third row joining 6 steps after the others: a row given another's position differs
+    # the most (limited to the model's positions: 64 and more for every model we ship)
+    prompts = [[(7 * i + 3) % vocab for i in range(24)], [(5 * i + 11) % vocab for i in range(3)],
+               [(3 * i + 5) % vocab for i in range(12)]]
+    engine = StepEngine(model, tokenizer, device, capacity)
+    engine.record = {}
+
+    class Quiet:
+        def __init__(self):
+            self.ended, self.sequences = set(), {}
+
+        def tokens(self, step, tokens, counts=None):
+            pass
+
+        def finished(self, row, sequences, reasons):
+            self.ended.add(row)
+            self.sequences[row] = sequences[0]
+
+        def failed(self, rows, status, message, together=False):
+            raise RuntimeError(f"probe row failed: {message}")
+
+    answers, key = Quiet(), BatchKey()
+    try:
+        # one row admitted a step: each prefill is then the row's own alone (batched prefills are right-padded
+        # generate prefills, checked against rows alone in fp32 by tests/test_serve_steps.py), so in half precision
+        # too the logits differ only where a row is given another's position or past
+        engine.take(Admit(0, key, (RowSpec(tuple(prompts[0]), 10, ignore_eos=True, id=0),)))
+        engine.step(answers)
+        engine.take(Admit(1, key, (RowSpec(tuple(prompts[1]), 10, ignore_eos=True, id=1),)))
+        for _ in range(5):
+            engine.step(answers)
+        engine.take(Admit(2, key, (RowSpec(tuple(prompts[2]), 6, ignore_eos=True, id=2),)))
+        for _ in range(12):
+            if not engine.busy():
+                break
+            engine.step(answers)
+        worst = 0.0
+        for i, prompt in enumerate(prompts):
+            want = _alone(model, engine, prompt, answers.sequences[i])
+            got = torch.stack(engine.record[i])
+            if got.shape != want.shape:
+                return f"the probe's row {i} gave {got.shape[0]} steps, alone {want.shape[0]}"
+            worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp(min=1.0)))
+        tolerance = PROBE_TOLERANCE[model.dtype == torch.float32]
+        if not worst <= tolerance:
+            return (f"rows in one step do not give their single-row logits (relative difference {worst:.2g} at "
+                    f"most, against {tolerance:g}): its attention does not follow per-row positions and masks")
+    except NotPerRow as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - any failure: the batch engine serves it
+        return f"the probe failed: {type(e).__name__}: {first_line(e)}"[:300]
+    return None
+
+
+def _alone(model, engine: StepEngine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """A prompt's logits alone, through the plain forward and transformers' own cache, fed the tokens the step engine
+    chose (so that a near tie decided otherwise in half precision does not make the rows diverge): one per token."""
+    ids = torch.tensor([prompt], dtype=torch.long, device=engine.device)
+    found = []
+    with torch.no_grad():
+        if engine.encoder_decoder:
+            encoded = model.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
+            cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+            start = model.generation_config.decoder_start_token_id
+            if start is None:
+                start = model.config.decoder_start_token_id
+            decoded = torch.tensor([[start, *tokens]], dtype=torch.long, device=engine.device)
+            for n in range(len(tokens)):
+                out = model(encoder_outputs=encoded, attention_mask=torch.ones_like(ids), use_cache=True,
+                            decoder_input_ids=decoded[:, n:n + 1], **{engine.cache_name: cache})
+                found.append(out.logits[0, -1].to(dtype=torch.float32))
+            return torch.stack(found)
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([[*prompt, *tokens]], dtype=torch.long, device=engine.device)
+        for n in range(len(prompt), len(prompt) + len(tokens)):
+            done = cache.get_seq_length()
+            out = model(input_ids=ids[:, done:n], attention_mask=torch.ones_like(ids[:, :n]),
+                        position_ids=torch.arange(done, n, device=engine.device)[None], use_cache=True,
+                        **{engine.cache_name: cache}, **engine.keep)
+            found.append(out.logits[0, -1].to(dtype=torch.float32))
+    return torch.stack(found)

@@ -1,0 +1,131 @@
+"""`ds-inference bench steps`: what the step engine's admission and decoding step cost, in this process (one rank,
+no server), on a random Llama built from a config (grouped-query attention, rotary positions; no download).
+
+- admission: the time to admit one row of L prompt tokens (its prefill alone and the copy into its slot) while B
+  rows are running, for each L and B; the claim checked: the cost grows with the admitted row (L), not with the
+  batch (B). Reported as the ratio of each B's time to B=1's at the same L.
+- decoding step: the time of one step for B running rows of ~L tokens, against B single-row steps (the speed-up a
+  shared step gives).
+
+Each figure is the median of `--repeats` (with min-max), every configuration measured in one run, alternating.
+
+    ds-inference bench steps [--lengths 16,256,1024] [--batches 1,8,31] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..run.files import write_text_atomic
+from .bench import spread
+
+
+def _model(hidden: int, layers: int, vocab: int):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
+                         max_position_embeddings=8192, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+class _Tokenizer:
+    """What the engine asks of a tokenizer, for token ids only (no text is decoded without stop strings)."""
+
+    pad_token_id = 0
+
+    def __len__(self):
+        return 1 << 30
+
+    def decode(self, ids, **kwargs):
+        return ""
+
+
+class _Quiet:
+    def tokens(self, *args, **kwargs):
+        pass
+
+    def finished(self, *args, **kwargs):
+        pass
+
+    def failed(self, rows, status, message, together=False):
+        raise RuntimeError(message)
+
+
+def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden: int, layers: int,
+                    output_dir: Path) -> dict:
+    import torch
+
+    from ..serve.steps import StepEngine
+    from ..serve.wire import Admit, BatchKey, RowSpec
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    vocab = 1024
+    model = _model(hidden, layers, vocab)
+    capacity = max(batches) + 1
+    key = BatchKey()
+
+    def prompt(n, salt):
+        return tuple((7 * i + salt) % (vocab - 3) + 3 for i in range(n))
+
+    def engine_with(b: int, length: int) -> StepEngine:
+        engine = StepEngine(model, _Tokenizer(), "cpu", capacity)
+        engine.take(Admit(0, key, tuple(RowSpec(prompt(length, r), max_new_tokens=10_000, ignore_eos=True, id=r)
+                                        for r in range(b))))
+        engine.step(_Quiet())  # b rows prefilled and running, each with its first token
+        return engine
+
+    admission = {(length, b): [] for length in lengths for b in batches}
+    step = {(length, b): [] for length in lengths for b in batches}
+    for _ in range(repeats):
+        for length in lengths:
+            for b in batches:
+                engine = engine_with(b, length)
+                for layer in engine.cache.layers:
+                    layer.grow(2 * length + 8)  # no growth inside the timed parts
+                start = time.perf_counter()
+                engine.step(_Quiet())  # one decoding step of b rows
+                step[(length, b)].append((time.perf_counter() - start) * 1000)
+                engine.take(Admit(1, key, (RowSpec(prompt(length, 99), max_new_tokens=10_000, ignore_eos=True,
+                                                   id=10_000),)))
+                start = time.perf_counter()
+                engine._admit(*engine.waiting.popleft(), {}, _Quiet())  # the admission alone, no step after it
+                admission[(length, b)].append((time.perf_counter() - start) * 1000)
+    results = {"command": "ds-inference bench steps " + " ".join(sys.argv[3:]), "date": time.strftime("%Y-%m-%d"),
+               "model": f"random Llama, hidden {hidden}, {layers} layers, fp32, 1 rank",
+               "threads": torch.get_num_threads(), "repeats": repeats, "points": []}
+    for length in lengths:
+        for b in batches:
+            results["points"].append({
+                "prompt_tokens": length, "running_rows": b,
+                "admission_ms": spread(admission[(length, b)]),
+                "admission_vs_one_running": spread([a / o for a, o in zip(admission[(length, b)],
+                                                                          admission[(length, batches[0])])]),
+                "step_ms": spread(step[(length, b)]),
+                "step_per_row_vs_alone": spread([s / b / o for s, o in zip(step[(length, b)],
+                                                                           step[(length, batches[0])])])})
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(output_dir / "bench_steps.json", json.dumps(results, indent=1) + "\n")
+    write_text_atomic(output_dir / "bench_steps.md", _table(results))
+    return results
+
+
+def _table(results: dict) -> str:
+    lines = [f"`{results['command']}` ({results['date']}, {results['model']}, {results['threads']} threads, medians "
+             f"of {results['repeats']} with min-max)", "",
+             "| prompt tokens | running rows | admission ms | admission / with 1 running | step ms | step per row / "
+             "alone |", "|---|---|---|---|---|---|"]
+    def f(s, scale=1.0):
+        return f"{s['median'] * scale:.2f} ({s['min'] * scale:.2f}-{s['max'] * scale:.2f})"
+
+    for p in results["points"]:
+        lines.append(f"| {p['prompt_tokens']} | {p['running_rows']} | {f(p['admission_ms'])} | "
+                     f"{f(p['admission_vs_one_running'])} | {f(p['step_ms'])} | {f(p['step_per_row_vs_alone'])} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,391 @@
+"""The step engine (`--scheduler continuous`): rows join and leave a running batch at every step, each row's tokens
+those of its request generated alone in one process. In this process: the engine against `run_batch` of each row
+alone (greedy, sampled, stop strings and ids, minimums, repetition penalty, one-token rows), on the embedded GPT-2
+and a tiny GQA Llama; the slot cache not copied when a row joins; the probe that sends a model to the batch engine;
+cancellation, a row's own failure, beam and run-alone admissions between steps. Launched: a tp 2 server under
+load against the unsharded model, and a short request answered while a long row runs, a left client's slot freed."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from serving import ServerProc, post, post_all, request
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, LlamaConfig, MistralConfig
+
+from conftest import EXAMPLES, save_tiny_model
+from ds_inference_integration.serve.engine import Answers, run_batch
+from ds_inference_integration.serve.steps import DecoderPositions, StepEngine, probe
+from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
+
+GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
+T5 = EXAMPLES / "models" / "t5-num2words-en-ro"
+PROMPTS = (EXAMPLES / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
+
+
+class Record(Answers):
+    """What the engine answers, kept: each row's sequence and reason, failures, the running rows at each step."""
+
+    def __init__(self):
+        self.ended, self.out, self.whole, self.failures, self.counts = set(), {}, {}, {}, []
+
+    def tokens(self, step, tokens, counts=None):
+        self.counts.append(dict(counts or {}))
+
+    def finished(self, row, sequences, reasons):
+        self.ended.add(row)
+        self.out[row] = (sequences[0], reasons[0])
+        self.whole[row] = (sequences, reasons)
+
+    def failed(self, rows, status, message, together=False):
+        for r in rows:
+            self.ended.add(r)
+            self.failures[r] = (status, message)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(GPT2).eval(), AutoTokenizer.from_pretrained(GPT2)
+
+
+def _llama(tokenizer, path=None, **overrides):
+    """A tiny random Llama with grouped-query attention (4 query heads, 2 key/value heads) and rotary positions,
+    with large weights so that greedy tokens depend on the input."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**{"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "max_position_embeddings": 4096, "pad_token_id": 0, "eos_token_id": 1,
+                            "bos_token_id": 2, **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    if path is not None:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return model
+
+
+def _alone(model, tokenizer, spec, key=BatchKey()):
+    out = run_batch(model, tokenizer, Admit(0, key, (spec,)), "cpu")
+    return out["sequences"][0][0], out["finish"][0][0]
+
+
+def _run(engine, arrivals, answers, limit=500):
+    """Admissions at their steps ({step: Admit}); steps until every row is answered."""
+    step = 0
+    while (arrivals or engine.busy()) and step < limit:
+        if step in arrivals:
+            engine.take(arrivals.pop(step))
+        engine.step(answers)
+        step += 1
+    assert not engine.busy() and not arrivals, "the engine did not finish"
+    return step
+
+
+def _rows(tokenizer, n=10):
+    specs = []
+    for i, prompt in enumerate(PROMPTS[:n]):
+        settings = {"max_new_tokens": 2 + 3 * i}
+        if i % 3 == 1:
+            settings.update(temperature=1.0, top_k=50, seed=42 + i)
+        if i == 0:
+            settings.update(max_new_tokens=30, ignore_eos=True)  # the long row the others overtake
+        if i == 9:
+            settings.update(max_new_tokens=1)
+        if i == 4:
+            settings.update(stop=("de",))
+        if i == 5:
+            settings.update(min_tokens=6, stop_token_ids=(7, 9))
+        if i == 8:
+            settings.update(temperature=0.7, top_p=0.8, seed=3)
+        specs.append(RowSpec(tuple(tokenizer(prompt)["input_ids"]), id=i, **settings))
+    return specs
+
+
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory):
+    path = save_tiny_model("bart", tmp_path_factory.mktemp("bart") / "bart")
+    return AutoModelForSeq2SeqLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa", "t5", "bart"])
+def test_rows_that_join_and_leave_each_get_their_answer_alone(gpt2, bart, kind):
+    """Ten rows (greedy, sampled with seeds, top-p, a stop string, stop ids held back by a minimum, one-token rows)
+    arrive two every third step into 3 slots (prefilled together, right-padded): every row's tokens and finish
+    reason equal that row generated alone, rows of different lengths shared steps, and a later short row finished
+    before an earlier long one. Decoder-only (GPT-2; a Llama with grouped-query attention and rotary positions) and
+    encoder-decoders (T5's relative position bias, BART's learned positions: their decoders get each row's own)."""
+    model, tokenizer = {"gpt2": gpt2, "bart": bart}.get(kind, gpt2)
+    if kind == "llama-gqa":
+        model = _llama(tokenizer)
+    if kind == "t5":
+        model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
+    specs = _rows(tokenizer)
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=3), Record()
+    _run(engine, {3 * i: Admit(i, BatchKey(), tuple(specs[2 * i:2 * i + 2])) for i in range(5)}, answers)
+    assert not answers.failures
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
+    assert any(len(set(c.values())) > 1 for c in answers.counts), "no step held rows of different lengths"
+    order = list(answers.out)
+    assert order.index(1) < order.index(0) and order.index(2) < order.index(0), order
+
+
+def test_repetition_penalty_is_the_rows_own(gpt2):
+    """A key's repetition penalty reaches each of its rows through generate's own processors."""
+    model, tokenizer = gpt2
+    key = BatchKey(repetition_penalty=5.0)
+    specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=16, id=i, ignore_eos=True)
+             for i, p in enumerate(PROMPTS[:3])]
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
+    _run(engine, {0: Admit(0, key, tuple(specs[:2])), 3: Admit(1, key, (specs[2],))}, answers)
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec, key)
+    plain = [_alone(model, tokenizer, spec) for spec in specs]
+    assert plain != [answers.out[s.id] for s in specs]  # the penalty changed something, or this proves nothing
+
+
+def test_a_row_joins_without_the_running_rows_cache_being_copied(gpt2):
+    """An admission writes its own row's slot only: the cache's tensors stay where they were (no re-padding, no copy
+    of the batch) unless the longest row outgrows the width, which doubles."""
+    model, tokenizer = gpt2
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
+    prompt = tuple(tokenizer(PROMPTS[0])["input_ids"])
+    engine.take(Admit(0, BatchKey(), (RowSpec(prompt, max_new_tokens=3, id=0, ignore_eos=True),)))
+    engine.step(answers)
+    layer = engine.cache.layers[0]
+    layer.grow(64)
+    where = [(x.data_ptr(), x.shape) for lay in engine.cache.layers for x in (lay.keys, lay.values)]
+    engine.take(Admit(1, BatchKey(), (RowSpec(prompt[:4], max_new_tokens=3, id=1, ignore_eos=True),)))
+    engine.step(answers)
+    assert where == [(x.data_ptr(), x.shape) for lay in engine.cache.layers for x in (lay.keys, lay.values)]
+    layer.grow(65)
+    assert layer.keys.shape[2] == 128
+
+
+def test_the_probe_sends_what_the_slots_cannot_hold_to_the_batch_engine(gpt2, bart, monkeypatch):
+    """GPT-2, a GQA Llama, T5 and BART pass; a sliding-window model and a model whose attention does not follow
+    per-row positions and masks (Bloom's ALiBi, computed from a 2D mask) are each refused, with why; and so are T5
+    and BART where their decoders are not given each row's position (the probe sees what it must)."""
+    model, tokenizer = gpt2
+    assert probe(model, tokenizer, "cpu") is None
+    assert probe(_llama(tokenizer), tokenizer, "cpu") is None
+    t5 = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
+    for model, tokenizer in (t5, bart):
+        assert probe(model, tokenizer, "cpu") is None
+    monkeypatch.setattr(DecoderPositions, "per_row", lambda self, positions: contextlib.nullcontext())
+    for model, tokenizer in (t5, bart):
+        assert "do not give their single-row logits" in probe(model, tokenizer, "cpu")
+    monkeypatch.undo()
+    model, tokenizer = gpt2
+    torch.manual_seed(0)
+    mistral = AutoModelForCausalLM.from_config(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4)).eval()
+    assert "DynamicSlidingWindowLayer" in probe(mistral, tokenizer, "cpu")
+    from transformers import BloomConfig
+
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=2,
+                                                         n_head=4)).eval()
+    assert probe(bloom, tokenizer, "cpu") is not None
+
+
+def test_cancelled_failed_wide_beam_and_alone_rows_between_steps(gpt2):
+    """A cancelled running row ends 'cancelled' at the next step, a cancelled waiting row without running; a row
+    with nothing left to sample fails alone (400) and its neighbours keep their answers; a beam request wider than
+    the slots runs by the batch engine once the running rows end, rows that came after it waiting; a run-alone
+    admission (a request run again after its batch failed) has no row beside it."""
+    model, tokenizer = gpt2
+    ids = [tuple(tokenizer(p)["input_ids"]) for p in PROMPTS[:6]]
+    vocab = tuple(range(len(tokenizer)))
+    long_row = RowSpec(ids[0], max_new_tokens=40, id=0, ignore_eos=True)
+    masked = RowSpec(ids[1], max_new_tokens=8, id=1, min_tokens=4, stop_token_ids=vocab)
+    good = RowSpec(ids[2], max_new_tokens=8, id=2)
+    wide = Admit(3, BatchKey(num_beams=5, num_return_sequences=2, max_new_tokens=6),
+                 (RowSpec(ids[3], max_new_tokens=6, id=3),))
+    after = RowSpec(ids[4], max_new_tokens=5, id=4)
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
+    engine.run_batch = lambda admit, control, a: [a.finished(r.id, s, f) for r, s, f in zip(
+        admit.rows, *(lambda o: (o["sequences"], o["finish"]))(run_batch(model, tokenizer, admit, "cpu")))]
+    engine.take(Admit(0, BatchKey(), (long_row, masked, good)))
+    engine.step(answers)
+    engine.take(wide)
+    engine.take(Admit(4, BatchKey(), (after,)))
+    engine.step(answers)
+    assert 4 not in [r.spec.id for r in engine.running.values()]  # behind the wide beams: waits
+    engine.cancel([0])
+    for _ in range(30):
+        engine.step(answers)
+    assert answers.out[0][1] == "cancelled" and len(answers.out[0][0]) == 2
+    assert answers.failures[1][0] == 400 and "every token is masked" in answers.failures[1][1]
+    assert answers.out[2] == _alone(model, tokenizer, good)
+    whole = run_batch(model, tokenizer, wide, "cpu")
+    assert answers.out[3] == (whole["sequences"][0][0], whole["finish"][0][0])
+    assert answers.out[4] == _alone(model, tokenizer, after)
+    engine.take(Admit(5, BatchKey(), (RowSpec(ids[5], max_new_tokens=6, id=5),), alone=True))
+    engine.take(Admit(6, BatchKey(), (RowSpec(ids[0], max_new_tokens=3, id=6),)))
+    engine.step(answers)
+    assert [r.spec.id for r in engine.running.values()] == [5]
+    waiting = RowSpec(ids[1], max_new_tokens=3, id=7)
+    engine.take(Admit(7, BatchKey(), (waiting,)))
+    engine.cancel([7])
+    while engine.busy():
+        engine.step(answers)
+    assert answers.out[7] == ([], "cancelled")
+    assert answers.out[6] == _alone(model, tokenizer, RowSpec(ids[0], max_new_tokens=3, id=6))
+
+
+def _generate(**settings):
+    return tuple((name, json.dumps(value)) for name, value in sorted(settings.items()))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "t5", "bart"])
+def test_beam_groups_and_generate_settings_join_running_rows_as_generate_alone(gpt2, bart, kind):
+    """Beam requests (3 and 4 beams, 2 sequences returned, length penalties either way, a minimum, a stop string, a
+    repetition penalty, early_stopping True and "never") and /generate's other settings (no-repeat n-grams, bad and
+    suppressed words, an exponential length decay, a forced EOS, renormalised logits), greedy and sampled, join a
+    step engine of 8 slots while greedy rows run, one admission a step: every request's sequences and reasons equal
+    the batch engine's (one generate) on that request alone; beams are reordered within their own slots only."""
+    model, tokenizer = {"gpt2": gpt2, "bart": bart}.get(kind, gpt2)
+    if kind == "t5":
+        model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
+    keys = [BatchKey(num_beams=3, max_new_tokens=10),
+            BatchKey(num_beams=4, num_return_sequences=2, max_new_tokens=8, length_penalty=2.0),
+            BatchKey(num_beams=2, max_new_tokens=12, min_tokens=5),
+            BatchKey(num_beams=3, max_new_tokens=10, stop=("de",)),
+            BatchKey(num_beams=3, max_new_tokens=10, length_penalty=-1.0, repetition_penalty=1.5),
+            BatchKey(num_beams=3, max_new_tokens=10, generate=_generate(early_stopping=True, no_repeat_ngram_size=2)),
+            BatchKey(num_beams=2, max_new_tokens=6, generate=_generate(early_stopping="never")),
+            BatchKey(num_beams=2, max_new_tokens=10, generate=_generate(exponential_decay_length_penalty=[3, 1.5],
+                                                                        forced_eos_token_id=1)),
+            BatchKey(generate=_generate(no_repeat_ngram_size=2)),
+            BatchKey(generate=_generate(bad_words_ids=[[5], [7]], suppress_tokens=[9])),
+            BatchKey(generate=_generate(renormalize_logits=True, remove_invalid_values=True))]
+    admits = []
+    for i, key in enumerate(keys):
+        sampled = [{}] if key.num_beams > 1 else [{}, {"temperature": 1.0, "seed": 5 + i, "top_k": 20}]
+        for j, settings in enumerate(sampled):
+            spec = RowSpec(tuple(tokenizer(PROMPTS[i + 11 * j])["input_ids"]), max_new_tokens=key.max_new_tokens or 12,
+                           id=10 * i + j, **settings)
+            admits.append(Admit(len(admits), key, (spec,)))
+    greedy = tuple(RowSpec(tuple(tokenizer(PROMPTS[30 + j])["input_ids"]), max_new_tokens=6 + 5 * j, id=200 + j)
+                   for j in range(4))
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=8), Record()
+    engine.take(Admit(99, BatchKey(), greedy))
+    arrivals = {1 + i: a for i, a in enumerate(admits)}
+    steps = 0
+    while arrivals or engine.busy():
+        if steps in arrivals:
+            engine.take(arrivals.pop(steps))
+        engine.step(answers)
+        steps += 1
+        assert steps < 300
+    assert not answers.failures, answers.failures
+    for admit in admits:
+        whole = run_batch(model, tokenizer, admit, "cpu")
+        assert answers.whole[admit.rows[0].id] == (whole["sequences"][0], whole["finish"][0]), admit
+    for spec in greedy:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec)
+
+
+# ---- launched: a server with --scheduler continuous at tp 2
+
+@pytest.mark.launched
+def test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_wait(tmp_path):
+    """A tiny GQA Llama at tp 2, --scheduler continuous (said at start): 24 prompts from 8 clients, greedy and seeded
+    sampling, each equal to that prompt generated alone by the unsharded model; a beam request (a group of slots
+    among the rows) equal too. While a 1000-token row streams, an 8-token request is answered in about its own time
+    (the batch engine made it wait for the long row); with one slot (--max_batch_size 1), a client that leaves its
+    stream frees the slot at the next step. SIGTERM with a row running drains it (answered whole, exit 0); a rank
+    killed mid-row ends the server (503, exit 3)."""
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    path = tmp_path / "llama"
+    model = _llama(tokenizer, path)
+    server = ServerProc(path, ["--tp_size", "2", "--inference_timeout", "60", "--scheduler", "continuous"],
+                        tmp_path, 2)
+    url = server.url + "/v1/completions"
+    try:
+        server.wait_ready()
+        assert "scheduler continuous" in server.output()
+        bodies = [{"prompt": p, "max_tokens": 4 + i % 13, "temperature": 0, "ignore_eos": True}
+                  for i, p in enumerate(PROMPTS[:16])]
+        bodies += [{"prompt": p, "max_tokens": 10, "temperature": 1.0, "top_k": 20, "seed": 7 + i}
+                   for i, p in enumerate(PROMPTS[16:24])]
+        got = post_all(url, bodies, concurrency=8)
+        for body, (status, answer) in zip(bodies, got):
+            assert status == 200, answer
+            spec = RowSpec(tuple(tokenizer(body["prompt"])["input_ids"]), max_new_tokens=body["max_tokens"],
+                           temperature=body["temperature"], top_k=body.get("top_k", 0), seed=body.get("seed", 0),
+                           ignore_eos=body.get("ignore_eos", False))
+            want = tokenizer.decode(_alone(model, tokenizer, spec)[0], skip_special_tokens=True)
+            assert answer["choices"][0]["text"].strip() == want.strip(), (body, answer)
+        status, beam = post(server.url + "/generate", {"inputs": PROMPTS[0], "parameters": {
+            "num_beams": 3, "max_new_tokens": 6}})
+        whole = run_batch(model, tokenizer, Admit(0, BatchKey(num_beams=3, max_new_tokens=6), (RowSpec(
+            tuple(tokenizer(PROMPTS[0])["input_ids"]), max_new_tokens=6),)), "cpu")["sequences"][0][0]
+        assert status == 200 and beam["generated_text"].strip() == tokenizer.decode(whole).strip(), beam
+
+        short = {"prompt": PROMPTS[1], "max_tokens": 8, "ignore_eos": True}
+        start = time.monotonic()
+        assert post(url, short)[0] == 200
+        alone = time.monotonic() - start
+        long_answer = {}
+        long_client = threading.Thread(target=lambda: long_answer.update(r=request("POST", url, {
+            "prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True}, timeout=300)))
+        long_client.start()
+        time.sleep(1.0)
+        start = time.monotonic()
+        assert post(url, short)[0] == 200
+        beside = time.monotonic() - start
+        assert beside < max(2.0, 10 * alone), (alone, beside)
+        assert long_client.is_alive(), "the long row ended first: this measured nothing"
+        long_client.join(300)
+        assert long_answer["r"][0] == 200 and long_answer["r"][1]["usage"]["completion_tokens"] == 1000
+
+        long_client = threading.Thread(target=lambda: long_answer.update(r=request("POST", url, {
+            "prompt": PROMPTS[0], "max_tokens": 300, "ignore_eos": True}, timeout=120)))
+        long_client.start()
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)  # drains: the running row is answered whole
+        long_client.join(120)
+        assert long_answer["r"][0] == 200 and long_answer["r"][1]["usage"]["completion_tokens"] == 300
+        assert server.proc.wait(30) == 0, server.output()[-2000:]
+    finally:
+        server.stop()
+    assert not server.group_alive()
+
+    (tmp_path / "one").mkdir()
+    one = ServerProc(path, ["--tp_size", "2", "--inference_timeout", "60", "--scheduler", "continuous",
+                            "--max_batch_size", "1"], tmp_path / "one", 2)
+    try:
+        one.wait_ready()
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "stream": True})
+        with socket.create_connection(("127.0.0.1", one.port), timeout=30) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+            assert client.recv(200).startswith(b"HTTP/1.1 200")
+            time.sleep(0.5)
+        start = time.monotonic()
+        assert post(one.url + "/v1/completions", short)[0] == 200
+        assert time.monotonic() - start < max(2.0, 10 * alone)  # the left row's slot was freed at its next step
+
+        answers: list = []
+        client = threading.Thread(target=lambda: answers.append(request("POST", one.url + "/v1/completions", {
+            "prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True}, timeout=60)))
+        client.start()
+        time.sleep(0.5)
+        os.kill(one.ranks()[-1], signal.SIGKILL)  # a rank dies mid-row: the request 503, the server ends non-zero
+        client.join(60)
+        status, body, headers = answers[0]
+        assert status == 503 and headers.get("x-should-retry") == "false", answers
+        assert one.proc.wait(30) == 3, one.output()[-2000:]
+    finally:
+        one.stop()
+    assert not one.group_alive()
