@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 
 from conftest import EXAMPLES, save_tiny_model
 from ds_inference_integration.serve.engine import Answers, run_batch
+from ds_inference_integration.serve.slots import SlotCache
 from ds_inference_integration.serve.steps import DecoderPositions, StepEngine, probe
 from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
 
@@ -72,6 +73,23 @@ def _llama(tokenizer, path=None, **overrides):
     return model
 
 
+def _windowed(tokenizer, kind: str):
+    """A tiny random model with sliding-window attention (window 4, shorter than every prompt): Mistral (one window
+    for the whole model, one mask) or Gemma 2 (sliding and full layers alternating, a mask per layer type)."""
+    from transformers import Gemma2Config
+
+    torch.manual_seed(0)
+    small = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 4, "pad_token_id": 0,
+             "eos_token_id": 1, "bos_token_id": 2}
+    config = MistralConfig(**small) if kind == "mistral" else Gemma2Config(**small, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
 def _alone(model, tokenizer, spec, key=BatchKey()):
     out = run_batch(model, tokenizer, Admit(0, key, (spec,)), "cpu")
     return out["sequences"][0][0], out["finish"][0][0]
@@ -115,16 +133,19 @@ def bart(tmp_path_factory):
     return AutoModelForSeq2SeqLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa", "t5", "bart"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa", "mistral-window", "gemma2-window", "t5", "bart"])
 def test_rows_that_join_and_leave_each_get_their_answer_alone(gpt2, bart, kind):
     """Ten rows (greedy, sampled with seeds, top-p, a stop string, stop ids held back by a minimum, one-token rows)
     arrive two every third step into 3 slots (prefilled together, right-padded): every row's tokens and finish
     reason equal that row generated alone, rows of different lengths shared steps, and a later short row finished
     before an earlier long one. Decoder-only (GPT-2; a Llama with grouped-query attention and rotary positions) and
-    encoder-decoders (T5's relative position bias, BART's learned positions: their decoders get each row's own)."""
+    encoder-decoders (T5's relative position bias, BART's learned positions: their decoders get each row's own);
+    sliding windows shorter than the prompts (the keys all kept, the window the step's mask's)."""
     model, tokenizer = {"gpt2": gpt2, "bart": bart}.get(kind, gpt2)
     if kind == "llama-gqa":
         model = _llama(tokenizer)
+    if kind.endswith("-window"):
+        model = _windowed(tokenizer, kind.split("-")[0])
     if kind == "t5":
         model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
     specs = _rows(tokenizer)
@@ -171,25 +192,33 @@ def test_a_row_joins_without_the_running_rows_cache_being_copied(gpt2):
 
 
 def test_the_probe_sends_what_the_slots_cannot_hold_to_the_batch_engine(gpt2, bart, monkeypatch):
-    """GPT-2, a GQA Llama, T5 and BART pass; a sliding-window model and a model whose attention does not follow
-    per-row positions and masks (Bloom's ALiBi, computed from a 2D mask) are each refused, with why; and so are T5
-    and BART where their decoders are not given each row's position (the probe sees what it must)."""
+    """GPT-2, a GQA Llama, T5, BART and sliding-window models pass; a model whose attention does not follow per-row
+    positions and masks (Bloom's ALiBi, computed from a 2D mask) and a state-space model (Mamba) are refused, with
+    why; and so are T5 and BART where their decoders are not given each row's position, and the sliding-window
+    models where the step's mask leaves the window out (the probe sees what it must)."""
     model, tokenizer = gpt2
     assert probe(model, tokenizer, "cpu") is None
     assert probe(_llama(tokenizer), tokenizer, "cpu") is None
     t5 = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
     for model, tokenizer in (t5, bart):
         assert probe(model, tokenizer, "cpu") is None
+    windowed = [_windowed(gpt2[1], kind) for kind in ("mistral", "gemma2")]
+    for model in windowed:
+        assert probe(model, gpt2[1], "cpu") is None
     monkeypatch.setattr(DecoderPositions, "per_row", lambda self, positions: contextlib.nullcontext())
     for model, tokenizer in (t5, bart):
         assert "do not give their single-row logits" in probe(model, tokenizer, "cpu")
+    decode = SlotCache.decode
+    monkeypatch.setattr(SlotCache, "decode", lambda self, positions, window=None: decode(self, positions))
+    for model in windowed:
+        assert "do not give their single-row logits" in probe(model, gpt2[1], "cpu")
     monkeypatch.undo()
+    from transformers import MambaConfig
+
+    mamba = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=len(gpt2[1]), hidden_size=32, num_hidden_layers=2,
+                                                         state_size=4)).eval()
+    assert "not held per row" in probe(mamba, gpt2[1], "cpu")
     model, tokenizer = gpt2
-    torch.manual_seed(0)
-    mistral = AutoModelForCausalLM.from_config(MistralConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4)).eval()
-    assert "DynamicSlidingWindowLayer" in probe(mistral, tokenizer, "cpu")
     from transformers import BloomConfig
 
     bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=2,

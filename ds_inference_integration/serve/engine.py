@@ -50,6 +50,7 @@ from .wire import (
     Ready,
     Stop,
     Tokens,
+    no_delay,
 )
 
 KEEPALIVE_SECONDS = 1.0  # at most: a quarter of --inference_timeout where that is shorter (`keepalive_seconds`)
@@ -288,6 +289,7 @@ def main(argv: list[str]) -> None:
     if leader:
         host, port = os.environ[FRONT_ENV].rsplit(":", 1)
         conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+        no_delay(conn)
         conn.send(Hello(os.getpid()))
     model_dir = settings["model_dir"]
     config = AutoConfig.from_pretrained(model_dir)

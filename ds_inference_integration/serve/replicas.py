@@ -18,7 +18,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from ..run.ranks import start_ranks
-from .wire import AUTHKEY_ENV, FRONT_ENV, Hello, Stop
+from .wire import AUTHKEY_ENV, FRONT_ENV, Hello, Stop, no_delay
 
 ENGINE = "ds_inference_integration.serve.engine"
 
@@ -112,6 +112,7 @@ class Replicas:
         while pending:
             try:
                 conn = self.listener.accept()
+                no_delay(conn)
                 hello = conn.recv()
             except (OSError, EOFError):
                 return

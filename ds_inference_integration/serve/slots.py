@@ -10,9 +10,12 @@ admission costs the admitted rows' lengths, whatever the batch holds. A decoding
 `hi` slots and `width` columns, which the step's 4D mask limits to each row's own past. No copy is made per step.
 
 The width grows by doubling as rows need it (a copy of the whole cache, log2(longest row) times in a server's
-life), so memory follows the longest row held, not `--max_model_len` x slots; the step's shapes change only then
-and when the highest slot in use changes. Layers this cache cannot hold a row of (sliding windows, state-space and
-linear-attention states) are refused by `check_layers`, and the model is then served by the batch engine."""
+life), so memory follows the longest row held so far, not `--max_model_len` x slots; the step's shapes change only
+then and when the highest slot in use changes. Layers this cache cannot hold a row of (state-space and
+linear-attention states, anything but plain keys and values) are refused by `check_layers`, and the model is then
+served by the batch engine. A
+sliding-window model keeps every key here too (a row's prefill runs with transformers' plain cache, which keeps
+them all); its window is the step's mask's (`decode(window=...)`)."""
 
 from __future__ import annotations
 
@@ -191,11 +194,13 @@ class SlotCache(Cache):
         lengths = torch.tensor(self.sources[:hi], device=self.layers[0].keys.device)
         return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
 
-    def decode(self, positions: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, positions: dict[int, int], window: int | None = None) -> tuple:
         """Plan a step over slots 0..hi-1 (hi: the highest slot in `positions`, + 1), slot s writing at
         `positions[s]`; returns the step's `position_ids` (`[hi, 1]`) and additive 4D mask (`[hi, 1, 1, width]`: 0 on
         each row's own past and new token, the dtype's lowest elsewhere; a slot not decoding sees its column 0 only,
-        so no row of the softmax is empty, and its output is not used)."""
+        so no row of the softmax is empty, and its output is not used); and, with a sliding `window`, the mask of the
+        sliding layers, which also hides what lies `window` or more positions back (transformers' sliding overlay: a
+        key at k is seen from q when q - window < k <= q; the keys themselves are all kept), else None."""
         hi, width = max(positions) + 1, max(positions.values()) + 1
         layer = self.layers[0]
         device, dtype = layer.keys.device, layer.keys.dtype
@@ -206,8 +211,10 @@ class SlotCache(Cache):
             each.plan = plan
         every = torch.zeros(hi, dtype=torch.long, device=device).index_copy(0, slots, pos)
         columns = torch.arange(width, device=device)
-        mask = torch.where(columns[None, :] <= every[:, None], 0.0, torch.finfo(dtype).min).to(dtype)
-        return every[:, None], mask[:, None, None, :]
+        seen = columns[None, :] <= every[:, None]
+        masks = [seen] if window is None else [seen, seen & (columns[None, :] > every[:, None] - window)]
+        masks = [torch.where(m, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :] for m in masks]
+        return every[:, None], masks[0], (masks[1] if window is not None else None)
 
     def done(self) -> None:
         for each in self.layers:
@@ -228,7 +235,7 @@ def check_layers(prefilled: Cache) -> str | None:
         layers = prefilled.layers
     for i, layer in enumerate(layers):
         if type(layer) is not DynamicLayer:
-            return f"its layer {i} keeps a {type(layer).__name__} (sliding window, state or other): not held per row yet"
+            return f"its layer {i} keeps a {type(layer).__name__} (a state, not keys and values): not held per row yet"
         if layer.keys is None or layer.keys.dim() != 4:
             return f"its layer {i} keeps no 4D keys"
     return None

@@ -35,8 +35,9 @@ from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..errors import first_line
+from . import rules as row_rules
 from .beams import BeamGroup
-from .rules import Refused, RowRules, eos_ids, fatal, generation_config, row_end, with_defaults
+from .rules import Refused, RowRules, eos_ids, fatal, generation_config, with_defaults
 from .slots import SlotCache, check_layers
 from .wire import Admit, BatchKey, RowSpec
 
@@ -75,6 +76,11 @@ class StepEngine:
         self.model, self.tokenizer, self.device, self.capacity = model, tokenizer, device, capacity
         self.run_batch = run_batch
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        # sliding-window attention: every key kept, the window the step's mask's; the sliding layers' mask passed as
+        # the model's mapping by layer type where its config names its layers' types (Qwen2, Gemma 2/3...), as the
+        # one mask where the window is the whole model's (Mistral); the probe checks what was chosen
+        self.window = getattr(model.config.get_text_config(), "sliding_window", None)
+        self.mapping = bool(getattr(model.config.get_text_config(), "layer_types", None))
         self.positions = DecoderPositions(model) if self.encoder_decoder else None
         self.source_state = None  # an encoder-decoder's encoder output: (width, dtype), for the steps' stand-in
         self.eos = eos_ids(model)
@@ -224,7 +230,8 @@ class StepEngine:
                                  use_cache=True, **{self.cache_name: prefilled}, **self.keep)
                 logits = out.logits[:, -1]
             else:
-                prefilled = DynamicCache(config=self.model.config)
+                # with a window, transformers' sliding layers keep only its last keys: the plain cache keeps them all
+                prefilled = DynamicCache() if self.window else DynamicCache(config=self.model.config)
                 last = [len(p) - 1 for p in prompts]
                 keep = {}
                 if self.keep:  # only the rows' last positions through the head (generate: logits_to_keep=1)
@@ -298,7 +305,9 @@ class StepEngine:
             else:
                 feed.append(self.pad)
         ids = torch.tensor([[t] for t in feed], dtype=torch.long, device=self.device)
-        position_ids, mask = self.cache.decode(positions)
+        position_ids, mask, sliding = self.cache.decode(positions, self.window)
+        if sliding is not None:
+            mask = {"full_attention": mask, "sliding_attention": sliding} if self.mapping else sliding
         try:
             with torch.no_grad():
                 if self.encoder_decoder:
@@ -335,27 +344,28 @@ class StepEngine:
         row ends here if that ends it."""
         if self.record is not None:
             self.record.setdefault(row.spec.id, []).append(logits.clone())
-        failed = None
-        if token is None:
-            ids = torch.tensor([row.ids], dtype=torch.long, device=self.device)
-            try:
+        failed = reason = None
+        try:
+            if token is None:
+                ids = torch.tensor([row.ids], dtype=torch.long, device=self.device)
                 scores = row.rules(ids, row.processors(ids, logits[None]))
                 failed = row.rules.failed.get(0)
-            except Exception as e:  # noqa: BLE001 - a row's own rules failing is its failure (alike on every rank)
-                if fatal(e):
-                    raise
-                failed = (500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
+                token = int(scores[0].argmax()) if failed is None else None
             if failed is None:
-                token = int(scores[0].argmax())
+                new = [*row.new, token]
+                # through the module: the tests' fault hook (tests/faults) replaces it for both engines
+                reason = row_rules.row_end(row.spec, token, len(new), self.eos_set,
+                                           lambda: self.tokenizer.decode(new, skip_special_tokens=True))
+        except Exception as e:  # noqa: BLE001 - a row's own rules failing is its failure (alike on every rank)
+            if fatal(e):
+                raise
+            failed = (500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
         if failed is not None:
             del self.running[row.slot]
             answers.failed((row.spec.id,), *failed)
             return
         row.ids.append(token)
-        new = row.new
         tokens[row.spec.id] = (len(new), token)
-        reason = row_end(row.spec, token, len(new), self.eos_set,
-                         lambda: self.tokenizer.decode(new, skip_special_tokens=True))
         if reason:
             del self.running[row.slot]
             answers.finished(row.spec.id, [new], [reason])

@@ -14,10 +14,20 @@ the front always knows which rows a replica holds."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 FRONT_ENV = "DS_INFERENCE_SERVE_FRONT"  # host:port of the front's socket (the leader connects)
 AUTHKEY_ENV = "DS_INFERENCE_SERVE_AUTHKEY"  # hex; the front makes a random one per start
+
+
+def no_delay(conn) -> None:
+    """Each message on a front-leader connection leaves at once: TCP_NODELAY (Nagle's algorithm held a step's small
+    Tokens message until the previous one was acknowledged, and the receiver delays its acknowledgements: issue #42
+    measured a 1-token request at 52 ms with it, 5 ms without)."""
+    with socket.socket(fileno=socket.dup(conn.fileno())) as sock:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 @dataclass(frozen=True)

@@ -159,14 +159,15 @@ if KIND == "slow_start":
         time.sleep(float(_seconds))
 
 def _patch_serve_raise(module):
-    seed, rules = int(ARG), module.RowRules.__call__
+    """`row_end`, which both engines ask of every row at every new token (the batch engine inside generate)."""
+    seed, row_end = int(ARG), module.row_end
 
-    def failing(self, input_ids, scores):
-        if input_ids.shape[1] - self.start == 1 and any(int(row.seed) == seed for row in self.rows):
+    def failing(row, last, produced, eos, text):
+        if produced == 2 and int(row.seed) == seed:
             raise RuntimeError(f"injected generate failure for seed {seed} (DS_INFERENCE_FAULT)")
-        return rules(self, input_ids, scores)
+        return row_end(row, last, produced, eos, text)
 
-    module.RowRules.__call__ = failing
+    module.row_end = failing
 
 
 class _Hidden(importlib.abc.MetaPathFinder):
