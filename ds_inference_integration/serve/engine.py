@@ -312,7 +312,8 @@ def main(argv: list[str]) -> None:
 
         why = agree(None if (why := probe(model, tokenizer, device, capacity)) is None else (0, why), group, world)
         if why is None:
-            steps, scheduler = StepEngine(model, tokenizer, device, capacity), "continuous"
+            steps = StepEngine(model, tokenizer, device, capacity, None, *settings.get("admission", (0.0, 0)))
+            scheduler = "continuous"
         else:
             scheduler = f"batch (--scheduler continuous: this model is served by the batch engine: {why[1]})"
     guard = None

@@ -19,6 +19,14 @@ DEFAULT_MAX_MODEL_LEN = 2048
 # size never holds the front's event loop for more than a few ms (serve/bodies.py), but costs a worker thread up to
 # 2.5 s of CPU for one of tiny numbers.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# The step engine's admission rule (TGI's waiting_served_ratio and max_waiting_tokens, whose defaults are 1.2 and
+# 20). Default: every waiting row joins at the next step. Measured (`ds-inference bench serve --models gpt2
+# --concurrency 16 --modes continuous,batched --requests 64 --repeats 1 [--output_lengths 4-48]`, 2026-12-05, output
+# tok/s continuous / batched, fixed and mixed lengths): 0 and 0: 1.11x and 1.19x, p99 TTFT 0.21x and 0.13x; 0.3 and
+# 4: 0.98x and 1.25x, 0.22x and 0.22x; 1.2 and 20: 1.00x and 1.15x, 0.22x and 0.57x. No setting gained beyond the
+# repeats' spread here, and waiting costs time to first token; the flags stay for loads where prefills are dear.
+WAITING_SERVED_RATIO = 0.0
+MAX_WAITING_STEPS = 0
 
 
 @dataclass
@@ -39,6 +47,12 @@ class ServeArguments:
                 "beam requests as groups of slots; a model the step engine's probe refuses runs as batches, said at "
                 "start) or batch (one generate a batch: a request waits for the running batch).",
         "choices": ["continuous", "batch"]})
+    waiting_served_ratio: float = field(default=WAITING_SERVED_RATIO, metadata={
+        "help": "The step engine: rows waiting join the running ones once they are this many times the running rows "
+                "(a prefill holds the running rows back; prefilled together, rows cost about what one does), "
+                "or after --max_waiting_steps, as TGI's router decides."})
+    max_waiting_steps: int = field(default=MAX_WAITING_STEPS, metadata={
+        "help": "The step engine: steps a waiting row waits at most for company before it joins the running rows."})
     max_queue: int = field(default=256, metadata={"help": "Requests waiting at most; more get 429 at once."})
     max_n: int = field(default=8, metadata={"help": "Largest n (outputs per prompt) a request may ask for."})
     max_tokens: int = field(default=16, metadata={"help": "max_tokens when a request gives none (OpenAI's default)."})
@@ -93,6 +107,10 @@ def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArgum
         raise InferenceSetupError(f"--max_model_len {serve.max_model_len} is out of range; valid: 2 or more")
     if serve.max_batch_tokens is not None and serve.max_batch_tokens < 1:
         raise InferenceSetupError(f"--max_batch_tokens {serve.max_batch_tokens} is out of range; valid: 1 or more")
+    if serve.waiting_served_ratio < 0 or serve.max_waiting_steps < 0:
+        raise InferenceSetupError(f"--waiting_served_ratio {serve.waiting_served_ratio} --max_waiting_steps "
+                                  f"{serve.max_waiting_steps} is out of range; valid: 0 or more each (0 and 0: every "
+                                  "row joins at the next step)")
     if serve.max_wait_ms < 0:
         raise InferenceSetupError(f"--max_wait_ms {serve.max_wait_ms} is out of range; valid: 0 or more")
     if not 0 <= serve.port <= 65535:
@@ -136,6 +154,7 @@ def engine_settings(model_dir: str, serve: ServeArguments, inference: DeepSpeedI
     """What every rank of a replica is started with (the engine's one argument, as JSON): the model, the flag
     family, and the rows a replica holds at most."""
     return {"model_dir": str(Path(model_dir).resolve()), "capacity": serve.max_batch_size, "scheduler": serve.scheduler,
+            "admission": [serve.waiting_served_ratio, serve.max_waiting_steps],
             "inference": {k: getattr(inference, k) for k in inference.__dataclass_fields__}}
 
 

@@ -72,9 +72,14 @@ class StepEngine:
     step and reports through `answers` (`engine.Answers`: tokens, rows finished or failed); `run_batch(admit)` is
     the batch engine, for admissions the steps do not take."""
 
-    def __init__(self, model, tokenizer, device, capacity: int, run_batch=None):
+    def __init__(self, model, tokenizer, device, capacity: int, run_batch=None, waiting_served_ratio: float = 0.0,
+                 max_waiting_steps: int = 0):
         self.model, self.tokenizer, self.device, self.capacity = model, tokenizer, device, capacity
         self.run_batch = run_batch
+        # when waiting rows join running ones (TGI's rule): once they are `waiting_served_ratio` x the running rows,
+        # or the oldest has waited `max_waiting_steps` steps, or nothing runs (0, 0: at the next step, always)
+        self.waiting_served_ratio, self.max_waiting_steps = waiting_served_ratio, max_waiting_steps
+        self.steps, self.arrived = 0, {}  # steps run; row id -> the step it arrived at
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         # sliding-window attention: every key kept, the window the step's mask's; the sliding layers' mask passed as
         # the model's mapping by layer type where its config names its layers' types (Qwen2, Gemma 2/3...), as the
@@ -99,6 +104,7 @@ class StepEngine:
     # ----- what the leader passes on
     def take(self, admit: Admit) -> None:
         if steps_take(admit.key, self.capacity) and not admit.alone:
+            self.arrived.update((spec.id, self.steps) for spec in admit.rows)
             self.waiting.extend((spec, admit.key) for spec in admit.rows)  # a row, or a beam request's group
         else:  # run whole, with no other row beside it
             self.waiting.append(admit)
@@ -117,7 +123,20 @@ class StepEngine:
         return held
 
     # ----- one step
+    def _admit_now(self) -> bool:
+        """Whether the rows waiting join the running ones at this step: a prefill holds every running row back for
+        its length, and a few rows prefilled together cost about what one does (one forward's overhead), so waiting
+        rows join once they are `waiting_served_ratio` x the running rows or the oldest has waited
+        `max_waiting_steps` steps, as TGI's router decides (`--waiting_served_ratio`, `--max_waiting_tokens`)."""
+        if not self.running or not self.waiting or isinstance(self.waiting[0], Admit):
+            return True
+        running = len(set(map(id, self.running.values())))
+        waiting = sum(1 for item in self.waiting if not isinstance(item, Admit))
+        oldest = self.arrived.get(self.waiting[0][0].id, self.steps)
+        return waiting >= self.waiting_served_ratio * running or self.steps - oldest >= self.max_waiting_steps
+
     def step(self, answers, control=None) -> None:
+        self.steps += 1
         self._end_cancelled(answers)
         decoding = dict(self.running)  # the rows that were running: they decode together below
         tokens: dict[int, tuple[int, int]] = {}
@@ -135,13 +154,14 @@ class StepEngine:
             self.waiting.extendleft(reversed([(spec, admit.key) for spec in admit.rows]))
             limit = len(admit.rows)
         else:
-            limit = 0 if self.alone and self.running else len(self.waiting)
+            limit = 0 if (self.alone and self.running) or not self._admit_now() else len(self.waiting)
         joining, groups, free = [], [], self.capacity - len(self.running)
         while self.waiting and not isinstance(self.waiting[0], Admit) and len(joining) + len(groups) < limit:
             need = self.waiting[0][1].num_beams  # a beam request takes its beams' slots at once (first come first)
             if need > free:
                 break
             free -= need
+            self.arrived.pop(self.waiting[0][0].id, None)
             (groups if need > 1 else joining).append(self.waiting.popleft())
         if joining:
             self._admit(joining, tokens, answers)
@@ -171,6 +191,8 @@ class StepEngine:
                 kept.append(item)
         self.waiting = kept
         self.cancelled &= set(self.rows())  # ids no longer held are forgotten
+        waiting = {item[0].id for item in kept if not isinstance(item, Admit)}
+        self.arrived = {i: at for i, at in self.arrived.items() if i in waiting}
 
     def _row(self, spec: RowSpec, key: BatchKey, slot: int) -> _Row:
         """A new row's record: its processors (generate's, from the model's generation config and the key), rules and
