@@ -271,6 +271,37 @@ def test_cancelled_failed_wide_beam_and_alone_rows_between_steps(gpt2):
     assert answers.out[6] == _alone(model, tokenizer, RowSpec(ids[0], max_new_tokens=3, id=6))
 
 
+def test_waiting_rows_join_by_tgis_rule(gpt2):
+    """--waiting_served_ratio 1, --max_waiting_steps 3: one row arriving beside 4 running rows waits 3 steps, 4 rows
+    arriving at once join at the next step (4 >= 1 x 4), a row arriving at an idle engine at once; each row's answer
+    is still its answer alone."""
+    model, tokenizer = gpt2
+    ids = [tuple(tokenizer(p)["input_ids"]) for p in PROMPTS[:10]]
+    engine = StepEngine(model, tokenizer, "cpu", capacity=10, waiting_served_ratio=1.0, max_waiting_steps=3)
+    answers = Record()
+
+    def running():
+        return sorted(r.spec.id for r in engine.running.values())
+
+    rows = [RowSpec(ids[i], max_new_tokens=30, ignore_eos=True, id=i) for i in range(10)]
+    engine.take(Admit(0, BatchKey(), tuple(rows[:4])))
+    engine.step(answers)
+    assert running() == [0, 1, 2, 3]  # idle: at once
+    engine.take(Admit(1, BatchKey(), (rows[4],)))
+    for _ in range(2):
+        engine.step(answers)
+        assert 4 not in running()
+    engine.step(answers)
+    assert 4 in running()  # waited 3 steps
+    engine.take(Admit(2, BatchKey(), tuple(rows[5:10])))
+    engine.step(answers)
+    assert running() == list(range(10))  # 5 waiting >= 1 x 5 running
+    while engine.busy():
+        engine.step(answers)
+    for spec in rows:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec)
+
+
 def _generate(**settings):
     return tuple((name, json.dumps(value)) for name, value in sorted(settings.items()))
 
