@@ -68,9 +68,9 @@ class _Row:
 
 
 class StepEngine:
-    """The rows of one replica, slot by slot. `take` queues an admission (rows) or a cancellation; `step` runs one
-    step and reports through `answers` (`engine.Answers`: tokens, rows finished or failed); `run_batch(admit)` is
-    the batch engine, for admissions the steps do not take."""
+    """The rows of one replica, slot by slot. `take` queues an admission (rows), `cancel` names rows whose clients
+    left; `step` runs one step and reports through `answers` (`engine.Answers`: tokens, rows finished or failed);
+    `run_batch(admit, control, answers)` is the batch engine, for admissions the steps do not take."""
 
     def __init__(self, model, tokenizer, device, capacity: int, run_batch=None, waiting_served_ratio: float = 0.0,
                  max_waiting_steps: int = 0):
@@ -127,7 +127,8 @@ class StepEngine:
         """Whether the rows waiting join the running ones at this step: a prefill holds every running row back for
         its length, and a few rows prefilled together cost about what one does (one forward's overhead), so waiting
         rows join once they are `waiting_served_ratio` x the running rows or the oldest has waited
-        `max_waiting_steps` steps, as TGI's router decides (`--waiting_served_ratio`, `--max_waiting_tokens`)."""
+        `max_waiting_steps` steps, as TGI's router decides (its `waiting_served_ratio` and `max_waiting_tokens`; ours
+        are `--waiting_served_ratio` and `--max_waiting_steps`, measured in `serve/settings.py`)."""
         if not self.running or not self.waiting or isinstance(self.waiting[0], Admit):
             return True
         running = len(set(map(id, self.running.values())))
