@@ -577,9 +577,9 @@ def test_bf16_with_fp32_sums_serves_as_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
-    """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests, one repeat): every point has
-    its figures, the ratios are there, the plot opens, and no server is left, nor its logs' temporary directory (it
-    was)."""
+    """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests, one repeat, the three modes):
+    every point has its figures, both ratios are there, the plot opens, and no server is left, nor its logs'
+    temporary directory (it was)."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     done = subprocess.run([str(BIN / "ds-inference"), "bench", "serve", "--models", "gpt2", "--concurrency", "1,4",
@@ -591,10 +591,12 @@ def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
     assert not left, left
     result = json.loads((tmp_path / "bench_serve.json").read_text())
     assert {(p["mode"], p["concurrency"]) for p in result["points"]} == {
-        (m, c) for m in ("batched", "one_at_a_time") for c in (1, 4)}
-    assert all(p["requests_ok"] == 8 and p["req_per_s"]["median"] > 0 for p in result["points"])
+        (m, c) for m in ("continuous", "batched", "one_at_a_time") for c in (1, 4)}
+    assert all(p["requests_ok"] == 8 and p["req_per_s"]["median"] > 0 and p["mean_step_rows"]["median"] >= 1
+               for p in result["points"])
     assert [r["concurrency"] for r in result["ratios"]] == [1, 4]
-    assert "| gpt2 | batched | 4 |" in (tmp_path / "bench_serve.md").read_text()
+    assert all(r["req_per_s_ratio"] > 0 and r["continuous_tokens_per_s_ratio"] > 0 for r in result["ratios"])
+    assert "| gpt2 | continuous | 4 |" in (tmp_path / "bench_serve.md").read_text()
     from PIL import Image
 
     with Image.open(tmp_path / "bench_serve.png") as png:
