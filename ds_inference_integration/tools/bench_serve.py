@@ -8,10 +8,14 @@ Per model, mode and concurrency, over repeats (min / median / max): requests/s, 
 latency, p50 / p99 time to first token, and the mean rows per decoding step (from the server's /metrics). Every
 load loop is bounded: `--requests` per point, and a point stops sending after `--point_timeout` seconds.
 `--output_lengths A-B` draws each request's max_tokens from A to B (one seeded draw, the same for every mode), the
-load where a batch's rows end at different steps.
+load where a batch's rows end at different steps; `--arrival_rate R` sends requests at Poisson arrival times (at
+most `--concurrency` open), and `--beam_fraction F` makes that share of them beam requests (4 beams, not streamed:
+their time to first token is their latency). TPOT (time per output token after the first) is given for streamed
+requests.
 
     ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64] [--repeats 3]
                              [--modes continuous,batched,one_at_a_time] [--output_lengths 4-48]
+                             [--arrival_rate R] [--beam_fraction F]
 """
 
 from __future__ import annotations
@@ -94,6 +98,11 @@ def _one(port: int, body: dict, timeout: float) -> dict:
     r = c.getresponse()
     if r.status != 200:
         return {"ok": False, "status": r.status}
+    if not body.get("stream"):  # a beam request (beams do not stream): its first token comes with the rest
+        usage = json.loads(r.read())["usage"]
+        c.close()
+        latency = time.perf_counter() - start
+        return {"ok": True, "latency": latency, "ttft": latency, "tokens": usage["completion_tokens"], "tpot": None}
     first, tokens = None, 0
     for raw in r:
         line = raw.decode().strip()
@@ -105,7 +114,9 @@ def _one(port: int, body: dict, timeout: float) -> dict:
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
     c.close()
-    return {"ok": True, "latency": time.perf_counter() - start, "ttft": first, "tokens": tokens}
+    latency = time.perf_counter() - start
+    tpot = (latency - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return {"ok": True, "latency": latency, "ttft": first, "tokens": tokens, "tpot": tpot}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -114,21 +125,35 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _point(server: _Server, prompts: list[str], concurrency: int, requests: int, lengths: tuple[int, int],
-           point_timeout: float) -> dict:
-    draw = random.Random(concurrency)  # the same lengths for every mode and repeat of a point
-    bodies = [{"prompt": prompts[i % len(prompts)], "max_tokens": draw.randint(*lengths), "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for i in range(requests)]
+           point_timeout: float, arrival_rate: float | None = None, beam_fraction: float = 0.0) -> dict:
+    """One point: `requests` requests, at most `concurrency` open at once; with `arrival_rate`, request i is sent at
+    its Poisson arrival time (exponential gaps of mean 1 / rate, as `vllm bench serve --request-rate` sends them),
+    else as soon as a client is free. A `beam_fraction` of them are beam requests (4 beams, not streamed)."""
+    draw = random.Random(concurrency)  # the same lengths, arrivals and beams for every mode and repeat of a point
+    bodies, at, t = [], [], 0.0
+    for i in range(requests):
+        body = {"prompt": prompts[i % len(prompts)], "max_tokens": draw.randint(*lengths), "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        if draw.random() < beam_fraction:
+            body = {**body, "num_beams": 4, "stream": False}
+            del body["stream_options"], body["ignore_eos"]
+        bodies.append(body)
+        t += draw.expovariate(arrival_rate) if arrival_rate else 0.0
+        at.append(t)
     sums = server.steps()
     deadline = time.monotonic() + point_timeout
     start = time.perf_counter()
 
-    def send(body):
+    def send(i):
+        wait = at[i] - (time.perf_counter() - start)
+        if wait > 0:
+            time.sleep(wait)
         if time.monotonic() > deadline:
             return {"ok": False, "status": "skipped: --point_timeout"}
-        return _one(server.port, body, timeout=max(1.0, deadline - time.monotonic()))
+        return _one(server.port, bodies[i], timeout=max(1.0, deadline - time.monotonic()))
 
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(send, bodies))
+        results = list(pool.map(send, range(requests)))
     wall = time.perf_counter() - start
     after = server.steps()
     ok = [r for r in results if r["ok"]]
@@ -137,12 +162,15 @@ def _point(server: _Server, prompts: list[str], concurrency: int, requests: int,
     return {"requests_ok": len(ok), "requests": requests, "req_per_s": len(ok) / wall,
             "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "latency_p50": _pct([r["latency"] for r in ok], 0.5), "latency_p99": _pct([r["latency"] for r in ok], 0.99),
+            "tpot_p50": _pct([r["tpot"] for r in ok if r["tpot"] is not None] or [0.0], 0.5),
+            "tpot_p99": _pct([r["tpot"] for r in ok if r["tpot"] is not None] or [0.0], 0.99),
             "ttft_p50": _pct([r["ttft"] or r["latency"] for r in ok], 0.5),
             "ttft_p99": _pct([r["ttft"] or r["latency"] for r in ok], 0.99),
             "mean_step_rows": (after[0] - sums[0]) / max(1.0, after[1] - sums[1])}
 
 
-METRICS = ("req_per_s", "output_tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "ttft_p99", "mean_step_rows")
+METRICS = ("req_per_s", "output_tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "ttft_p99", "tpot_p50",
+           "tpot_p99", "mean_step_rows")
 
 
 def parse_lengths(text: str | None) -> tuple[int, int] | None:
@@ -161,11 +189,16 @@ def parse_lengths(text: str | None) -> tuple[int, int] | None:
 
 def run_bench(models: list[str], concurrencies: list[int], requests: int, repeats: int, tp_size: int,
               max_wait_ms: float, point_timeout: float, output_dir: Path, modes: list[str] | None = None,
-              output_lengths: tuple[int, int] | None = None) -> dict:
+              output_lengths: tuple[int, int] | None = None, arrival_rate: float | None = None,
+              beam_fraction: float = 0.0) -> dict:
     for name in models:
         if name not in MODELS:
             raise InferenceSetupError(f"--models {name!r} is unknown; valid: {', '.join(MODELS)}")
     modes = modes or list(MODES)
+    if arrival_rate is not None and not arrival_rate > 0:
+        raise InferenceSetupError(f"--arrival_rate {arrival_rate} is out of range; valid: requests per second > 0")
+    if not 0 <= beam_fraction <= 1:
+        raise InferenceSetupError(f"--beam_fraction {beam_fraction} is out of range; valid: 0 to 1")
     for mode in modes:
         if mode not in MODES:
             raise InferenceSetupError(f"--modes {mode!r} is unknown; valid: {', '.join(MODES)}")
@@ -175,7 +208,8 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
     results: dict = {"command": "ds-inference bench serve " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else
                      "ds-inference bench serve", "date": time.strftime("%Y-%m-%d"), "tp_size": tp_size,
                      "max_wait_ms": max_wait_ms, "requests_per_point": requests, "cpus": os.cpu_count(),
-                     "output_lengths": list(output_lengths) if output_lengths else None, "points": []}
+                     "output_lengths": list(output_lengths) if output_lengths else None,
+                     "arrival_rate": arrival_rate, "beam_fraction": beam_fraction, "points": []}
     for name in models:
         directory, max_tokens = MODELS[name]
         lengths = output_lengths or (max_tokens, max_tokens)
@@ -195,7 +229,7 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
                 for _ in range(repeats):
                     for mode in modes:
                         runs[mode].append(_point(servers[mode], prompts, concurrency, requests, lengths,
-                                                 point_timeout))
+                                                 point_timeout, arrival_rate, beam_fraction))
                 for mode in modes:
                     point = {"model": name, "mode": mode, "concurrency": concurrency,
                              **{m: spread([r[m] for r in runs[mode]]) for m in METRICS},
@@ -243,9 +277,11 @@ def _table(results: dict) -> str:
     lines = [f"`{results['command']}` ({results['date']}, tp {results['tp_size']}, {results['cpus']} CPUs, "
              f"{results['requests_per_point']} requests per point"
              + (f", max_tokens drawn from {lengths[0]} to {lengths[1]}" if lengths else "")
+             + (f", Poisson arrivals at {results['arrival_rate']:g} req/s" if results.get("arrival_rate") else "")
+             + (f", {results['beam_fraction']:.0%} beam requests (4 beams)" if results.get("beam_fraction") else "")
              + ", medians of repeats with min-max)", "",
              "| model | mode | concurrency | req/s | output tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | "
-             "p99 TTFT ms | rows per step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "p99 TTFT ms | p50 TPOT ms | p99 TPOT ms | rows per step |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(s, scale=1.0, digits=1):
         return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
@@ -254,7 +290,7 @@ def _table(results: dict) -> str:
         lines.append(f"| {p['model']} | {p['mode']} | {p['concurrency']} | {f(p['req_per_s'])} | "
                      f"{f(p['output_tokens_per_s'], digits=0)} | {f(p['latency_p50'], 1000, 0)} | "
                      f"{f(p['latency_p99'], 1000, 0)} | {f(p['ttft_p50'], 1000, 0)} | {f(p['ttft_p99'], 1000, 0)} | "
-                     f"{f(p['mean_step_rows'])} |")
+                     f"{f(p['tpot_p50'], 1000)} | {f(p['tpot_p99'], 1000)} | {f(p['mean_step_rows'])} |")
     lines += ["", "| model | concurrency | req/s batched / one at a time | p99 latency batched / one at a time | "
               "output tok/s continuous / batched | p99 TTFT continuous / batched |", "|---|---|---|---|---|---|"]
 

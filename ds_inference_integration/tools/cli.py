@@ -182,7 +182,7 @@ def _bench_serve(ns: argparse.Namespace) -> int:
 
     run_bench(ns.models.split(","), _int_list(ns.concurrency, "--concurrency"), ns.requests, ns.repeats, ns.tp_size,
               ns.max_wait_ms, ns.point_timeout, Path(ns.output_dir), ns.modes.split(","),
-              parse_lengths(ns.output_lengths))
+              parse_lengths(ns.output_lengths), ns.arrival_rate, ns.beam_fraction)
     print(f"wrote {ns.output_dir}/bench_serve.json, bench_serve.md, bench_serve.png")
     return 0
 
@@ -321,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "one_at_a_time (--scheduler batch --max_batch_size 1)")
     bserve.add_argument("--output_lengths", default=None,
                         help="A-B: each request's max_tokens drawn from A to B (default: 24 for every request)")
+    bserve.add_argument("--arrival_rate", type=float, default=None,
+                        help="requests per second, sent at Poisson arrival times (default: each client sends its next "
+                             "request as soon as it has its answer)")
+    bserve.add_argument("--beam_fraction", type=float, default=0.0,
+                        help="share of the requests that are beam requests (4 beams, not streamed)")
     bserve.add_argument("--output-dir", default="bench_out")
     bserve.set_defaults(func=_bench_serve)
     bsteps = bsub.add_parser("steps", help="the step engine in this process: an admission's cost against the rows "
