@@ -577,13 +577,15 @@ def test_bf16_with_fp32_sums_serves_as_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
-    """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests, one repeat, the three modes):
+    """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests at Poisson arrival times, half of
+    them beam requests, one repeat, the three modes):
     every point has its figures, both ratios are there, the plot opens, and no server is left, nor its logs'
     temporary directory (it was)."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     done = subprocess.run([str(BIN / "ds-inference"), "bench", "serve", "--models", "gpt2", "--concurrency", "1,4",
-                           "--requests", "8", "--repeats", "1", "--output-dir", str(tmp_path)],
+                           "--requests", "8", "--repeats", "1", "--arrival_rate", "40", "--beam_fraction", "0.5",
+                           "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # torch's own compile cache (`torchinductor_<user>`, made by an import in the ranks) is torch's to keep
@@ -593,7 +595,8 @@ def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
     assert {(p["mode"], p["concurrency"]) for p in result["points"]} == {
         (m, c) for m in ("continuous", "batched", "one_at_a_time") for c in (1, 4)}
     assert all(p["requests_ok"] == 8 and p["req_per_s"]["median"] > 0 and p["mean_step_rows"]["median"] >= 1
-               for p in result["points"])
+               and p["tpot_p99"]["median"] >= p["tpot_p50"]["median"] > 0 for p in result["points"])
+    assert result["arrival_rate"] == 40 and result["beam_fraction"] == 0.5
     assert [r["concurrency"] for r in result["ratios"]] == [1, 4]
     assert all(r["req_per_s_ratio"] > 0 and r["continuous_tokens_per_s_ratio"] > 0 for r in result["ratios"])
     assert "| gpt2 | continuous | 4 |" in (tmp_path / "bench_serve.md").read_text()
