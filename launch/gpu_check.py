@@ -496,30 +496,12 @@ def timed_steps(model, ids, new_tokens: int, device, sync) -> tuple[list[list[in
     `new_tokens` each: each row's new tokens and the seconds of the second of two runs (the first warms up)."""
     import torch
 
-    from ds_inference_integration.serve.steps import StepEngine
+    from ds_inference_integration.serve.steps import Kept, StepEngine
     from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
-
-    class Ids:  # what the engine asks of a tokenizer without stop strings
-        pad_token_id = 0
-
-        def decode(self, ids, **kwargs):
-            return ""
-
-    class Kept:
-        def __init__(self):
-            self.rows = {}
-
-        def tokens(self, *args, **kwargs):
-            pass
-
-        def finished(self, row, sequences, reasons):
-            self.rows[row] = sequences[0]
-
-        def failed(self, rows, status, message, together=False):
-            raise RuntimeError(message)
+    from ds_inference_integration.tools.bench_steps import TokenIds
 
     for _ in range(2):
-        engine, kept = StepEngine(model, Ids(), device, ids.shape[0]), Kept()
+        engine, kept = StepEngine(model, TokenIds(), device, ids.shape[0]), Kept()
         engine.take(Admit(0, BatchKey(), tuple(RowSpec(tuple(row), max_new_tokens=new_tokens, ignore_eos=True, id=i)
                                               for i, row in enumerate(ids.tolist()))))
         sync()
@@ -529,7 +511,7 @@ def timed_steps(model, ids, new_tokens: int, device, sync) -> tuple[list[list[in
                 engine.step(kept)
         sync()
         seconds = time.perf_counter() - start
-    return [kept.rows[i] for i in range(ids.shape[0])], seconds
+    return [kept.rows[i][0][0] for i in range(ids.shape[0])], seconds
 
 
 def decode_row(path: str, batch: int, new_tokens: int, seconds: float, weight_bytes: int, bandwidth: float) -> dict:

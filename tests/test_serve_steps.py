@@ -449,3 +449,13 @@ def test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_
     finally:
         one.stop()
     assert not one.group_alive()
+
+
+def test_bench_steps_writes_its_figures(tmp_path):
+    """`ds-inference bench steps` on a tiny model, once: every point has its admission and step times and ratios."""
+    from ds_inference_integration.tools.bench_steps import run_bench_steps
+
+    results = run_bench_steps([4, 8], [1, 2], 1, 64, 1, tmp_path)
+    assert {(p["prompt_tokens"], p["running_rows"]) for p in results["points"]} == {(4, 1), (4, 2), (8, 1), (8, 2)}
+    assert all(p["admission_ms"]["median"] > 0 and p["step_ms"]["median"] > 0 for p in results["points"])
+    assert "| 8 | 2 |" in (tmp_path / "bench_steps.md").read_text()

@@ -33,24 +33,24 @@ class _StopStrings(StoppingCriteria):
 
 
 class BeamGroup:
-    """One beam request: `slots` (its num_beams slots, in beam order) and the search's state; `prompt` is what the
-    beams start from (a decoder-only model's prompt, an encoder-decoder's decoder start), `encoder_ids` the request's
-    prompt (what generate's encoder-side processors read)."""
+    """One beam request: `slots` (its num_beams slots, in beam order) and the search's state; `start(config)` gives
+    what the beams start from once `config`'s special tokens are prepared (a decoder-only model's prompt, an
+    encoder-decoder's decoder start); the request's prompt is what generate's encoder-side processors read."""
 
-    def __init__(self, model, spec, key, slots: list[int], prompt: list[int], config, eos: list[int], tokenizer,
-                 device, encoder_ids: list[int]):
+    def __init__(self, model, spec, key, slots: list[int], config, eos: list[int], tokenizer, device, start):
         self.model, self.spec, self.key, self.slots, self.device = model, spec, key, slots, device
         self.num_beams = key.num_beams
-        self.prompt_len = len(prompt)
+        model._prepare_special_tokens(config, True, device=device)
+        self.start = start(config)
+        self.prompt_len = len(self.start)
         self.max_length = self.prompt_len + config.max_new_tokens
+        config.max_length = self.max_length  # generate's: the prompt (the decoder's, for an encoder-decoder) + new
         self.config, self.eos = config, eos
         self.length_penalty, self.early_stopping = config.length_penalty, config.early_stopping
-        input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
-        config.max_length = self.max_length  # generate's: the prompt (the decoder's, for an encoder-decoder) + new
-        model._prepare_special_tokens(config, True, device=device)
+        input_ids = torch.tensor([self.start], dtype=torch.long, device=device)
         self.processors = model._get_logits_processor(
             generation_config=config, input_ids_seq_length=self.prompt_len,
-            encoder_input_ids=torch.tensor([encoder_ids], dtype=torch.long, device=device),
+            encoder_input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long, device=device),
             logits_processor=LogitsProcessorList(), device=device, model_kwargs={})
         own = StoppingCriteriaList([_StopStrings(key.stop, self.prompt_len, tokenizer)] if key.stop else [])
         self.stopping = model._get_stopping_criteria(generation_config=config, stopping_criteria=own,

@@ -36,7 +36,7 @@ from multiprocessing.connection import Client
 import torch
 import torch.distributed as dist
 
-from .rules import BeamGuard, BeamSteps, Refused, RowRules, RowStops, eos_ids, fatal, generation_config
+from .rules import BeamGuard, BeamSteps, RowRules, RowStops, eos_ids, generation_config, own_failure
 from .wire import (
     AUTHKEY_ENV,
     FRONT_ENV,
@@ -335,7 +335,7 @@ def main(argv: list[str]) -> None:
 class Serving:
     """A rank's loop over the leader's messages: the batch engine's (`batch_loop`: one generate an admission) or the
     step engine's (`steps_loop`: one step at a time, admissions and cancellations between steps). A failure is its
-    rows' unless `fatal`; every rank agrees on each outcome (`agree`)."""
+    rows' unless `fatal`; the ranks agree on each batch's outcome and on each failed step (`agree`)."""
 
     def __init__(self, model, tokenizer, device, control: Control, group, world: int, guard=None):
         self.model, self.tokenizer, self.device, self.control = model, tokenizer, device, control
@@ -381,14 +381,10 @@ class Serving:
             answers.failed([row.id for row in admit.rows], *failure, together=True)
 
     def _failure(self, error: Exception) -> tuple[int, str]:
-        from ..errors import first_line
-
-        if fatal(error):
-            raise error
+        failure = own_failure(error)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what a failed allocation left behind
-        return ((error.status, str(error)) if isinstance(error, Refused) else
-                (500, f"generate failed: {type(error).__name__}: {first_line(error)}"[:300]))
+        return failure
 
     def batch_loop(self) -> None:
         while True:
@@ -404,8 +400,8 @@ class Serving:
 
     def steps_loop(self, engine) -> None:
         """The step engine: between two steps, the leader's messages (admissions, cancellations) reach every rank
-        alike; each step's outcome is agreed, and a step that failed on every rank fails its running rows together
-        (the front runs their requests again one at a time)."""
+        alike; a step that failed on every rank is agreed and fails its running rows together (the front runs
+        their requests again one at a time)."""
         control, answers = self.control, Answers(self.control)
         while True:
             admitted = []

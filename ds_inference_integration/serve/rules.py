@@ -255,3 +255,15 @@ def fatal(error: BaseException) -> bool:
             or isinstance(error, (dist.DistError, ConnectionError, TimeoutError, EOFError, LockstepError,
                                   torch.AcceleratorError))
             or "CUDA error" in str(error))
+
+
+def own_failure(error: Exception) -> tuple[int, str]:
+    """(status, why) of a failure that is its rows' own: a `Refused` row's status and words, else a 500 naming the
+    exception in one line; a `fatal` one is raised again (it ends the replica)."""
+    from ..errors import first_line
+
+    if fatal(error):
+        raise error
+    if isinstance(error, Refused):
+        return error.status, str(error)
+    return 500, f"generate failed: {type(error).__name__}: {first_line(error)}"[:300]

@@ -82,18 +82,15 @@ class SlotLayer(CacheLayerMixin):
         return -1
 
 
-class CrossSlotLayer(CacheLayerMixin):
+class CrossSlotLayer(SlotLayer):
     """One cross-attention layer's keys and values for every slot (`[slots, heads, source width, head_dim]`),
-    written once when a row is admitted (its encoder ran once) and read as they are at every step: the decoder reads
-    `keys` and `values` directly once its cross-attention is marked updated, so while a step runs they are the views
-    of its first `hi` slots and the step's source width."""
-
-    is_sliding = False
-    is_compileable = False
+    written once when a row is admitted (its encoder ran once: `write_prompt`, as a self-attention slot is written)
+    and read as they are at every step: the decoder reads `keys` and `values` directly once its cross-attention is
+    marked updated, so while a step runs they are the views of its first `hi` slots and the step's source width."""
 
     def __init__(self, slots: int):
-        super().__init__()
-        self.slots, self.view = slots, None
+        super().__init__(slots)
+        self.view = None
 
     @property
     def keys(self):
@@ -111,26 +108,6 @@ class CrossSlotLayer(CacheLayerMixin):
     @values.setter
     def values(self, value):
         self._values = value
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self._keys = key_states.new_zeros((self.slots, key_states.shape[1], 16, key_states.shape[3]))
-        self._values = value_states.new_zeros((self.slots, value_states.shape[1], 16, value_states.shape[3]))
-        self.is_initialized = True
-
-    def write_prompt(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if not self.is_initialized:
-            self.lazy_initialization(keys, values)
-        length = keys.shape[2]
-        if length > self._keys.shape[2]:
-            new = max(length, 2 * self._keys.shape[2])
-            for name in ("_keys", "_values"):
-                old = getattr(self, name)
-                grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
-                grown[:, :, :old.shape[2]] = old
-                setattr(self, name, grown)
-        self._keys[slot, :, :length] = keys[0]
-        self._values[slot, :, :length] = values[0]
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise RuntimeError("a slot's cross-attention keys are written once, when its row is admitted")

@@ -37,7 +37,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from ..errors import first_line
 from . import rules as row_rules
 from .beams import BeamGroup
-from .rules import Refused, RowRules, eos_ids, fatal, generation_config, with_defaults
+from .rules import RowRules, eos_ids, generation_config, own_failure, with_defaults
 from .slots import SlotCache, check_layers
 from .wire import Admit, BatchKey, RowSpec
 
@@ -205,12 +205,16 @@ class StepEngine:
         processors = self.model._get_logits_processor(
             generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
             logits_processor=LogitsProcessorList(), device=self.device, model_kwargs={})
-        if self.encoder_decoder:
-            ids = [int(config._decoder_start_token_tensor.reshape(-1)[0])]
-        else:
-            ids = list(spec.prompt_ids)
+        ids = self._start(spec, config)
         start = len(ids)
         return _Row(spec, slot, ids, start, processors, RowRules([spec], start, self.eos, self.device))
+
+    def _start(self, spec: RowSpec, config) -> list[int]:
+        """What a row's ids start as: its prompt (a decoder-only model) or the decoder's start token (`config` after
+        `_prepare_special_tokens`)."""
+        if self.encoder_decoder:
+            return [int(config._decoder_start_token_tensor.reshape(-1)[0])]
+        return list(spec.prompt_ids)
 
     def _admit(self, items: list, tokens: dict, answers) -> None:
         """New rows ((spec, key) each): prefilled together, copied into free slots, each given its first token. A
@@ -218,25 +222,27 @@ class StepEngine:
         free = sorted(set(range(self.capacity)) - set(self.running))
         rows = [self._row(spec, key, slot) for (spec, key), slot in zip(items, free)]
         try:
-            prefilled, logits = self._prefill(rows)
+            prefilled, logits = self._prefill([(r.spec.prompt_ids, r.ids) for r in rows])
+        except NotPerRow:
+            raise
         except Exception as e:  # noqa: BLE001 - the rows' failure (alike on every rank), unless `fatal`
-            if fatal(e) or isinstance(e, NotPerRow):
-                raise
+            failure = own_failure(e)
             if len(items) > 1:
                 for item in items:
                     self._admit([item], tokens, answers)
                 return
-            answers.failed((rows[0].spec.id,), 500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
+            answers.failed((rows[0].spec.id,), *failure)
             return
         for b, row in enumerate(rows):
             self.cache.write_prompt(row.slot, prefilled, b, len(row.ids), len(row.spec.prompt_ids))
             self.running[row.slot] = row
             self._next(row, logits[b], tokens, answers)
 
-    def _prefill(self, rows: list[_Row]) -> tuple:
-        """The rows' prompts through the model at once, right-padded (a row's positions never see the padding after
-        it), with transformers' own cache: (that cache, each row's last logits in float32)."""
-        n, prompts = len(rows), [list(r.spec.prompt_ids) for r in rows]
+    def _prefill(self, rows: list[tuple]) -> tuple:
+        """The rows' prompts (each `(prompt ids, ids the row starts from)`: the prompt again, or an encoder-decoder's
+        decoder start) through the model at once, right-padded (a row's positions never see the padding after it),
+        with transformers' own cache: (that cache, each row's last logits in float32)."""
+        n, prompts = len(rows), [list(prompt) for prompt, _ in rows]
         width = max(len(p) for p in prompts)
         ids = torch.tensor([p + [self.pad] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
         mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long,
@@ -248,7 +254,7 @@ class StepEngine:
                 self.source_state = (state.shape[-1], state.dtype)
                 prefilled = EncoderDecoderCache(DynamicCache(config=self.model.config),
                                                 DynamicCache(config=self.model.config))
-                start = torch.tensor([r.ids for r in rows], dtype=torch.long, device=self.device)
+                start = torch.tensor([list(first) for _, first in rows], dtype=torch.long, device=self.device)
                 out = self.model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=start,
                                  use_cache=True, **{self.cache_name: prefilled}, **self.keep)
                 logits = out.logits[:, -1]
@@ -278,18 +284,17 @@ class StepEngine:
         slots = sorted(set(range(self.capacity)) - set(self.running))[:key.num_beams]
         config = with_defaults(self.model, generation_config(self.model, key, key.max_new_tokens or spec.max_new_tokens,
                                                              self.tokenizer.pad_token_id))
-        row = self._row(spec, BatchKey(), slots[0])  # the prompt as a row, for the prefill
         try:
-            group = BeamGroup(self.model, spec, key, slots, row.ids, config, self.eos, self.tokenizer, self.device,
-                              encoder_ids=list(spec.prompt_ids))
-            prefilled, logits = self._prefill([row])
+            group = BeamGroup(self.model, spec, key, slots, config, self.eos, self.tokenizer, self.device,
+                              start=lambda prepared: self._start(spec, prepared))
+            prefilled, logits = self._prefill([(spec.prompt_ids, group.start)])
+        except NotPerRow:
+            raise
         except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
-            if fatal(e) or isinstance(e, NotPerRow):
-                raise
-            answers.failed((spec.id,), 500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
+            answers.failed((spec.id,), *own_failure(e))
             return
         for slot in slots:
-            self.cache.write_prompt(slot, prefilled, 0, len(row.ids), len(spec.prompt_ids))
+            self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids))
             self.running[slot] = group
         self._beam_step(group, logits[0][None].expand(len(slots), -1), answers)
 
@@ -299,13 +304,10 @@ class StepEngine:
         try:
             sources = group.step(logits)
         except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
-            if fatal(e):
-                raise
+            failure = own_failure(e)
             for slot in group.slots:
                 del self.running[slot]
-            failed = ((e.status, str(e)) if isinstance(e, Refused) else
-                      (500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300]))
-            answers.failed((group.spec.id,), *failed)
+            answers.failed((group.spec.id,), *failure)
             return
         self.cache.reorder(group.slots, [group.slots[j] for j in sources])
         if group.done:
@@ -380,9 +382,7 @@ class StepEngine:
                 reason = row_rules.row_end(row.spec, token, len(new), self.eos_set,
                                            lambda: self.tokenizer.decode(new, skip_special_tokens=True))
         except Exception as e:  # noqa: BLE001 - a row's own rules failing is its failure (alike on every rank)
-            if fatal(e):
-                raise
-            failed = (500, f"generate failed: {type(e).__name__}: {first_line(e)}"[:300])
+            failed = own_failure(e)
         if failed is not None:
             del self.running[row.slot]
             answers.failed((row.spec.id,), *failed)
@@ -487,6 +487,23 @@ class DecoderPositions:
                 del module.compute_bias
 
 
+class Kept:
+    """Answers kept in this process (the probe's, the benches'): each row's sequences and reasons by id; a row that
+    fails raises, since nothing here expects one to."""
+
+    def __init__(self):
+        self.rows: dict[int, tuple[list[list[int]], list[str]]] = {}
+
+    def tokens(self, step, tokens, counts=None):
+        pass
+
+    def finished(self, row, sequences, reasons):
+        self.rows[row] = (sequences, reasons)
+
+    def failed(self, rows, status, message, together=False):
+        raise RuntimeError(f"rows {list(rows)} failed: {message}")
+
+
 def probe(model, tokenizer, device, capacity: int = 4) -> str | None:
     """Why this model cannot be served by the step engine (None: it can). Three rows of different lengths, two
     admitted together and the third joining while they run, must each give the logits of that row run alone (the
@@ -501,21 +518,7 @@ def probe(model, tokenizer, device, capacity: int = 4) -> str | None:
     engine = StepEngine(model, tokenizer, device, capacity)
     engine.record = {}
 
-    class Quiet:
-        def __init__(self):
-            self.ended, self.sequences = set(), {}
-
-        def tokens(self, step, tokens, counts=None):
-            pass
-
-        def finished(self, row, sequences, reasons):
-            self.ended.add(row)
-            self.sequences[row] = sequences[0]
-
-        def failed(self, rows, status, message, together=False):
-            raise RuntimeError(f"probe row failed: {message}")
-
-    answers, key = Quiet(), BatchKey()
+    answers, key = Kept(), BatchKey()
     try:
         # one row admitted a step: each prefill is then the row's own alone (batched prefills are right-padded
         # generate prefills, checked against rows alone in fp32 by tests/test_serve_steps.py), so in half precision
@@ -532,7 +535,7 @@ def probe(model, tokenizer, device, capacity: int = 4) -> str | None:
             engine.step(answers)
         worst = 0.0
         for i, prompt in enumerate(prompts):
-            want = _alone(model, engine, prompt, answers.sequences[i])
+            want = _alone(model, engine, prompt, answers.rows[i][0][0])
             got = torch.stack(engine.record[i])
             if got.shape != want.shape:
                 return f"the probe's row {i} gave {got.shape[0]} steps, alone {want.shape[0]}"

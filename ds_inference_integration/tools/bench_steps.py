@@ -35,8 +35,9 @@ def _model(hidden: int, layers: int, vocab: int):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-class _Tokenizer:
-    """What the engine asks of a tokenizer, for token ids only (no text is decoded without stop strings)."""
+class TokenIds:
+    """What the step engine asks of a tokenizer where rows are token ids without stop strings (the GPU check's
+    decode section uses it too)."""
 
     pad_token_id = 0
 
@@ -47,22 +48,11 @@ class _Tokenizer:
         return ""
 
 
-class _Quiet:
-    def tokens(self, *args, **kwargs):
-        pass
-
-    def finished(self, *args, **kwargs):
-        pass
-
-    def failed(self, rows, status, message, together=False):
-        raise RuntimeError(message)
-
-
 def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden: int, layers: int,
                     output_dir: Path) -> dict:
     import torch
 
-    from ..serve.steps import StepEngine
+    from ..serve.steps import Kept, StepEngine
     from ..serve.wire import Admit, BatchKey, RowSpec
 
     if os.environ.get("OMP_NUM_THREADS"):
@@ -76,10 +66,10 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
         return tuple((7 * i + salt) % (vocab - 3) + 3 for i in range(n))
 
     def engine_with(b: int, length: int) -> StepEngine:
-        engine = StepEngine(model, _Tokenizer(), "cpu", capacity)
+        engine = StepEngine(model, TokenIds(), "cpu", capacity)
         engine.take(Admit(0, key, tuple(RowSpec(prompt(length, r), max_new_tokens=10_000, ignore_eos=True, id=r)
                                         for r in range(b))))
-        engine.step(_Quiet())  # b rows prefilled and running, each with its first token
+        engine.step(Kept())  # b rows prefilled and running, each with its first token
         return engine
 
     admission = {(length, b): [] for length in lengths for b in batches}
@@ -91,12 +81,12 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
                 for layer in engine.cache.layers:
                     layer.grow(2 * length + 8)  # no growth inside the timed parts
                 start = time.perf_counter()
-                engine.step(_Quiet())  # one decoding step of b rows
+                engine.step(Kept())  # one decoding step of b rows
                 step[(length, b)].append((time.perf_counter() - start) * 1000)
                 engine.take(Admit(1, key, (RowSpec(prompt(length, 99), max_new_tokens=10_000, ignore_eos=True,
                                                    id=10_000),)))
                 start = time.perf_counter()
-                engine._admit(*engine.waiting.popleft(), {}, _Quiet())  # the admission alone, no step after it
+                engine._admit([engine.waiting.popleft()], {}, Kept())  # the admission alone, no step after it
                 admission[(length, b)].append((time.perf_counter() - start) * 1000)
     results = {"command": "ds-inference bench steps " + " ".join(sys.argv[3:]), "date": time.strftime("%Y-%m-%d"),
                "model": f"random Llama, hidden {hidden}, {layers} layers, fp32, 1 rank",
