@@ -123,6 +123,25 @@ def post_all(url: str, bodies: list[dict], concurrency: int, timeout: float = 12
         return list(pool.map(lambda b: post(url, b, timeout), bodies))
 
 
+def post_arriving(url: str, bodies: list[dict], concurrency: int, rate: float, seed: int = 0,
+                  timeout: float = 120) -> list[tuple[int, dict]]:
+    """POST every body at a Poisson arrival time (`rate` a second on average, seeded), at most `concurrency` open at
+    once (a body whose time has come waits for a free client); answers in the bodies' order."""
+    import random
+
+    draw, at = random.Random(seed), []
+    for _ in bodies:
+        at.append((at[-1] if at else 0.0) + draw.expovariate(rate))
+    start = time.monotonic()
+
+    def send(i):
+        time.sleep(max(0.0, start + at[i] - time.monotonic()))
+        return post(url, bodies[i], timeout)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(send, range(len(bodies))))
+
+
 def listening(pids: list[int]) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket these processes listen on, read from /proc: 127.0.0.1 is "127.0.0.1",
     every interface "0.0.0.0" or "::"."""

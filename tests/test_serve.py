@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from serving import BIN, ServerProc, get, listening, post, post_all, request
+from serving import BIN, ServerProc, get, listening, post, post_all, post_arriving, request
 
 from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, run_in_process
 
@@ -53,6 +53,35 @@ def run_generation_sampled(tmp_path_factory):
     return (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
 
 
+@pytest.fixture(scope="module")
+def run_generation_cut(tmp_path_factory):
+    """run_generation.py at 7 new tokens, greedy and seeded as the fixtures above: {"greedy": lines, "sampled": lines}."""
+    lines = {}
+    for name, extra in (("greedy", []), ("sampled", ["--do_sample", "--seed", "42", "--per_device_eval_batch_size",
+                                                     "1"])):
+        out = tmp_path_factory.mktemp(f"run_generation_cut_{name}")
+        run_in_process(["--max_new_tokens", "7", *extra, "--report_to", "none"], out,
+                       script=EXAMPLES / "run_generation.py")
+        lines[name] = (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+    return lines
+
+
+def _prompts_at_random(url: str, greedy: list[str], sampled: list[str], cut: dict) -> None:
+    """The 40 prompts greedy, then seeded (seed 42 + i), each with max_tokens 24 or 7 (drawn), sent at Poisson
+    arrival times (100 a second, at most 16 open): each text is run_generation.py's line at its length."""
+    import random
+
+    draw = random.Random(1)
+    for name, whole, body in (("greedy", greedy, lambda i, p: {"prompt": p, "temperature": 0}),
+                              ("sampled", sampled, lambda i, p: _sampled_bodies()[i])):
+        lengths = [draw.choice((24, 7)) for _ in PROMPTS]
+        bodies = [{**body(i, p), "max_tokens": n} for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        answers = post_arriving(url + "/v1/completions", bodies, concurrency=16, rate=100, seed=len(name))
+        assert {s for s, _ in answers} == {200}, answers[:2]
+        want = [whole[i] if n == 24 else cut[name][i] for i, n in enumerate(lengths)]
+        assert [a["choices"][0]["text"].strip() for _, a in answers] == want, name
+
+
 def _sampled_bodies():
     """Request i: seed 42 + i, HF's sampling defaults for this model (temperature 1, top-k 50)."""
     return [{"prompt": p, "max_tokens": 24, "temperature": 1.0, "top_k": 50, "seed": 42 + i}
@@ -67,10 +96,11 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2, run_generation_greedy,
-                                                                          run_generation_sampled):
+                                                                          run_generation_sampled, run_generation_cut):
     """The 40 embedded prompts, 16 clients at once, greedy: each text equals the single-process run_generation.py
     line for it; and they were batched (more than 2 rows per decoding step on average). Seeded sampling (a seed per request):
-    each text equals run_generation.py's with that seed, though the server batches the requests together."""
+    each text equals run_generation.py's with that seed, though the server batches the requests together. Both again
+    at random arrival times with random max_tokens (`_prompts_at_random`)."""
     steps_before = [_metric(gpt2.url, f"ds_inference_step_rows_{n}") for n in ("sum", "count")]
     bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
     answers = post_all(gpt2.url + "/v1/completions", bodies, concurrency=16)
@@ -84,6 +114,7 @@ def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2,
     sampled = post_all(gpt2.url + "/v1/completions", _sampled_bodies(), concurrency=16)
     got = [a["choices"][0]["text"].strip() for _, a in sampled]
     assert got == run_generation_sampled and got != run_generation_greedy
+    _prompts_at_random(gpt2.url, run_generation_greedy, run_generation_sampled, run_generation_cut)
 
 
 def test_openai_sdk_completes_streams_and_lists_the_model(gpt2):
@@ -374,33 +405,50 @@ def test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key(
         server.stop()
 
 
+# max_new_tokens the parity tests draw from: the whole default (127 new tokens: max_length 128) and a cut that ends
+# most rows mid-sentence (beam search cut short differs from the whole search's first tokens: its own reference)
+TRANSLATION_LENGTHS = (127, 9)
+
+
 @pytest.fixture(scope="module")
 def run_translation_single(tmp_path_factory):
-    """run_translation.py in one process on the 203 embedded test sources, greedy and with 4 beams."""
+    """run_translation.py in one process on the 203 embedded test sources, greedy and with 4 beams, at each of
+    TRANSLATION_LENGTHS: {(beams, new tokens): lines}."""
     refs = {}
     for beams in (1, 4):
-        out = tmp_path_factory.mktemp(f"translation_single_{beams}")
-        run_in_process(["--do_predict", "--per_device_eval_batch_size", "16", "--num_beams", str(beams),
-                        *TRANSLATE_ARGS], out)
-        refs[beams] = (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
+        for length in TRANSLATION_LENGTHS:
+            out = tmp_path_factory.mktemp(f"translation_single_{beams}_{length}")
+            run_in_process(["--do_predict", "--per_device_eval_batch_size", "16", "--num_beams", str(beams),
+                            "--generation_max_length", str(length + 1), *TRANSLATE_ARGS], out)
+            refs[beams, length] = (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
     return refs
 
 
 def _translations_come_back(url: str, refs: dict) -> None:
+    """The 203 sources, greedy then 4 beams, each with a max_new_tokens drawn from TRANSLATION_LENGTHS, sent at
+    Poisson arrival times (40 a second, at most 16 open): each answer is run_translation.py's line for its source at
+    its length."""
+    import random
+
     sources = [json.loads(line)["translation"]["en"]
                for line in (EXAMPLES / "data" / "num2words" / "test.json").read_text(encoding="utf-8").splitlines()]
-    assert len(sources) == len(refs[1]) == 203
+    assert len(sources) == len(refs[1, TRANSLATION_LENGTHS[0]]) == 203
+    draw = random.Random(0)
     for beams in (1, 4):
-        bodies = [{"inputs": PREFIX + s, "parameters": {"num_beams": beams, "max_new_tokens": 127}} for s in sources]
-        answers = post_all(url + "/generate", bodies, concurrency=16, timeout=120)
+        lengths = [draw.choice(TRANSLATION_LENGTHS) for _ in sources]
+        bodies = [{"inputs": PREFIX + s, "parameters": {"num_beams": beams, "max_new_tokens": n}}
+                  for s, n in zip(sources, lengths)]
+        answers = post_arriving(url + "/generate", bodies, concurrency=16, rate=40, seed=beams, timeout=120)
         assert {s for s, _ in answers} == {200}, answers[:2]
-        assert [a["generated_text"].strip() for _, a in answers] == refs[beams], beams
+        want = [refs[beams, n][i] for i, n in enumerate(lengths)]
+        assert [a["generated_text"].strip() for _, a in answers] == want, beams
 
 
 def test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams(tmp_path,
                                                                                         run_translation_single):
-    """The 203 embedded test sources, 16 clients at once, to serve at tp 2: line for line what run_translation.py
-    predicts in one process, greedy and with 4 beams (max_length 128: 127 new tokens after the start token)."""
+    """The 203 embedded test sources, at random arrival times (at most 16 open) with random max_new_tokens, to serve
+    at tp 2: line for line what run_translation.py predicts in one process at each length, greedy and with 4 beams
+    (max_length 128: 127 new tokens after the start token)."""
     server = _server(tmp_path, T5, ["--tp_size", "2", "--max_batch_size", "16"])
     try:
         _translations_come_back(server.url, run_translation_single)
@@ -420,9 +468,11 @@ def test_translation_at_dp2_x_tp2(tmp_path, run_translation_single):
     assert not server.group_alive()
 
 
-def test_dp2_x_tp2_serves_the_prompts_as_one_process(tmp_path, run_generation_greedy, run_generation_sampled):
+def test_dp2_x_tp2_serves_the_prompts_as_one_process(tmp_path, run_generation_greedy, run_generation_sampled,
+                                                     run_generation_cut):
     """Two replicas of two ranks: the 40 prompts at concurrency 16 come back as run_generation.py writes them,
-    greedy and with a seed per request, and both replicas took batches."""
+    greedy and with a seed per request, also at random arrival times with random max_tokens, and both replicas took
+    batches."""
     server = _server(tmp_path, GPT2, ["--tp_size", "2", "--dp_size", "2"], ranks=4)
     try:
         bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS]
@@ -430,6 +480,7 @@ def test_dp2_x_tp2_serves_the_prompts_as_one_process(tmp_path, run_generation_gr
         assert [a["choices"][0]["text"].strip() for _, a in answers] == run_generation_greedy
         sampled = post_all(server.url + "/v1/completions", _sampled_bodies(), concurrency=16)
         assert [a["choices"][0]["text"].strip() for _, a in sampled] == run_generation_sampled
+        _prompts_at_random(server.url, run_generation_greedy, run_generation_sampled, run_generation_cut)
         for replica in ("0", "1"):
             assert _metric(server.url, f'ds_inference_batches_total{{replica="{replica}"}}') > 0
     finally:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from conftest import EXAMPLES, save_tiny_model
 from ds_inference_integration.serve.engine import Answers, run_batch
 from ds_inference_integration.serve.slots import SlotCache
-from ds_inference_integration.serve.steps import DecoderPositions, StepEngine, probe
+from ds_inference_integration.serve.steps import DecoderPositions, Kept, StepEngine, probe
 from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
 
 GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
@@ -157,6 +157,29 @@ def test_rows_that_join_and_leave_each_get_their_answer_alone(gpt2, bart, kind):
     assert any(len(set(c.values())) > 1 for c in answers.counts), "no step held rows of different lengths"
     order = list(answers.out)
     assert order.index(1) < order.index(0) and order.index(2) < order.index(0), order
+
+
+def test_the_batch_engine_keeps_a_cache_whatever_the_checkpoint_says(gpt2):
+    """A checkpoint saved from a config that says `"use_cache": false` (as training leaves it: the embedded GPT-2's
+    says so) carries it into its generation config, and generate then fed the whole sequence at every step. The batch
+    engine decodes one token a forward, with the same tokens as the step engine (which always kept its own cache)."""
+    embedded, tokenizer = gpt2
+    assert embedded.config.use_cache is False
+    model = AutoModelForCausalLM.from_config(embedded.config).eval()
+    model.load_state_dict(embedded.state_dict())
+    assert model.generation_config.use_cache is False
+    widths = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    spec = RowSpec(tuple(tokenizer(PROMPTS[0])["input_ids"]), max_new_tokens=6, ignore_eos=True)
+    try:
+        tokens, _ = _alone(model, tokenizer, spec)
+    finally:
+        handle.remove()
+    assert widths == [len(spec.prompt_ids)] + [1] * 5, widths
+    engine, answers = StepEngine(model, tokenizer, "cpu", 2), Kept()
+    _run(engine, {0: Admit(0, BatchKey(), (spec,))}, answers)
+    assert answers.rows[0][0][0] == tokens
 
 
 def test_repetition_penalty_is_the_rows_own(gpt2):

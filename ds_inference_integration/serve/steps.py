@@ -100,6 +100,7 @@ class StepEngine:
         self.alone = False  # running an admission that must run alone
         self.cache: SlotCache | None = None
         self.record: dict[int, list[torch.Tensor]] | None = None  # row id -> each step's logits (`probe`)
+        self.configs: dict = {}  # (key, max_new_tokens) -> a row's generation config (`_config`)
 
     # ----- what the leader passes on
     def take(self, admit: Admit) -> None:
@@ -199,15 +200,27 @@ class StepEngine:
         """A new row's record: its processors (generate's, from the model's generation config and the key), rules and
         stops; its ids start as its prompt (a decoder-only model) or the decoder's start token."""
         prompt = torch.tensor([list(spec.prompt_ids)], dtype=torch.long, device=self.device)
-        config = with_defaults(self.model, generation_config(self.model, key, spec.max_new_tokens,
-                                                             self.tokenizer.pad_token_id))
-        self.model._prepare_special_tokens(config, True, device=self.device)
+        config = self._config(key, spec.max_new_tokens)
         processors = self.model._get_logits_processor(
             generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
             logits_processor=LogitsProcessorList(), device=self.device, model_kwargs={})
         ids = self._start(spec, config)
         start = len(ids)
         return _Row(spec, slot, ids, start, processors, RowRules([spec], start, self.eos, self.device))
+
+    def _config(self, key: BatchKey, max_new_tokens: int):
+        """The generation config of a row of `key` (`rules.generation_config`, generate's defaults and special
+        tokens filled), kept per (key, max_new_tokens): building one copies the model's whole config (1.6 ms of the
+        2.5 ms a row's admission took in Python on the embedded T5, 2026-12-05), and rows read it only."""
+        found = self.configs.get((key, max_new_tokens))
+        if found is None:
+            if len(self.configs) >= 256:
+                self.configs.clear()
+            found = with_defaults(self.model, generation_config(self.model, key, max_new_tokens,
+                                                                self.tokenizer.pad_token_id))
+            self.model._prepare_special_tokens(found, True, device=self.device)
+            self.configs[(key, max_new_tokens)] = found
+        return found
 
     def _start(self, spec: RowSpec, config) -> list[int]:
         """What a row's ids start as: its prompt (a decoder-only model) or the decoder's start token (`config` after
@@ -464,6 +477,32 @@ class DecoderPositions:
             self.table = found[0].reshape(-1, found[0].shape[-1])
         return self.table
 
+    @staticmethod
+    def _per_row_bias(module, positions: list[int]):
+        """`module.compute_bias` for rows at their own `positions` (`[rows, heads, query, key]`): T5's computation
+        (`relative position = key - (query + past)`, bucketed, embedded) over every row at once where the module has
+        its parts (`_relative_position_bucket`, `relative_attention_bias`); else its own `compute_bias` a row at a time
+        (16 calls took 1.8 of a 4 ms step of 16 rows on the embedded T5, 2026-12-05; the probe checks both)."""
+        own = type(module).compute_bias.__get__(module)
+        bucket = getattr(module, "_relative_position_bucket", None)
+        embed = getattr(module, "relative_attention_bias", None)
+        if bucket is None or not isinstance(embed, torch.nn.Embedding):
+            def per_row_bias(query_length, key_length, device=None, past_seen_tokens=0):
+                return torch.cat([own(query_length, key_length, device=device, past_seen_tokens=p)
+                                  for p in positions])
+            return per_row_bias
+
+        def all_rows_bias(query_length, key_length, device=None, past_seen_tokens=0):
+            device = embed.weight.device if device is None else device
+            past = torch.tensor(positions, dtype=torch.long, device=device)[:, None, None]
+            context = torch.arange(query_length, dtype=torch.long, device=device)[None, :, None] + past
+            memory = torch.arange(key_length, dtype=torch.long, device=device)[None, None, :]
+            buckets = bucket(memory - context, bidirectional=not module.is_decoder,
+                             num_buckets=module.relative_attention_num_buckets,
+                             max_distance=module.relative_attention_max_distance)
+            return embed(buckets).permute([0, 3, 1, 2])  # [rows, query, key, heads] -> [rows, heads, query, key]
+        return all_rows_bias
+
     @contextlib.contextmanager
     def per_row(self, positions: list[int]):
         handle = None
@@ -471,13 +510,7 @@ class DecoderPositions:
             rows = self._table(max(positions) + 1)[torch.tensor(positions, device=self.table.device)][:, None, :]
             handle = self.embed.register_forward_hook(lambda module, args, output: rows.to(output.dtype))
         for module in self.biases:
-            own = type(module).compute_bias.__get__(module)
-
-            def per_row_bias(query_length, key_length, device=None, past_seen_tokens=0, own=own):
-                return torch.cat([own(query_length, key_length, device=device, past_seen_tokens=p)
-                                  for p in positions])
-
-            module.compute_bias = per_row_bias
+            module.compute_bias = self._per_row_bias(module, positions)
         try:
             yield
         finally:

@@ -39,12 +39,30 @@ from ..run.ranks import free_port, stop_session
 from ..topology import threads_per_rank
 from .bench import REPO, spread
 
-MODELS = {"gpt2": ("gpt2-num2words-en-ro", 24), "t5": ("t5-num2words-en-ro", 24)}
+MODELS = {"gpt2": ("gpt2-num2words-en-ro", 24), "t5": ("t5-num2words-en-ro", 24), "gpt2-256": (None, 64)}
 MODES = {"continuous": ["--scheduler", "continuous"], "batched": ["--scheduler", "batch"],
          "one_at_a_time": ["--scheduler", "batch", "--max_batch_size", "1"]}
 
 
+def _gpt2_256(into: Path) -> Path:
+    """`gpt2-256`: the shape of the model #42's figures were measured on (a random 2-layer GPT-2 of width 128), with
+    256 positions (room for 32 prompt and 128 new tokens, where the embedded GPT-2 has 64), the embedded GPT-2's
+    tokenizer and config otherwise, random weights (seed 0), built here (no download)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = REPO / "examples" / "models" / "gpt2-num2words-en-ro"
+    config = AutoConfig.from_pretrained(source, n_layer=2, n_positions=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(into / "gpt2-256")
+    AutoTokenizer.from_pretrained(source).save_pretrained(into / "gpt2-256")
+    return into / "gpt2-256"
+
+
 def _prompts(model: str) -> list[str]:
+    if model == "gpt2-256":  # about 32 tokens each, as #42's figures' prompts: three of the prompts' lines joined
+        lines = (REPO / "examples" / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
+        return [" ".join(lines[i:i + 3]) for i in range(len(lines) - 2)]
     if model == "t5":
         lines = (REPO / "examples" / "data" / "num2words" / "test.json").read_text(encoding="utf-8").splitlines()
         return ["translate English to Romanian: " + json.loads(line)["translation"]["en"] for line in lines]
@@ -214,13 +232,14 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
         directory, max_tokens = MODELS[name]
         lengths = output_lengths or (max_tokens, max_tokens)
         prompts = _prompts(name)
+        model_dir = REPO / "examples" / "models" / directory if directory else _gpt2_256(log_dir)
         # Both servers run at once and the modes alternate point by point (one idle server costs a keep-alive a
         # second), so that a drift of the machine over the run falls on both alike.
         servers = {}
         try:
             for mode in modes:
                 extra = MODES[mode]
-                servers[mode] = _Server(REPO / "examples" / "models" / directory,
+                servers[mode] = _Server(model_dir,
                                         [*extra, "--max_wait_ms", str(max_wait_ms), "--max_queue",
                                          str(max(concurrencies) * 2)], log_dir, tp_size)
                 _point(servers[mode], prompts, 4, 8, lengths, point_timeout)  # warm-up, not counted

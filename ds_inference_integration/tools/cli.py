@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the loading paths to run, comma-separated (single, the reference, always runs)")
     mem.set_defaults(func=_bench_memory)
     bserve = bsub.add_parser("serve", help="serve at tp 2: batched vs one request at a time, at each concurrency")
-    bserve.add_argument("--models", default="gpt2,t5", help="embedded models to serve: gpt2, t5")
+    bserve.add_argument("--models", default="gpt2,t5", help="models to serve: gpt2, t5 (the embedded ones), "
+                        "gpt2-256 (a random 2-layer GPT-2 of 256 positions, built at start)")
     bserve.add_argument("--concurrency", default="1,4,16,64", help="clients at once, comma-separated")
     bserve.add_argument("--requests", type=int, default=64, help="requests per point (each concurrency, each repeat)")
     bserve.add_argument("--repeats", type=int, default=3)
