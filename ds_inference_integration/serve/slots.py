@@ -91,6 +91,7 @@ class CrossSlotLayer(SlotLayer):
     def __init__(self, slots: int):
         super().__init__(slots)
         self.view = None
+        self.fill: dict[int, int] | None = None  # slot -> source length, of rows whose first step this is
 
     @property
     def keys(self):
@@ -110,7 +111,15 @@ class CrossSlotLayer(SlotLayer):
         self._values = value
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise RuntimeError("a slot's cross-attention keys are written once, when its row is admitted")
+        """A step with rows joining (`fill`): the layer computed keys and values from every row's encoder output
+        (`[hi, heads, source width, dim]`; the running rows' are of a stand-in, not kept); the joining rows' own are
+        written into their slots, once, and every row reads its slot's."""
+        if not self.fill:
+            raise RuntimeError("a slot's cross-attention keys are written once, when its row joins")
+        for slot, length in self.fill.items():
+            self._keys[slot, :, :length] = key_states[slot, :, :length]
+            self._values[slot, :, :length] = value_states[slot, :, :length]
+        return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return (self.view[1] if self.view else 0), 0
@@ -151,15 +160,25 @@ class SlotCache(Cache):
                 each.keys[into] = each.keys[come]
                 each.values[into] = each.values[come]
 
+    def join(self, sources: dict[int, int]) -> None:
+        """Rows whose first decoder step is the next (slot -> source length): their cross-attention keys are written
+        by that step (`CrossSlotLayer.update`)."""
+        for slot, length in sources.items():
+            self.sources[slot] = length
+        for each in self.cross.layers:
+            each.grow(max(sources.values()))
+            each.fill = dict(sources)
+
     def for_step(self):
         """What the model is given as its cache for a decoding step: this cache, or for an encoder-decoder the pair
-        (self-attention, cross-attention) with the cross-attention marked computed."""
+        (self-attention, cross-attention) with the cross-attention marked computed, unless rows join (`join`): the
+        layers then compute every row's from the step's encoder output, and keep the joining rows'."""
         if self.cross is None:
             return self
         from transformers import EncoderDecoderCache
 
         pair = EncoderDecoderCache(self, self.cross)
-        pair.is_updated = {i: True for i in range(len(self.layers))}
+        pair.is_updated = {i: not self.cross.layers[i].fill for i in range(len(self.layers))}
         return pair
 
     def source_mask(self, hi: int) -> torch.Tensor:
@@ -197,7 +216,7 @@ class SlotCache(Cache):
         for each in self.layers:
             each.plan = None
         for each in self.cross.layers if self.cross is not None else ():
-            each.view = None
+            each.view, each.fill = None, None
 
 
 def check_layers(prefilled: Cache) -> str | None:
