@@ -149,6 +149,43 @@ def test_openai_sdk_completes_streams_and_lists_the_model(gpt2):
     assert [c.text for c in again.choices] == [c.text for c in first.choices]
 
 
+def test_penalties_and_vllms_text_fields_are_served_as_one_process(gpt2):
+    """A frequency penalty reaches the row (its text equals the unsharded model's with the same penalty, and differs
+    from the unpenalised one); `include_stop_str_in_output` keeps the stop string, streamed or whole;
+    `skip_special_tokens` false keeps EOS's own text; a penalty with beams is one 400 line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_inference_integration.serve.engine import run_batch
+    from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(GPT2).eval(), AutoTokenizer.from_pretrained(GPT2)
+    url = gpt2.url + "/v1/completions"
+
+    def alone(**settings):
+        spec = RowSpec(tuple(tokenizer(PROMPTS[7])["input_ids"]), 14, ignore_eos=True, **settings)
+        return tokenizer.decode(run_batch(model, tokenizer, Admit(0, BatchKey(), (spec,)), "cpu")["sequences"][0][0],
+                                skip_special_tokens=True)
+
+    status, body = post(url, {"prompt": PROMPTS[7], "max_tokens": 14, "ignore_eos": True, "temperature": 0,
+                              "frequency_penalty": 2.0})
+    assert status == 200 and body["choices"][0]["text"].strip() == alone(frequency_penalty=2.0).strip() != \
+        alone().strip(), body
+    kept = {"prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0, "stop": [" patru"],
+            "include_stop_str_in_output": True}
+    status, whole = post(url, kept)
+    assert status == 200 and whole["choices"][0]["text"] == " o mie patru", whole  # " o mie patru sute ..." whole
+    streamed = request("POST", url, {**kept, "stream": True}, timeout=60)
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed[1].splitlines()
+                   if line.startswith("data: {"))
+    assert text == whole["choices"][0]["text"], (text, whole)
+    status, plain = post(url, {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0})
+    status, special = post(url, {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "skip_special_tokens": False})
+    assert plain["choices"][0]["finish_reason"] == "stop" and special["choices"][0]["text"] == \
+        plain["choices"][0]["text"] + " </s>", (plain, special)
+    status, body = post(url, {"prompt": PROMPTS[0], "num_beams": 2, "presence_penalty": 0.5})
+    assert status == 400 and "presence_penalty 0.5 with beam search" in body["error"]["message"], body
+
+
 BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a word the one line names)
     ("not JSON", "POST", "/v1/completions", b"{not json", 400, "json"),
     ("max_tokens of the wrong type", "POST", "/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),

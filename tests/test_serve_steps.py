@@ -196,6 +196,44 @@ def test_repetition_penalty_is_the_rows_own(gpt2):
     assert plain != [answers.out[s.id] for s in specs]  # the penalty changed something, or this proves nothing
 
 
+def _penalised_alone(model, spec) -> list[int]:
+    """A greedy row with OpenAI's penalties, written out: the plain forward over the whole sequence each token, the
+    generated tokens' counts taken off the last logits (presence once, frequency per time), the highest taken."""
+    ids, new = list(spec.prompt_ids), []
+    with torch.no_grad():
+        for _ in range(spec.max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            for token in set(new):
+                logits[token] -= spec.presence_penalty + spec.frequency_penalty * new.count(token)
+            new.append(int(logits.argmax()))
+            ids.append(new[-1])
+    return new
+
+
+def test_presence_and_frequency_penalties_are_the_rows_own(gpt2):
+    """OpenAI's presence and frequency penalties on greedy and sampled rows joining running ones: each row equals
+    the batch engine's answer alone, a greedy one the penalties written out (`_penalised_alone`), and they change
+    the answer (the prompt's own tokens are not counted, as vLLM counts them). A random GPT-2 of the embedded one's
+    shape: the trained one is too sure of its tokens for a penalty of 2 to change one."""
+    embedded, tokenizer = gpt2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(embedded.config).eval()
+    settings = [{"presence_penalty": 1.5}, {"frequency_penalty": 0.7}, {"presence_penalty": -1.0, "frequency_penalty": 2.0},
+                {"frequency_penalty": 1.0, "temperature": 1.0, "seed": 3, "top_k": 20}]
+    specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=14, id=i, ignore_eos=True, **kw)
+             for i, (p, kw) in enumerate(zip(PROMPTS[5:], settings))]
+    plain = RowSpec(tuple(tokenizer(PROMPTS[9])["input_ids"]), max_new_tokens=20, id=9, ignore_eos=True)
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
+    _run(engine, {0: Admit(0, BatchKey(), (plain, specs[0])), 2: Admit(1, BatchKey(), tuple(specs[1:]))}, answers)
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
+        unpenalised = RowSpec(spec.prompt_ids, 14, temperature=spec.temperature, seed=spec.seed, top_k=spec.top_k,
+                              ignore_eos=True)
+        assert answers.out[spec.id][0] != _alone(model, tokenizer, unpenalised)[0], spec
+    for spec in specs[:3]:
+        assert answers.out[spec.id][0] == _penalised_alone(model, spec), spec
+
+
 def test_a_row_joins_without_the_running_rows_cache_being_copied(gpt2):
     """An admission writes its own row's slot only: the cache's tensors stay where they were (no re-padding, no copy
     of the batch) unless the longest row outgrows the width, which doubles."""
@@ -323,6 +361,27 @@ def test_waiting_rows_join_by_tgis_rule(gpt2):
         engine.step(answers)
     for spec in rows:
         assert answers.out[spec.id] == _alone(model, tokenizer, spec)
+
+
+def test_a_beam_rows_eos_is_kept_and_counted_as_a_greedy_rows(gpt2):
+    """A beam request that ends at EOS: its sequence is generate's new tokens up to and with that EOS, in both
+    engines, as a greedy row's is (so `completion_tokens` counts it alike; the text drops it as a special token)."""
+    model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
+    eos = model.generation_config.eos_token_id
+    key = BatchKey(num_beams=3, max_new_tokens=40)
+    spec = RowSpec(tuple(tokenizer("translate English to Romanian: " + "forty-two")["input_ids"]), max_new_tokens=40)
+    ids = torch.tensor([spec.prompt_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=3, max_new_tokens=40)
+    want = out[0, 1:].tolist()
+    want = want[:want.index(eos) + 1]
+    whole = run_batch(model, tokenizer, Admit(0, key, (spec,)), "cpu")
+    assert whole["sequences"][0] == [want] and whole["finish"][0] == ["stop"], (whole, want)
+    engine, answers = StepEngine(model, tokenizer, "cpu", 4), Kept()
+    _run(engine, {0: Admit(0, key, (spec,))}, answers)
+    assert answers.rows[0] == ([want], ["stop"])
+    greedy = RowSpec(spec.prompt_ids, max_new_tokens=40)
+    assert _alone(model, tokenizer, greedy)[0][-1] == eos  # a greedy row keeps its EOS
 
 
 def _generate(**settings):

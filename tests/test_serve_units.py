@@ -188,6 +188,31 @@ def test_streamed_text_never_passes_a_stop_string_and_adds_up_to_the_final_text(
     assert sent + texts.rest(tokens) == final
 
 
+def test_a_stop_string_kept_in_the_output_and_special_tokens_kept_in_the_text():
+    """vLLM's `include_stop_str_in_output`: the text ends after the first stop string, streamed or whole (the stream
+    never passes it); `skip_special_tokens` false: EOS's own text stays in the completion (it is dropped by default);
+    each, given another type, is one 400 line."""
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    tokens = tokenizer("cinci sute de mii patru sute")["input_ids"]
+    texts = Texts(tokenizer, (" de mii", "patru"), keep_stop=True)
+    sent = "".join(texts.delta(tokens[:i]) for i in range(1, len(tokens) + 1))
+    final, stopped = Texts(tokenizer, (" de mii", "patru"), keep_stop=True).final(tokens)
+    assert stopped and final == "cinci sute de mii" and final.startswith(sent) and "patru" not in sent
+    assert sent + texts.rest(tokens) == final
+    with_eos = tokens[:2] + [tokenizer.eos_token_id]
+    assert Texts(tokenizer, ()).final(with_eos) == ("cinci sute", False)
+    assert Texts(tokenizer, (), skip_special=False).final(with_eos) == ("cinci sute </s>", False)
+    args = dict(limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=2, stop=None, seed=None,
+                ignore_eos=False, min_tokens=0, num_beams=1, stream=False)
+    _, rows = plan_rows([tokens], **args, skip_special_tokens=False, include_stop_str_in_output=True)
+    assert [(r.skip_special_tokens, r.include_stop_str_in_output) for r in rows] == [(False, True)] * 2
+    _, rows = plan_rows([tokens], **args)
+    assert [(r.skip_special_tokens, r.include_stop_str_in_output) for r in rows] == [(True, False)] * 2
+    for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        with pytest.raises(ServeError, match=rf"^{name} 'yes' is not a boolean; valid: true or false$"):
+            plan_rows([tokens], **args, **{name: "yes"})
+
+
 @pytest.mark.parametrize("args, says", [
     ([], "serve needs a model directory first"),
     (["/nonexistent", "--tp_size", "2"], "has no config.json"),

@@ -97,6 +97,10 @@ class Api:
     def context(self, row) -> list[int]:
         return context_of(row, self.limits.encoder_decoder)
 
+    def texts(self, row) -> Texts:
+        return Texts(self.tokenizer, row.stop, self.context(row), row.skip_special_tokens,
+                     row.include_stop_str_in_output)
+
     # ----- helpers
     def check_key(self, request) -> None:
         if self.api_key is None:
@@ -129,10 +133,6 @@ class Api:
             raise ServeError(400, "logprobs are not served; valid: leave logprobs out (null)", "logprobs")
         if body.echo:
             raise ServeError(400, "echo is not served; valid: echo false", "echo")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name) not in (None, 0, 0.0):
-                raise ServeError(400, f"{name} {getattr(body, name)} is not served; valid: 0 (repetition_penalty "
-                                      "is)", name)
         check_not_served(body)
 
     @staticmethod
@@ -155,7 +155,10 @@ class Api:
                          top_p=body.top_p, top_k=body.top_k, n=body.n, stop=body.stop, seed=body.seed,
                          ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, num_beams=self.openai_beams(body),
                          stream=body.stream, repetition_penalty=body.repetition_penalty,
-                         length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"))
+                         length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"),
+                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                         skip_special_tokens=(body.model_extra or {}).get("skip_special_tokens"),
+                         include_stop_str_in_output=(body.model_extra or {}).get("include_stop_str_in_output"))
 
     def plan_completion(self, body):
         """A /v1/completions body to rows (in a worker thread): checked, counted, then tokenized."""
@@ -205,7 +208,7 @@ class Api:
         index = 0
         for row in job.rows:
             for seq, reason in zip(row.sequences or [[]], row.finish or ["length"]):
-                texts = Texts(self.tokenizer, row.stop, self.context(row))
+                texts = self.texts(row)
                 text, stopped = texts.final(seq)
                 generated += len(seq)
                 finish = "stop" if stopped else reason
@@ -225,7 +228,7 @@ class Api:
     async def stream(self, job: Job, chat: bool, rid: str, include_usage: bool, continuous: bool, first):
         """SSE chunks as OpenAI sends them; `first` is the event already taken off the queue."""
         kind = "chat.completion.chunk" if chat else "text_completion"
-        texts = [Texts(self.tokenizer, r.stop, self.context(r)) for r in job.rows]
+        texts = [self.texts(r) for r in job.rows]
         generated = [0] * len(job.rows)
         prompt_tokens = sum({r.prompt_index: len(r.prompt_ids) for r in job.rows}.values())
 
@@ -358,7 +361,7 @@ class Api:
             for row in [r for r in job.rows if r.prompt_index == index]:
                 details["prompt_tokens"] = len(row.prompt_ids)
                 for seq, reason in zip(row.sequences or [[]], row.finish or ["length"]):
-                    text, stopped = Texts(self.tokenizer, row.stop, self.context(row)).final(seq)
+                    text, stopped = self.texts(row).final(seq)
                     texts.append(text)
                     details["generated_tokens"].append(len(seq))
                     details["finish_reason"].append("stop" if stopped else reason)

@@ -129,7 +129,8 @@ class BeamGroup:
 
     def result(self, pad: int | None) -> tuple[list[list[int]], list[str]]:
         """The request's `num_return_sequences` sequences (new tokens only) and their reasons, as the batch engine
-        answers a beam batch: each cut at its first EOS ("stop"), else its padding stripped ("length")."""
+        answers a beam batch: each cut after its first EOS ("stop": the EOS kept, as a greedy row keeps it, so that
+        `completion_tokens` counts it alike), else its padding stripped ("length")."""
         k = self.key.num_return_sequences
         sequences, indices = self.sequences[0, :k], self.beam_indices[0, :k]
         generated = int(((indices + 1).bool()).sum(dim=1).max())
@@ -137,7 +138,7 @@ class BeamGroup:
         for seq in sequences[:, self.prompt_len:self.prompt_len + generated].tolist():
             cut = next((j for j, t in enumerate(seq) if t in self.eos), None)
             if cut is not None:
-                out.append(seq[:cut])
+                out.append(seq[:cut + 1])
             else:
                 while seq and pad is not None and seq[-1] == pad:
                     seq = seq[:-1]

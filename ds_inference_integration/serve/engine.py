@@ -183,7 +183,8 @@ def run_batch(model, tokenizer, admit: Admit, device, control: Control | None = 
             mine, why = [], []
             for seq in new[i * k:(i + 1) * k]:
                 cut = next((j for j, t in enumerate(seq) if t in eos), None)
-                mine.append(seq[:cut] if cut is not None else _strip_pad(seq, tokenizer.pad_token_id))
+                # cut after its EOS, kept as a greedy row keeps it (`completion_tokens` counts it alike)
+                mine.append(seq[:cut + 1] if cut is not None else _strip_pad(seq, tokenizer.pad_token_id))
                 why.append("cancelled" if row.id in cancelled else "stop" if cut is not None else "length")
             sequences.append(mine)
             reasons.append(why)

@@ -4,9 +4,9 @@ against the served model (positions, limits, what cannot be combined), and the c
 into rows for the batcher.
 
 Defaults as the clients people use expect them: fields OpenAI's API and vLLM's server accept are accepted
-(unknown fields too, as vLLM does: benchmarks send extensions); `ignore_eos`, `min_tokens` and `stop_token_ids`
-are honoured; `logprobs`, `echo`, non-zero presence/frequency penalties and the fields in `NOT_SERVED` are refused
-in one line rather than ignored.
+(unknown fields too, as vLLM does: benchmarks send extensions); `ignore_eos`, `min_tokens`, `stop_token_ids` and
+OpenAI's presence and frequency penalties (vLLM's arithmetic, greedy and sampled rows) are honoured; `logprobs`,
+`echo` and the fields in `NOT_SERVED` are refused in one line rather than ignored.
 Greedy or sampled follows the request's `temperature` (0: greedy) and, where it gives none, the model's
 generation config (greedy for the embedded models), as vLLM's `--generation-config auto` does."""
 
@@ -138,8 +138,7 @@ def one_line(error) -> tuple[str, str | None]:
 # would otherwise get other text with a 200). Unknown fields are still accepted, as vLLM accepts them.
 NOT_SERVED: dict[str, tuple] = {
     "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
-    "bad_words": (None, []), "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "tools": (None, []), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "n_beams": (None,), "prompt_embeds": (None,),
@@ -275,6 +274,9 @@ class Row(RowSpec):
     and what comes back as it runs."""
 
     prompt_index: int = 0  # which prompt of its request
+    # how its text is made (the front's alone): vLLM's `skip_special_tokens` and `include_stop_str_in_output`
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # filled as it runs
     tokens: list[int] = field(default_factory=list)
     sequences: list[list[int]] | None = None  # beams: num_return_sequences of them
@@ -375,7 +377,9 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
               min_tokens: int, num_beams: int, stream: bool, repetition_penalty: float | None = None,
               length_penalty: float | None = None, do_sample: bool | None = None,
               names: dict | None = None, stop_token_ids: list[int] | None = None,
-              generate: dict | None = None) -> tuple[BatchKey, list[Row]]:
+              generate: dict | None = None, presence_penalty: float | None = None,
+              frequency_penalty: float | None = None, skip_special_tokens=None,
+              include_stop_str_in_output=None) -> tuple[BatchKey, list[Row]]:
     """The rows of one request (a prompt x n, or one row per prompt under beam search, which returns n
     sequences of it), checked against the model and the server's limits; every problem is one ServeError."""
     names = {"max_tokens": "max_tokens", "n": "n", "min_tokens": "min_tokens", "num_beams": "num_beams",
@@ -389,6 +393,8 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     _range("top_k", top_k, -1, None, "-1 or 0 (all tokens), or a positive count")
     _range(names["min_tokens"], min_tokens, 0, None, "0 or more")
     _range("repetition_penalty", repetition_penalty, 1e-6, None, "a positive number (1: none)")
+    _range("presence_penalty", presence_penalty, -2.0, 2.0, "-2 to 2 (0: none)")
+    _range("frequency_penalty", frequency_penalty, -2.0, 2.0, "-2 to 2 (0: none)")
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
     _range(names["max_tokens"], max_tokens, 1, None, "1 or more new tokens")
@@ -396,6 +402,10 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
         raise ServeError(400, f"{names['min_tokens']} {min_tokens} is more than {names['max_tokens']} {max_tokens}; "
                          f"valid: at most {names['max_tokens']}", names["min_tokens"])
     stops = _stops(stop)
+    for name, value in (("skip_special_tokens", skip_special_tokens),
+                        ("include_stop_str_in_output", include_stop_str_in_output)):
+        if value is not None and not isinstance(value, bool):
+            raise ServeError(400, f"{name} {value!r:.60} is not a boolean; valid: true or false", name)
     beams = num_beams > 1
     if beams and stream:
         raise ServeError(400, f"stream with {names['num_beams']} {num_beams}: beam search picks its outputs at the end, "
@@ -414,6 +424,10 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     if beams and stop_ids:
         raise ServeError(400, "stop_token_ids with beam search: beams share generate's own end; valid: num_beams 1",
                          "stop_token_ids")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if beams and value:
+            raise ServeError(400, f"{name} {value} with beam search: beams are scored by generate's own rules; valid: "
+                                  "0, or num_beams 1 (repetition_penalty is served with beams)", name)
     if beams and ignore_eos:
         raise ServeError(400, "ignore_eos with beam search: beams end at EOS by design; valid: num_beams 1",
                          "ignore_eos")
@@ -449,5 +463,8 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
             rows.append(Row(prompt_ids=list(ids), max_new_tokens=max_tokens, temperature=temp,
                             top_p=top_p if top_p is not None else 1.0, top_k=max(top_k or 0, 0),
                             seed=(base + j) % 2**63, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                            stop=stops, stop_token_ids=stop_ids, prompt_index=p))
+                            stop=stops, stop_token_ids=stop_ids, presence_penalty=presence_penalty or 0.0,
+                            frequency_penalty=frequency_penalty or 0.0, prompt_index=p,
+                            skip_special_tokens=skip_special_tokens is not False,
+                            include_stop_str_in_output=bool(include_stop_str_in_output)))
     return key, rows

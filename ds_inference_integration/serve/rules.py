@@ -59,6 +59,14 @@ def sample(scores: torch.Tensor, row, generator: torch.Generator) -> int:
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
+def penalise(scores: torch.Tensor, new: torch.Tensor, row) -> None:
+    """OpenAI's presence and frequency penalties on one row's scores, in place, as vLLM applies them (after generate's
+    own processors, the repetition penalty among them, and before sampling): each token the row has generated loses
+    `presence_penalty` once and `frequency_penalty` per time it was generated (the prompt's tokens are not counted)."""
+    counts = torch.bincount(new, minlength=scores.shape[-1])[:scores.shape[-1]].to(scores.dtype)
+    scores -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(scores.dtype)
+
+
 class RowRules:
     """A logits processor for per-row rules: EOS held back until a row's `min_tokens`, then, for a sampled row
     (temperature > 0), a draw (`sample`), written back as a one-hot score so that generate's greedy step takes it.
@@ -81,6 +89,8 @@ class RowRules:
         produced = input_ids.shape[1] - self.start
         scores = scores.clone()
         for i, row in enumerate(self.rows):
+            if (row.presence_penalty or row.frequency_penalty) and produced > 0:
+                penalise(scores[i], input_ids[i, self.start:], row)
             if produced < row.min_tokens:  # EOS and the row's stop tokens wait for its minimum (vLLM's rule)
                 held = [*self.eos, *row.stop_token_ids]
                 if held:

@@ -439,11 +439,11 @@ class StepEngine:
             answers.finished(row.spec.id, [new], [reason])
 
     def _plain(self, row: _Row) -> bool:
-        """Whether the row's next token is simply the highest logit: greedy, no processor of generate's, nothing held
-        back (its minimum reached); its scores are then checked and its token taken with every such row's at once,
+        """Whether the row's next token is simply the highest logit: greedy, no processor of generate's, no penalty,
+        nothing held back (its minimum reached); its scores are then checked and its token taken with every such row's at once,
         the same token `_next`'s rules would take (argmax of the same float32 logits)."""
         return (row.spec.temperature <= 0 and not row.processors and len(row.new) >= row.spec.min_tokens
-                and self.record is None)
+                and not (row.spec.presence_penalty or row.spec.frequency_penalty) and self.record is None)
 
     def fail_running(self) -> list[int]:
         """A step that failed on every rank: its rows end (their ids returned, to be answered together)."""

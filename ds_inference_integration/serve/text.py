@@ -17,12 +17,14 @@ import os
 CONTEXT_TOKENS = 8
 
 
-def completion_text(tokenizer, context: list[int], tokens: list[int]) -> str:
-    """What `tokens` add to the text of `context` (the prompt's last tokens; empty for an encoder-decoder)."""
+def completion_text(tokenizer, context: list[int], tokens: list[int], skip_special: bool = True) -> str:
+    """What `tokens` add to the text of `context` (the prompt's last tokens; empty for an encoder-decoder); special
+    tokens (EOS, a chat model's turn markers) are dropped unless `skip_special` is false (vLLM's
+    `skip_special_tokens`)."""
     if not context:
-        return tokenizer.decode(tokens, skip_special_tokens=True)
-    head = tokenizer.decode(context, skip_special_tokens=True)
-    whole = tokenizer.decode(context + tokens, skip_special_tokens=True)
+        return tokenizer.decode(tokens, skip_special_tokens=skip_special)
+    head = tokenizer.decode(context, skip_special_tokens=skip_special)
+    whole = tokenizer.decode(context + tokens, skip_special_tokens=skip_special)
     if whole.startswith(head):
         return whole[len(head):]
     # the prompt ended inside a character (token ids cut through a byte sequence): the completion completes it
@@ -31,29 +33,41 @@ def completion_text(tokenizer, context: list[int], tokens: list[int]) -> str:
 
 class Texts:
     """A row's text as its tokens arrive: what may be sent now (held back while it could still become a stop string,
-    or ends in half a character), and the final text, cut at the first stop string."""
+    or ends in half a character), and the final text, cut at the first stop string (after it with `keep_stop`:
+    vLLM's `include_stop_str_in_output`)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], context: list[int] | None = None):
+    def __init__(self, tokenizer, stops: tuple[str, ...], context: list[int] | None = None, skip_special: bool = True,
+                 keep_stop: bool = False):
         self.tokenizer, self.stops, self.context = tokenizer, stops, list(context or ())
+        self.skip_special, self.keep_stop = skip_special, keep_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = 0
 
     def decode(self, tokens: list[int]) -> str:
-        return completion_text(self.tokenizer, self.context, tokens)
+        return completion_text(self.tokenizer, self.context, tokens, self.skip_special)
+
+    def cut(self, text: str) -> int | None:
+        """Where `text` ends at its first stop string (the one that starts first): before it, or after it with
+        `keep_stop`; None where none is in it."""
+        found = [(text.find(s), text.find(s) + len(s)) for s in self.stops if s in text]
+        if not found:
+            return None
+        start, end = min(found)
+        return end if self.keep_stop else start
 
     def final(self, tokens: list[int]) -> tuple[str, bool]:
         text = self.decode(tokens)
-        cuts = [text.find(s) for s in self.stops if s in text]
-        return (text[:min(cuts)], True) if cuts else (text, False)
+        cut = self.cut(text)
+        return (text[:cut], True) if cut is not None else (text, False)
 
     def delta(self, tokens: list[int]) -> str:
         text = self.decode(tokens)
         if text.endswith("\ufffd"):
             return ""
         end = len(text) - self.hold  # a stop string may still complete over the last `hold` characters
-        cuts = [text.find(s) for s in self.stops if s in text]
-        if cuts:  # one has completed: nothing from its start on is ever sent
-            end = min(end, *cuts)
+        cut = self.cut(text)
+        if cut is not None:  # one has completed: nothing past the cut is ever sent
+            end = min(end, cut)
         if end <= self.sent:
             return ""
         out, self.sent = text[self.sent:end], end

@@ -60,6 +60,8 @@ class RowSpec:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: end the row at any of these (kept in its text), not before min_tokens
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the row has generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the row has generated the token
     id: int = 0
 
 
