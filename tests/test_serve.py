@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 from serving import BIN, ServerProc, get, listening, post, post_all, post_arriving, request
 
 from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, run_in_process
@@ -186,6 +187,45 @@ def test_penalties_and_vllms_text_fields_are_served_as_one_process(gpt2):
     assert status == 400 and "presence_penalty 0.5 with beam search" in body["error"]["message"], body
 
 
+def test_loglikelihood_requests_as_lm_evaluation_harness_sends_them(gpt2):
+    """lm-evaluation-harness's `local-completions` loglikelihood request (token ids, a batch of prompts, max_tokens 1,
+    temperature 0, logprobs 1, echo): every prompt token after the first and the new token have the unsharded
+    model's log probability within 1e-4 (tp 2, fp32: the sharded sums round apart), None for the first; the harness's
+    own reading (the continuation's sum, and whether it is the greedy one) works on the answer; the text is the
+    prompt's then the completion's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(GPT2).eval(), AutoTokenizer.from_pretrained(GPT2)
+    contexts = [tokenizer(p)["input_ids"] for p in PROMPTS[3:5]]
+    continuation = tokenizer("o mie")["input_ids"]
+    prompts = [c + continuation for c in contexts]
+    status, body = post(gpt2.url + "/v1/completions", {"model": "gpt2-num2words-en-ro", "prompt": prompts,
+                                                       "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True,
+                                                       "seed": 1234})
+    assert status == 200, body
+    for choice, context, prompt in zip(body["choices"], contexts, prompts):
+        lp = choice["logprobs"]
+        with torch.no_grad():
+            want = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+        new = tokenizer.convert_tokens_to_ids(lp["tokens"][-1:])  # the new token (a word of this vocabulary)
+        assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        for j, got in enumerate(lp["token_logprobs"][1:]):
+            token = prompt[j + 1] if j + 1 < len(prompt) else new[0]
+            assert abs(got - float(want[j, token])) < 1e-4, (j, got, float(want[j, token]))
+        assert lp["tokens"][:len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+        ctxlen = len(context)  # the harness's parse_logprobs
+        total = sum(lp["token_logprobs"][ctxlen:-1])
+        assert abs(total - sum(float(want[ctxlen - 1 + i, t]) for i, t in enumerate(continuation))) < 1e-4
+        greedy = all(tok == max(top.values()) for tok, top in zip(lp["token_logprobs"][ctxlen:-1],
+                                                                    lp["top_logprobs"][ctxlen:-1]))
+        assert greedy == all(int(want[ctxlen - 1 + i].argmax()) == t for i, t in enumerate(continuation))
+        assert choice["text"].startswith(tokenizer.decode(prompt))
+    status, body = post(gpt2.url + "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 3, "temperature": 0,
+                                                       "logprobs": 2})
+    assert status == 200 and [len(t) for t in body["choices"][0]["logprobs"]["top_logprobs"]] in ([2, 2, 2], [3, 3, 3])
+
+
 BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a word the one line names)
     ("not JSON", "POST", "/v1/completions", b"{not json", 400, "json"),
     ("max_tokens of the wrong type", "POST", "/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
@@ -199,7 +239,11 @@ BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a w
     ("a token id outside the vocabulary", "POST", "/v1/completions", {"prompt": [10**7]}, 400, "vocabulary"),
     ("chat without a chat template", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}]}, 400, "template"),
-    ("logprobs", "POST", "/v1/completions", {"prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ("logprobs past 20", "POST", "/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs with stream", "POST", "/v1/completions", {"prompt": "a", "logprobs": 1, "stream": True}, 400,
+     "logprobs"),
+    ("logprobs on chat", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                         "logprobs": True}, 400, "logprobs"),
     ("an unknown route", "GET", "/v2/whatever", None, 404, "route"),
     ("an unknown route of 5000 characters (its line echoed them all)", "GET", "/" + "x" * 5000, None, 404, "route"),
     ("a method the route has not", "PUT", "/v1/completions", {"prompt": "a"}, 405, "put"),

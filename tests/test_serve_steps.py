@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 
 from conftest import EXAMPLES, save_tiny_model
 from ds_inference_integration.serve.engine import Answers, run_batch
+from ds_inference_integration.serve.rules import Refused
 from ds_inference_integration.serve.slots import SlotCache
 from ds_inference_integration.serve.steps import DecoderPositions, Kept, StepEngine, probe
 from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
@@ -34,9 +35,13 @@ class Record(Answers):
 
     def __init__(self):
         self.ended, self.out, self.whole, self.failures, self.counts = set(), {}, {}, {}, []
+        self.logprobs, self.prompt = {}, {}
 
-    def tokens(self, step, tokens, counts=None):
+    def tokens(self, step, tokens, counts=None, logprobs=None, prompt=None):
         self.counts.append(dict(counts or {}))
+        for row, each in (logprobs or {}).items():
+            self.logprobs.setdefault(row, []).append(each)
+        self.prompt.update(prompt or {})
 
     def finished(self, row, sequences, reasons):
         self.ended.add(row)
@@ -232,6 +237,48 @@ def test_presence_and_frequency_penalties_are_the_rows_own(gpt2):
         assert answers.out[spec.id][0] != _alone(model, tokenizer, unpenalised)[0], spec
     for spec in specs[:3]:
         assert answers.out[spec.id][0] == _penalised_alone(model, spec), spec
+
+
+def _reference_logprobs(model, prompt: list[int], new: list[int]) -> torch.Tensor:
+    """Each position's log probabilities, from the unsharded model's one forward over prompt + new tokens."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([prompt + new])).logits[0].float(), -1)
+
+
+def test_log_probabilities_of_prompt_and_new_tokens_are_the_models(gpt2):
+    """Rows that ask for log probabilities (3 top tokens; one also its prompt's, as `echo` asks), greedy and sampled,
+    joining running rows: each new token's and each prompt token's (after the first) equal the unsharded model's own
+    log-softmax over the whole sequence within 1e-5, their top tokens too, and the tokens are what they were without
+    logprobs; the batch engine refuses them in one line."""
+    model, tokenizer = gpt2
+    asks = [{"logprobs": 3, "prompt_logprobs": True}, {"logprobs": 0},
+            {"logprobs": 2, "temperature": 1.0, "seed": 4, "top_k": 30}]
+    specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=9, id=i, **kw)
+             for i, (p, kw) in enumerate(zip(PROMPTS[12:], asks))]
+    plain = RowSpec(tuple(tokenizer(PROMPTS[20])["input_ids"]), max_new_tokens=12, id=9)
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
+    _run(engine, {0: Admit(0, BatchKey(), (plain, specs[0])), 2: Admit(1, BatchKey(), tuple(specs[1:]))}, answers)
+    assert 9 not in answers.logprobs and set(answers.prompt) == {0}
+    for spec in specs:
+        new = answers.out[spec.id][0]
+        without = RowSpec(spec.prompt_ids, 9, temperature=spec.temperature, seed=spec.seed, top_k=spec.top_k)
+        assert (new, answers.out[spec.id][1]) == _alone(model, tokenizer, without)
+        want = _reference_logprobs(model, list(spec.prompt_ids), new)
+        n = len(spec.prompt_ids)
+        got = answers.logprobs[spec.id]
+        assert len(got) == len(new)
+        for i, (lp, top) in enumerate(got):
+            assert abs(lp - float(want[n - 1 + i, new[i]])) < 1e-5
+            assert [t for t, _ in top] == want[n - 1 + i].topk(spec.logprobs).indices.tolist()
+            assert all(abs(v - float(want[n - 1 + i, t])) < 1e-5 for t, v in top)
+        if spec.prompt_logprobs:
+            prompt = answers.prompt[spec.id]
+            assert len(prompt) == n - 1
+            for j, (lp, top) in enumerate(prompt):
+                assert abs(lp - float(want[j, spec.prompt_ids[j + 1]])) < 1e-5
+                assert [t for t, _ in top] == want[j].topk(3).indices.tolist()
+    with pytest.raises(Refused, match="logprobs are served by the step engine"):
+        run_batch(model, tokenizer, Admit(0, BatchKey(), (specs[1],)), "cpu")
 
 
 def test_a_row_joins_without_the_running_rows_cache_being_copied(gpt2):

@@ -1,6 +1,8 @@
 """The server's parts in this process: when a batch leaves the queue, what a request may ask, the per-row rules of
 one batch (against generating each row alone, on the embedded GPT-2 and T5), streamed text against the final."""
 
+import time
+
 import pytest
 import torch
 from serving import admit
@@ -231,3 +233,19 @@ def test_bad_serve_flags_are_one_line_before_anything_starts(args, says, capsys)
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_bench_serve_counts_a_request_past_its_points_deadline_as_unanswered():
+    """A request still open at its point's deadline (a server that accepts and never answers here) is a request
+    not answered, not the bench's end: it ended a whole `bench serve` run with a socket TimeoutError."""
+    import socket
+
+    from ds_inference_integration.tools.bench_serve import _one
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        start = time.monotonic()
+        got = _one(listener.getsockname()[1], {"prompt": "a", "stream": True}, timeout=0.5)
+        assert time.monotonic() - start < 5
+    assert got["ok"] is False and "TimeoutError" in got["status"], got

@@ -128,11 +128,12 @@ class Api:
         return [list(p) for p in prompts]
 
     @staticmethod
-    def unsupported(body) -> None:
-        if body.logprobs not in (None, False, 0) or getattr(body, "top_logprobs", None):
-            raise ServeError(400, "logprobs are not served; valid: leave logprobs out (null)", "logprobs")
-        if body.echo:
-            raise ServeError(400, "echo is not served; valid: echo false", "echo")
+    def unsupported(body, chat: bool) -> None:
+        if chat and (body.logprobs not in (None, False, 0) or getattr(body, "top_logprobs", None)):
+            raise ServeError(400, "logprobs are not served on chat completions yet (they are on /v1/completions); "
+                                  "valid: leave logprobs out (null)", "logprobs")
+        if chat and body.echo:
+            raise ServeError(400, "echo is not served on chat completions; valid: echo false", "echo")
         check_not_served(body)
 
     @staticmethod
@@ -149,7 +150,7 @@ class Api:
             raise ServeError(400, f"num_beams {num_beams!r} is not an integer; valid: 1 to 16", "num_beams")
         return num_beams or 1
 
-    def plan_openai(self, body, prompts):
+    def plan_openai(self, body, prompts, **more):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return plan_rows(prompts, limits=self.limits, max_tokens=max_tokens, temperature=body.temperature,
                          top_p=body.top_p, top_k=body.top_k, n=body.n, stop=body.stop, seed=body.seed,
@@ -158,20 +159,25 @@ class Api:
                          length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"),
                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                          skip_special_tokens=(body.model_extra or {}).get("skip_special_tokens"),
-                         include_stop_str_in_output=(body.model_extra or {}).get("include_stop_str_in_output"))
+                         include_stop_str_in_output=(body.model_extra or {}).get("include_stop_str_in_output"),
+                         **more)
 
     def plan_completion(self, body):
         """A /v1/completions body to rows (in a worker thread): checked, counted, then tokenized."""
         self.check_model(body.model)
-        self.unsupported(body)
+        self.unsupported(body, chat=False)
         prompts = completion_prompts(body.prompt)
         check_count(len(prompts), body.n, self.openai_beams(body) > 1, self.limits)
-        return self.plan_openai(body, self.tokenize(prompts))
+        key, rows = self.plan_openai(body, self.tokenize(prompts), logprobs=body.logprobs, echo=body.echo)
+        for row in rows:
+            if isinstance(prompts[row.prompt_index], str):
+                row.prompt_text = prompts[row.prompt_index]
+        return key, rows
 
     def plan_chat(self, body):
         """A /v1/chat/completions body to rows (in a worker thread): its messages through the chat template."""
         self.check_model(body.model)
-        self.unsupported(body)
+        self.unsupported(body, chat=True)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServeError(400, f"model {self.model_id!r} has no chat template, so it cannot chat; valid: "
                                   "POST /v1/completions with a prompt", "messages", "no_chat_template")
@@ -216,9 +222,47 @@ class Api:
                     out.append({"index": index, "message": {"role": "assistant", "content": text},
                                 "logprobs": None, "finish_reason": finish})
                 else:
-                    out.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
+                    head = self.echoed(row) if row.echo else ""
+                    out.append({"index": index, "text": head + text, "finish_reason": finish,
+                                "logprobs": self.logprobs(row, seq) if row.logprobs >= 0 else None})
                 index += 1
         return out, generated
+
+    def echoed(self, row) -> str:
+        """A row's prompt as `echo` gives it back: the client's string, or its token ids decoded."""
+        if row.prompt_text is not None:
+            return row.prompt_text
+        return self.tokenizer.decode(row.prompt_ids, skip_special_tokens=row.skip_special_tokens)
+
+    def logprobs(self, row, seq: list[int]) -> dict:
+        """OpenAI's completion `logprobs` of a row (its prompt's first, with `echo`): each token's text, its log
+        probability (None for the prompt's first, which has no context), the likeliest tokens' (with the token
+        itself, as vLLM gives them) and each token's character offset in the concatenated token texts."""
+        ids, chosen, tops = [], [], []
+        if row.echo:
+            ids += list(row.prompt_ids)
+            chosen.append(None)
+            tops.append(None)
+            for lp, top in row.prompt_token_logprobs or ():
+                chosen.append(lp)
+                tops.append(top)
+        ids += list(seq)
+        for lp, top in row.token_logprobs[:len(seq)]:
+            chosen.append(lp)
+            tops.append(top)
+        words = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        top_logprobs, offsets, at = [], [], 0
+        for t, lp, top, word in zip(ids, chosen, tops, words):
+            offsets.append(at)
+            at += len(word)
+            if top is None:
+                top_logprobs.append(None)
+                continue
+            found = {self.tokenizer.decode([i], skip_special_tokens=False): v for i, v in top}
+            found.setdefault(word, lp)
+            top_logprobs.append(found)
+        return {"tokens": words[:len(chosen)], "token_logprobs": chosen, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
 
     def usage(self, job: Job, generated: int) -> dict:
         prompts = {r.prompt_index: len(r.prompt_ids) for r in job.rows}

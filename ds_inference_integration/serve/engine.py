@@ -36,7 +36,7 @@ from multiprocessing.connection import Client
 import torch
 import torch.distributed as dist
 
-from .rules import BeamGuard, BeamSteps, RowRules, RowStops, eos_ids, generation_config, own_failure
+from .rules import BeamGuard, BeamSteps, Refused, RowRules, RowStops, eos_ids, generation_config, own_failure
 from .wire import (
     AUTHKEY_ENV,
     FRONT_ENV,
@@ -121,9 +121,10 @@ class Answers:
     def __init__(self, control: Control):
         self.control, self.ended = control, set()
 
-    def tokens(self, step: int, tokens: dict[int, int], counts: dict[int, int] | None = None) -> None:
+    def tokens(self, step: int, tokens: dict[int, int], counts: dict[int, int] | None = None,
+               logprobs: dict | None = None, prompt: dict | None = None) -> None:
         if tokens:
-            self.control.send(Tokens(step, tokens, counts))
+            self.control.send(Tokens(step, tokens, counts, logprobs or None, prompt or None))
 
     def finished(self, row: int, sequences: list[list[int]], reasons: list[str]) -> None:
         if row not in self.ended:
@@ -144,6 +145,10 @@ def run_batch(model, tokenizer, admit: Admit, device, control: Control | None = 
     its sequences (new tokens only), finish reasons ("error" for a row that failed, "cancelled" for one whose client
     left) and the failed rows' status and why."""
     rows, key = list(admit.rows), admit.key
+    if any(r.logprobs >= 0 or r.prompt_logprobs for r in rows):
+        raise Refused(400, "logprobs are served by the step engine, and this replica runs the batch engine "
+                           "(--scheduler batch, or a model the step engine cannot take: its start-up line says); "
+                           "valid: leave logprobs out (null)")
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     inputs = model_inputs(rows, tokenizer.pad_token_id, encoder_decoder, device)
     start = 1 if encoder_decoder else inputs["input_ids"].shape[1]

@@ -170,6 +170,8 @@ def _neutral(value, neutrals: tuple) -> bool:
     return any(value == v and type(value) is type(v) or value is v for v in neutrals)
 
 
+MAX_LOGPROBS = 20  # top tokens a token's log probability may come with (vLLM's default --max-logprobs)
+
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
@@ -277,8 +279,12 @@ class Row(RowSpec):
     # how its text is made (the front's alone): vLLM's `skip_special_tokens` and `include_stop_str_in_output`
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    echo: bool = False  # the prompt's text (and tokens, with logprobs) before the completion's
+    prompt_text: str | None = None  # the prompt as the client sent it (a string), for `echo`
     # filled as it runs
     tokens: list[int] = field(default_factory=list)
+    token_logprobs: list[tuple] = field(default_factory=list)  # per new token, where asked (`wire.Tokens.logprobs`)
+    prompt_token_logprobs: list[tuple] | None = None  # per prompt token after the first (`echo` with `logprobs`)
     sequences: list[list[int]] | None = None  # beams: num_return_sequences of them
     finish: list[str] | None = None
 
@@ -379,7 +385,7 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
               names: dict | None = None, stop_token_ids: list[int] | None = None,
               generate: dict | None = None, presence_penalty: float | None = None,
               frequency_penalty: float | None = None, skip_special_tokens=None,
-              include_stop_str_in_output=None) -> tuple[BatchKey, list[Row]]:
+              include_stop_str_in_output=None, logprobs=None, echo: bool = False) -> tuple[BatchKey, list[Row]]:
     """The rows of one request (a prompt x n, or one row per prompt under beam search, which returns n
     sequences of it), checked against the model and the server's limits; every problem is one ServeError."""
     names = {"max_tokens": "max_tokens", "n": "n", "min_tokens": "min_tokens", "num_beams": "num_beams",
@@ -407,6 +413,21 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
         if value is not None and not isinstance(value, bool):
             raise ServeError(400, f"{name} {value!r:.60} is not a boolean; valid: true or false", name)
     beams = num_beams > 1
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ServeError(400, f"logprobs {logprobs!r:.60} is out of range; valid: 0 to {MAX_LOGPROBS} (the top "
+                                  "tokens given with each token's), or null", "logprobs")
+        if beams:
+            raise ServeError(400, f"logprobs with {names['num_beams']} {num_beams}: a beam's tokens have no one "
+                                  f"distribution; valid: num_beams 1, or logprobs null", "logprobs")
+        if stream:
+            raise ServeError(400, "logprobs with stream are not served yet; valid: stream false, or logprobs null",
+                             "logprobs")
+    if echo and limits.encoder_decoder:
+        raise ServeError(400, "echo with an encoder-decoder model: its prompt is the encoder's, not text its "
+                              "completion continues; valid: echo false", "echo")
+    if echo and stream:
+        raise ServeError(400, "echo with stream is not served yet; valid: stream false, or echo false", "echo")
     if beams and stream:
         raise ServeError(400, f"stream with {names['num_beams']} {num_beams}: beam search picks its outputs at the end, "
                          "so it cannot stream; valid: stream false, or num_beams 1", "stream")
@@ -466,5 +487,7 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
                             stop=stops, stop_token_ids=stop_ids, presence_penalty=presence_penalty or 0.0,
                             frequency_penalty=frequency_penalty or 0.0, prompt_index=p,
                             skip_special_tokens=skip_special_tokens is not False,
-                            include_stop_str_in_output=bool(include_stop_str_in_output)))
+                            include_stop_str_in_output=bool(include_stop_str_in_output),
+                            logprobs=-1 if logprobs is None else logprobs,
+                            prompt_logprobs=bool(echo) and logprobs is not None, echo=bool(echo)))
     return key, rows

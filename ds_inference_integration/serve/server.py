@@ -251,6 +251,10 @@ class Server:
                 if len(row.tokens) >= message.count(row_id):
                     continue  # a job run again alone (its batch failed): these tokens were sent the first time
                 row.tokens.append(token)
+                if message.logprobs is not None and row_id in message.logprobs:
+                    row.token_logprobs.append(message.logprobs[row_id])
+                if message.prompt is not None and row_id in message.prompt:
+                    row.prompt_token_logprobs = message.prompt[row_id]
                 if not job.cancelled:
                     if job.first_token_at is None:
                         job.first_token_at = now

@@ -42,6 +42,16 @@ from .slots import SlotCache, check_layers
 from .wire import Admit, BatchKey, RowSpec
 
 
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple:
+    """A position's log probabilities as OpenAI's `logprobs` gives them: (that of `token`, ((id, log probability) of
+    the `k` likeliest, likeliest first)), from the model's own logits (before a row's penalties, temperature or
+    masks: vLLM's default, "raw" log probabilities), in float32."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, k) if k > 0 else None
+    return (float(logprobs[token]),
+            tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
+
+
 class NotPerRow(Exception):
     """A model whose cache the step engine cannot hold a row of (`probe` says why)."""
 
@@ -102,6 +112,10 @@ class StepEngine:
         self.joining: dict[int, torch.Tensor] = {}  # slot -> the encoder's output for a row whose first step is next
         self.record: dict[int, list[torch.Tensor]] | None = None  # row id -> each step's logits (`probe`)
         self.configs: dict = {}  # (key, max_new_tokens) -> a row's generation config (`_config`)
+        # this step's log probabilities of rows that asked (`RowSpec.logprobs`, `prompt_logprobs`), by row id
+        self.logprobs: dict[int, tuple] = {}
+        self.prompt_logprobs: dict[int, list] = {}
+        self.ended: list[tuple] = []  # rows that ended this step: (id, sequences, reasons), answered after its tokens
 
     # ----- what the leader passes on
     def take(self, admit: Admit) -> None:
@@ -139,10 +153,27 @@ class StepEngine:
         return waiting >= self.waiting_served_ratio * running or self.steps - oldest >= self.max_waiting_steps
 
     def step(self, answers, control=None) -> None:
+        """One step; the step's tokens (with the log probabilities rows asked for) are answered before the rows that
+        ended with them, so that the front has every token's before it answers a row."""
+        tokens: dict[int, tuple[int, int]] = {}
+        done = False
+        try:
+            self._step(answers, control, tokens)
+            done = True
+        finally:
+            if done and tokens:
+                answers.tokens(0, {i: t for i, (_, t) in tokens.items()},
+                               counts={i: c for i, (c, _) in tokens.items()}, logprobs=self.logprobs,
+                               prompt=self.prompt_logprobs)
+            self.logprobs, self.prompt_logprobs = {}, {}
+            ended, self.ended = self.ended, []
+            for row_id, sequences, reasons in ended:  # also where the step failed: these rows had ended before
+                answers.finished(row_id, sequences, reasons)
+
+    def _step(self, answers, control, tokens: dict) -> None:
         self.steps += 1
         self._end_cancelled(answers)
         decoding = dict(self.running)  # the rows that were running: they decode together below
-        tokens: dict[int, tuple[int, int]] = {}
         if self.waiting and isinstance(self.waiting[0], Admit) and not self.running:
             # a whole admission's turn, alone (while rows run, none is admitted before it: first come, first served)
             admit = self.waiting.popleft()
@@ -175,8 +206,6 @@ class StepEngine:
             self._decode(decoding, tokens, answers)
         if not self.running:
             self.alone = False
-        if tokens:
-            answers.tokens(0, {i: t for i, (_, t) in tokens.items()}, counts={i: c for i, (c, _) in tokens.items()})
 
     def _end_cancelled(self, answers) -> None:
         if not self.cancelled:
@@ -247,7 +276,8 @@ class StepEngine:
             if fused:
                 encoded = self._encode([r.spec.prompt_ids for r in rows])
             else:
-                prefilled, logits = self._prefill([(r.spec.prompt_ids, r.ids) for r in rows])
+                wants = [r.spec if r.spec.prompt_logprobs else None for r in rows]
+                prefilled, logits = self._prefill([(r.spec.prompt_ids, r.ids) for r in rows], wants)
         except NotPerRow:
             raise
         except Exception as e:  # noqa: BLE001 - the rows' failure (alike on every rank), unless `fatal`
@@ -277,10 +307,12 @@ class StepEngine:
         self.source_state = (state.shape[-1], state.dtype)
         return state
 
-    def _prefill(self, rows: list[tuple]) -> tuple:
+    def _prefill(self, rows: list[tuple], wants: list | None = None) -> tuple:
         """The rows' prompts (each `(prompt ids, ids the row starts from)`: the prompt again, or an encoder-decoder's
         decoder start) through the model at once, right-padded (a row's positions never see the padding after it),
-        with transformers' own cache: (that cache, each row's last logits in float32)."""
+        with transformers' own cache: (that cache, each row's last logits in float32). A decoder-only row whose spec is
+        given in `wants` (one that asked for its prompt's log probabilities) has them kept (`self.prompt_logprobs`):
+        every position's logits go through the head then."""
         n, prompts = len(rows), [list(prompt) for prompt, _ in rows]
         width = max(len(p) for p in prompts)
         ids = torch.tensor([p + [self.pad] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
@@ -300,7 +332,8 @@ class StepEngine:
                 prefilled = DynamicCache() if self.window else DynamicCache(config=self.model.config)
                 last = [len(p) - 1 for p in prompts]
                 keep = {}
-                if self.keep:  # only the rows' last positions through the head (generate: logits_to_keep=1)
+                whole = any(spec is not None for spec in wants or ())
+                if self.keep and not whole:  # only the rows' last positions through the head (generate: logits_to_keep=1)
                     kept = sorted(set(last))
                     keep = {"logits_to_keep": 1 if kept == [width - 1] else torch.tensor(kept, device=self.device)}
                     last = [kept.index(i) - len(kept) for i in last]
@@ -308,6 +341,11 @@ class StepEngine:
                                  position_ids=torch.arange(width, device=self.device)[None].expand(n, -1),
                                  **{self.cache_name: prefilled}, **keep)
                 logits = out.logits[torch.arange(n), torch.tensor(last)]
+                for b, spec in enumerate(wants or ()):
+                    if spec is not None:
+                        self.prompt_logprobs[spec.id] = [
+                            top_logprobs(out.logits[b, j], prompts[b][j + 1], spec.logprobs)
+                            for j in range(len(prompts[b]) - 1)]
         if self.cache is None:
             why = check_layers(prefilled)
             if why:
@@ -434,9 +472,11 @@ class StepEngine:
             return
         row.ids.append(token)
         tokens[row.spec.id] = (len(new), token)
+        if row.spec.logprobs >= 0:
+            self.logprobs[row.spec.id] = top_logprobs(logits, token, row.spec.logprobs)
         if reason:
             del self.running[row.slot]
-            answers.finished(row.spec.id, [new], [reason])
+            self.ended.append((row.spec.id, [new], [reason]))  # answered after the step's tokens (`step`)
 
     def _plain(self, row: _Row) -> bool:
         """Whether the row's next token is simply the highest logit: greedy, no processor of generate's, no penalty,
@@ -559,7 +599,7 @@ class Kept:
     def __init__(self):
         self.rows: dict[int, tuple[list[list[int]], list[str]]] = {}
 
-    def tokens(self, step, tokens, counts=None):
+    def tokens(self, step, tokens, counts=None, logprobs=None, prompt=None):
         pass
 
     def finished(self, row, sequences, reasons):

@@ -62,6 +62,8 @@ class RowSpec:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: end the row at any of these (kept in its text), not before min_tokens
     presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the row has generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the row has generated the token
+    logprobs: int = -1  # each new token's log probability and the top `logprobs` (-1: none; the step engine's)
+    prompt_logprobs: bool = False  # and each prompt token's after the first (`echo` with `logprobs`)
     id: int = 0
 
 
@@ -118,6 +120,10 @@ class Tokens:
     step: int  # the new tokens' count so far, this one included (the batch engine: every row's)
     tokens: dict[int, int] = field(default_factory=dict)  # row id -> its new token
     counts: dict[int, int] | None = None  # row id -> its count (the step engine: rows of one step differ)
+    # rows that asked for log probabilities (`RowSpec.logprobs`): row id -> (its new token's, ((id, top one's)...));
+    # `prompt`: row id -> the same for each prompt token after the first, sent with its first token
+    logprobs: dict[int, tuple] | None = None
+    prompt: dict[int, list] | None = None
 
     def count(self, row: int) -> int:
         return self.counts[row] if self.counts is not None else self.step

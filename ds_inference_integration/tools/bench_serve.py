@@ -109,7 +109,15 @@ class _Server:
 
 def _one(port: int, body: dict, timeout: float) -> dict:
     """One streamed completion: latency, time to first token (the first chunk with text), output tokens (the
-    usage chunk)."""
+    usage chunk); a request with no whole answer within `timeout` (the point's time left) is one not answered, not
+    the bench's end (a request still streaming at a point's deadline ended the whole run with a traceback)."""
+    try:
+        return _answer(port, body, timeout)
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        return {"ok": False, "status": f"no whole answer: {type(e).__name__}: {e}"[:200]}
+
+
+def _answer(port: int, body: dict, timeout: float) -> dict:
     start = time.perf_counter()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
