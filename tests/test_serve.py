@@ -710,14 +710,14 @@ def test_bf16_with_fp32_sums_serves_as_one_process(tmp_path):
 @pytest.mark.slow
 def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
     """A short `ds-inference bench serve` (GPT-2, concurrency 1 and 4, 8 requests at Poisson arrival times, half of
-    them beam requests, one repeat, the three modes):
+    them beam requests, one repeat, the three modes, two disconnects):
     every point has its figures, both ratios are there, the plot opens, and no server is left, nor its logs'
     temporary directory (it was)."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     done = subprocess.run([str(BIN / "ds-inference"), "bench", "serve", "--models", "gpt2", "--concurrency", "1,4",
                            "--requests", "8", "--repeats", "1", "--arrival_rate", "40", "--beam_fraction", "0.5",
-                           "--output-dir", str(tmp_path)],
+                           "--disconnects", "2", "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=400, env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # torch's own compile cache (`torchinductor_<user>`, made by an import in the ranks) is torch's to keep
@@ -732,7 +732,45 @@ def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
     assert [r["concurrency"] for r in result["ratios"]] == [1, 4]
     assert all(r["req_per_s_ratio"] > 0 and r["continuous_tokens_per_s_ratio"] > 0 for r in result["ratios"])
     assert "| gpt2 | continuous | 4 |" in (tmp_path / "bench_serve.md").read_text()
+    assert [(d["model"], d["mode"]) for d in result["disconnects"]] == [
+        ("gpt2", m) for m in ("continuous", "batched", "one_at_a_time")]
+    assert all(d["after_disconnect_ttft_p50"] > 0 and d["idle_ttft_p50"] > 0 for d in result["disconnects"])
     from PIL import Image
 
     with Image.open(tmp_path / "bench_serve.png") as png:
         assert png.size[0] >= 600  # two panels (req/s, p99) for the one model
+
+
+def test_a_sigterm_to_bench_serve_ends_its_servers(tmp_path):
+    """`ds-inference bench serve` ended by SIGTERM (a job scheduler's, `timeout`'s) ends the servers it started,
+    each in a session of its own: they were left running."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    bench = subprocess.Popen([str(BIN / "ds-inference"), "bench", "serve", "--models", "gpt2", "--concurrency", "2",
+                              "--requests", "400", "--repeats", "1", "--modes", "continuous", "--tp_size", "1",
+                              "--output-dir", str(tmp_path / "out")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(scratch)})
+
+    def pgrep(*how):
+        return [int(p) for p in subprocess.run(["pgrep", *how], capture_output=True, text=True).stdout.split()]
+
+    sessions = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not sessions and time.monotonic() < deadline and bench.poll() is None:
+            sessions = {os.getsid(p) for p in pgrep("-f", "--", f"--log_dir {scratch}")}
+            time.sleep(0.5)
+        assert sessions, "the bench started no server"
+        time.sleep(3)  # its load running
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(90) == 143
+        deadline = time.monotonic() + 30
+        while any(pgrep("-s", str(s)) for s in sessions) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [pgrep("-s", str(s)) for s in sessions if pgrep("-s", str(s))]  # fronts and their ranks
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for s in sessions:
+            for pid in pgrep("-s", str(s)):
+                os.kill(pid, signal.SIGKILL)

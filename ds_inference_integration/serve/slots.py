@@ -30,7 +30,8 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, slots: int):
         super().__init__()
         self.slots = slots
-        self.plan: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # (slot ids, positions, hi, width)
+        # (slot ids, positions, hi, width, whether every slot below hi decodes)
+        self.plan: tuple[torch.Tensor, torch.Tensor, int, int, bool] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, key_dim = key_states.shape
@@ -66,10 +67,10 @@ class SlotLayer(CacheLayerMixin):
         """A decoding step: the new key and value (`[hi, heads, 1, dim]`) of each decoding row at its slot's own
         position (other slots below `hi` are not written: a row admitted this step keeps its prompt); returns the
         first `hi` slots' first `width` columns (views)."""
-        slots, positions, hi, width = self.plan
+        slots, positions, hi, width, every = self.plan
         self.grow(width)
-        self.keys[slots, :, positions] = key_states[slots, :, 0]
-        self.values[slots, :, positions] = value_states[slots, :, 0]
+        self.keys[slots, :, positions] = key_states[:, :, 0] if every else key_states[slots, :, 0]
+        self.values[slots, :, positions] = value_states[:, :, 0] if every else value_states[slots, :, 0]
         return self.keys[:hi, :, :width], self.values[:hi, :, :width]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -202,7 +203,7 @@ class SlotCache(Cache):
         device, dtype = layer.keys.device, layer.keys.dtype
         slots = torch.tensor(sorted(positions), device=device)
         pos = torch.tensor([positions[s] for s in sorted(positions)], device=device)
-        plan = (slots, pos, hi, width)
+        plan = (slots, pos, hi, width, len(positions) == hi)
         for each in self.layers:
             each.plan = plan
         every = torch.zeros(hi, dtype=torch.long, device=device).index_copy(0, slots, pos)

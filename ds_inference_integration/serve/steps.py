@@ -76,6 +76,10 @@ class _Row:
     def new(self) -> list[int]:
         return self.ids[self.start:]
 
+    @property
+    def produced(self) -> int:
+        return len(self.ids) - self.start
+
 
 class StepEngine:
     """The rows of one replica, slot by slot. `take` queues an admission (rows), `cancel` names rows whose clients
@@ -460,10 +464,10 @@ class StepEngine:
                 failed = row.rules.failed.get(0)
                 token = int(scores[0].argmax()) if failed is None else None
             if failed is None:
-                new = [*row.new, token]
-                # through the module: the tests' fault hook (tests/faults) replaces it for both engines
-                reason = row_rules.row_end(row.spec, token, len(new), self.eos_set,
-                                           lambda: self.tokenizer.decode(new, skip_special_tokens=True))
+                # through the module: the tests' fault hook (tests/faults) replaces it for both engines; the row's
+                # new tokens are listed only where a stop string needs its text (a copy a row a step, otherwise)
+                reason = row_rules.row_end(row.spec, token, row.produced + 1, self.eos_set,
+                                           lambda: self.tokenizer.decode([*row.new, token], skip_special_tokens=True))
         except Exception as e:  # noqa: BLE001 - a row's own rules failing is its failure (alike on every rank)
             failed = own_failure(e)
         if failed is not None:
@@ -471,18 +475,18 @@ class StepEngine:
             answers.failed((row.spec.id,), *failed)
             return
         row.ids.append(token)
-        tokens[row.spec.id] = (len(new), token)
+        tokens[row.spec.id] = (row.produced, token)
         if row.spec.logprobs >= 0:
             self.logprobs[row.spec.id] = top_logprobs(logits, token, row.spec.logprobs)
         if reason:
             del self.running[row.slot]
-            self.ended.append((row.spec.id, [new], [reason]))  # answered after the step's tokens (`step`)
+            self.ended.append((row.spec.id, [row.new], [reason]))  # answered after the step's tokens (`step`)
 
     def _plain(self, row: _Row) -> bool:
         """Whether the row's next token is simply the highest logit: greedy, no processor of generate's, no penalty,
         nothing held back (its minimum reached); its scores are then checked and its token taken with every such row's at once,
         the same token `_next`'s rules would take (argmax of the same float32 logits)."""
-        return (row.spec.temperature <= 0 and not row.processors and len(row.new) >= row.spec.min_tokens
+        return (row.spec.temperature <= 0 and not row.processors and row.produced >= row.spec.min_tokens
                 and not (row.spec.presence_penalty or row.spec.frequency_penalty) and self.record is None)
 
     def fail_running(self) -> list[int]:

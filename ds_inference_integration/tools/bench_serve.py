@@ -1,21 +1,24 @@
-"""`ds-inference bench serve`: `ds-inference serve` at tp 2 on this machine, a fixed request set sent at each
-concurrency (streamed, as `vllm bench serve` sends it: `ignore_eos`, `stream_options.include_usage`), to the same
-model served three ways side by side: `continuous` (the step engine), `batched` (`--scheduler batch`: one generate
-a batch) and `one_at_a_time` (the batch engine at `--max_batch_size 1`, as the handler this project grew from
-served), for the embedded GPT-2 and T5 (an encoder-decoder: the step engine sends it to the batch engine).
+"""`ds-inference bench serve`: `ds-inference serve` (tp 2 by default, `--tp_size`) on this machine, a fixed request
+set sent at each concurrency (streamed, as `vllm bench serve` sends it: `ignore_eos`, `stream_options.include_usage`),
+to the same model served three ways side by side: `continuous` (the step engine), `batched` (`--scheduler batch`:
+one generate a batch) and `one_at_a_time` (the batch engine at `--max_batch_size 1`, as the handler this project
+grew from served), for the embedded GPT-2 and T5 and `gpt2-256` (the shape of the model #42 was measured on, built
+at start).
 
 Per model, mode and concurrency, over repeats (min / median / max): requests/s, output tokens/s, p50 / p99
 latency, p50 / p99 time to first token, and the mean rows per decoding step (from the server's /metrics). Every
-load loop is bounded: `--requests` per point, and a point stops sending after `--point_timeout` seconds.
+load loop is bounded: `--requests` per point, and a point stops sending after `--point_timeout` seconds (a request
+still open then counts as unanswered).
 `--output_lengths A-B` draws each request's max_tokens from A to B (one seeded draw, the same for every mode), the
 load where a batch's rows end at different steps; `--arrival_rate R` sends requests at Poisson arrival times (at
 most `--concurrency` open), and `--beam_fraction F` makes that share of them beam requests (4 beams, not streamed:
 their time to first token is their latency). TPOT (time per output token after the first) is given for streamed
-requests.
+requests. `--disconnects N` adds, per model and mode, the time to first token right after a client left a long
+stream, against the idle server's (`_disconnects`). A SIGTERM to the bench ends its servers too.
 
-    ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64] [--repeats 3]
-                             [--modes continuous,batched,one_at_a_time] [--output_lengths 4-48]
-                             [--arrival_rate R] [--beam_fraction F]
+    ds-inference bench serve [--models gpt2,t5,gpt2-256] [--concurrency 1,4,16,64] [--requests 64] [--repeats 3]
+                             [--modes continuous,batched,one_at_a_time] [--output_lengths 4-48] [--tp_size 2]
+                             [--arrival_rate R] [--beam_fraction F] [--disconnects N]
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def _prompts(model: str) -> list[str]:
 
 
 class _Server:
+    live: list["_Server"] = []  # the servers up now: a SIGTERM to the bench ends them (`_end_on_sigterm`)
+
     def __init__(self, model_dir: Path, args: list[str], log_dir: Path, tp_size: int):
         self.port = free_port()
         self.log = open(log_dir / f"front-{self.port}.log", "w")
@@ -79,6 +84,7 @@ class _Server:
                                       str(model_dir), "--tp_size", str(tp_size), "--port", str(self.port),
                                       "--log_dir", str(log_dir / f"ranks-{self.port}"), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _Server.live.append(self)
         deadline = time.monotonic() + 300
         while self._health() != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -105,6 +111,24 @@ class _Server:
     def stop(self) -> None:
         stop_session(self.proc, grace=60)
         self.log.close()
+        if self in _Server.live:
+            _Server.live.remove(self)
+
+
+def _end_on_sigterm() -> None:
+    """A SIGTERM to the bench ends its servers (each in a session of its own, which a signal to the bench's does not
+    reach: they were left running), then the bench (exit 143). Its clients' requests then fail at once."""
+    import signal
+
+    def end(signum, frame):
+        for server in list(_Server.live):
+            server.stop()
+        raise SystemExit(128 + signum)
+
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, end)
 
 
 def _one(port: int, body: dict, timeout: float) -> dict:
@@ -143,6 +167,42 @@ def _answer(port: int, body: dict, timeout: float) -> dict:
     latency = time.perf_counter() - start
     tpot = (latency - first) / (tokens - 1) if first is not None and tokens > 1 else None
     return {"ok": True, "latency": latency, "ttft": first, "tokens": tokens, "tpot": tpot}
+
+
+LONG_TOKENS = {"gpt2": 36, "t5": 1000, "gpt2-256": 200}  # a disconnected stream's max_tokens: the model's room
+
+
+def _disconnects(server: _Server, prompts: list[str], n: int, long_tokens: int, timeout: float) -> dict:
+    """#42's disconnect figure: the time to first token of a short request (8 tokens) on the idle server, n times,
+    then n times right after a client left a long stream (`long_tokens`, `ignore_eos`) once its first token came;
+    medians and the worst, and after / idle (the issue's bound: within 2x)."""
+    import socket
+
+    def short(i):
+        return _one(server.port, {"prompt": prompts[i % len(prompts)], "max_tokens": 8, "temperature": 0,
+                                  "ignore_eos": True, "stream": True}, timeout)
+
+    idle = [short(i) for i in range(n)]
+    after = []
+    for i in range(n):
+        body = json.dumps({"prompt": prompts[(i + 1) % len(prompts)], "max_tokens": long_tokens, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            seen = b""
+            while b"data: {" not in seen:  # the long row is running: its first token came
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                seen += chunk
+        after.append(short(i))  # the client has left (its socket closed) just now
+    ok = [r["ttft"] for r in idle if r["ok"] and r["ttft"]], [r["ttft"] for r in after if r["ok"] and r["ttft"]]
+    if not all(ok):
+        raise InferenceSetupError(f"bench serve: the disconnect figures got no answer: {idle[:1]} {after[:1]}")
+    idle_p50, after_p50 = _pct(ok[0], 0.5), _pct(ok[1], 0.5)
+    return {"idle_ttft_p50": idle_p50, "after_disconnect_ttft_p50": after_p50,
+            "after_disconnect_ttft_max": max(ok[1]), "after_over_idle": after_p50 / idle_p50, "trials": n}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -216,7 +276,7 @@ def parse_lengths(text: str | None) -> tuple[int, int] | None:
 def run_bench(models: list[str], concurrencies: list[int], requests: int, repeats: int, tp_size: int,
               max_wait_ms: float, point_timeout: float, output_dir: Path, modes: list[str] | None = None,
               output_lengths: tuple[int, int] | None = None, arrival_rate: float | None = None,
-              beam_fraction: float = 0.0) -> dict:
+              beam_fraction: float = 0.0, disconnects: int = 0) -> dict:
     for name in models:
         if name not in MODELS:
             raise InferenceSetupError(f"--models {name!r} is unknown; valid: {', '.join(MODELS)}")
@@ -229,13 +289,14 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
         if mode not in MODES:
             raise InferenceSetupError(f"--modes {mode!r} is unknown; valid: {', '.join(MODES)}")
     optional_import("fastapi", "ds-inference bench serve")
+    _end_on_sigterm()
     output_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     results: dict = {"command": "ds-inference bench serve " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else
                      "ds-inference bench serve", "date": time.strftime("%Y-%m-%d"), "tp_size": tp_size,
                      "max_wait_ms": max_wait_ms, "requests_per_point": requests, "cpus": os.cpu_count(),
                      "output_lengths": list(output_lengths) if output_lengths else None,
-                     "arrival_rate": arrival_rate, "beam_fraction": beam_fraction, "points": []}
+                     "arrival_rate": arrival_rate, "beam_fraction": beam_fraction, "points": [], "disconnects": []}
     for name in models:
         directory, max_tokens = MODELS[name]
         lengths = output_lengths or (max_tokens, max_tokens)
@@ -266,6 +327,11 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
                           f"p50 {point['latency_p50']['median'] * 1000:6.0f} ms  p99 "
                           f"{point['latency_p99']['median'] * 1000:6.0f} ms  rows/step "
                           f"{point['mean_step_rows']['median']:.1f}", flush=True)
+            for mode in modes if disconnects else ():
+                found = _disconnects(servers[mode], prompts, disconnects, LONG_TOKENS[name], point_timeout)
+                results["disconnects"].append({"model": name, "mode": mode, **found})
+                print(f"{name:5} {mode:14} TTFT after a disconnect {found['after_disconnect_ttft_p50'] * 1000:.0f} "
+                      f"ms, idle {found['idle_ttft_p50'] * 1000:.0f} ms", flush=True)
         finally:
             for server in servers.values():
                 server.stop()
@@ -327,6 +393,14 @@ def _table(results: dict) -> str:
     for r in results["ratios"]:
         lines.append(f"| {r['model']} | {r['concurrency']} | {x(r, 'req_per_s_ratio')} | {x(r, 'latency_p99_ratio')} | "
                      f"{x(r, 'continuous_tokens_per_s_ratio')} | {x(r, 'continuous_ttft_p99_ratio')} |")
+    if results.get("disconnects"):
+        lines += ["", "Time to first token of an 8-token request, idle and right after a client left a long stream "
+                  f"({results['disconnects'][0]['trials']} of each, medians):", "",
+                  "| model | mode | idle ms | after a disconnect ms (worst) | after / idle |", "|---|---|---|---|---|"]
+        for d in results["disconnects"]:
+            lines.append(f"| {d['model']} | {d['mode']} | {d['idle_ttft_p50'] * 1000:.0f} | "
+                         f"{d['after_disconnect_ttft_p50'] * 1000:.0f} ({d['after_disconnect_ttft_max'] * 1000:.0f}) | "
+                         f"{d['after_over_idle']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -182,7 +182,7 @@ def _bench_serve(ns: argparse.Namespace) -> int:
 
     run_bench(ns.models.split(","), _int_list(ns.concurrency, "--concurrency"), ns.requests, ns.repeats, ns.tp_size,
               ns.max_wait_ms, ns.point_timeout, Path(ns.output_dir), ns.modes.split(","),
-              parse_lengths(ns.output_lengths), ns.arrival_rate, ns.beam_fraction)
+              parse_lengths(ns.output_lengths), ns.arrival_rate, ns.beam_fraction, ns.disconnects)
     print(f"wrote {ns.output_dir}/bench_serve.json, bench_serve.md, bench_serve.png")
     return 0
 
@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "request as soon as it has its answer)")
     bserve.add_argument("--beam_fraction", type=float, default=0.0,
                         help="share of the requests that are beam requests (4 beams, not streamed)")
+    bserve.add_argument("--disconnects", type=int, default=0,
+                        help="N: also the time to first token right after a client left a long stream, N times, "
+                             "against the idle server's")
     bserve.add_argument("--output-dir", default="bench_out")
     bserve.set_defaults(func=_bench_serve)
     bsteps = bsub.add_parser("steps", help="the step engine in this process: an admission's cost against the rows "
