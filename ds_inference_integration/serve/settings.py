@@ -25,6 +25,13 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # tok/s continuous / batched, fixed and mixed lengths): 0 and 0: 1.11x and 1.19x, p99 TTFT 0.21x and 0.13x; 0.3 and
 # 4: 0.98x and 1.25x, 0.22x and 0.22x; 1.2 and 20: 1.00x and 1.15x, 0.22x and 0.57x. No setting gained beyond the
 # repeats' spread here, and waiting costs time to first token; the flags stay for loads where prefills are dear.
+# Measured again on #42's workload (max_tokens 8-128, concurrency 16, 3 repeats, the four servers side by side, a
+# scratch script over bench serve's `_point`, 2026-12-05, commit f464bd5), tok/s against the batch engine's and p99
+# TTFT: T5 tp 1: 0/0 1.28x (38-80 ms), 0.3/4 1.43x (36-89), 0.5/8 1.43x (51-61); T5 tp 2: 1.35x (85-114), 1.41x
+# (133-164), 1.45x (227-260); gpt2-256 tp 1: 1.28x (47-52), 1.26x (60-66), 1.35x (80-123); the batch engine's p99
+# TTFT 395-2280 ms. Grouping admissions gains up to ~0.15x where an admission is dear (T5: an encoder forward), at
+# 2-3x the time to first token; a default other than 0/0 is #42's open question (one run, within run-to-run spread
+# for GPT-2).
 WAITING_SERVED_RATIO = 0.0
 MAX_WAITING_STEPS = 0
 
