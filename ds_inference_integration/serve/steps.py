@@ -17,9 +17,9 @@ generated alone in one process.
 
 Decoders that take no per-row positions (an encoder-decoder's decoder computes them from its cache's one length:
 BART's family adds learned or sinusoidal embeddings at that position, T5's a relative bias from it) get them from
-`DecoderPositions` while a step runs. What the step engine does not take yet, run by the batch engine
-(`engine.run_batch`, one generate) when no row is running, rows behind it waiting (first come, first served): beam
-search and /generate's other generate settings. A model whose probe (`probe`: rows joining a running batch must
+`DecoderPositions` while a step runs. Beam requests are groups of slots (`beams.BeamGroup`); one with more beams
+than the slots is run by the batch engine (`engine.run_batch`, one generate) when no row is running, rows behind it
+waiting (first come, first served). A model whose probe (`probe`: rows joining a running batch must
 give each row's logits alone) fails, or whose cache is not plain per-layer keys and values, is served by the batch
 engine alone, said at start."""
 
@@ -42,14 +42,18 @@ from .slots import SlotCache, check_layers
 from .wire import Admit, BatchKey, RowSpec
 
 
-def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple:
-    """A position's log probabilities as OpenAI's `logprobs` gives them: (that of `token`, ((id, log probability) of
-    the `k` likeliest, likeliest first)), from the model's own logits (before a row's penalties, temperature or
-    masks: vLLM's default, "raw" log probabilities), in float32."""
+def top_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple]:
+    """Positions' log probabilities as OpenAI's `logprobs` gives them, one per row of `logits` (`[positions,
+    vocab]`): (that of its token in `tokens`, ((id, log probability) of the `k` likeliest, likeliest first)), from
+    the model's own logits (before a row's penalties, temperature or masks: vLLM's default, "raw" log
+    probabilities), in float32."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(logprobs, k) if k > 0 else None
-    return (float(logprobs[token]),
-            tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
+    index = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(-1, index[:, None])[:, 0].tolist()
+    if k == 0:
+        return [(lp, ()) for lp in chosen]
+    top = torch.topk(logprobs, k)
+    return [(lp, tuple(zip(ids, values))) for lp, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
 class NotPerRow(Exception):
@@ -278,7 +282,7 @@ class StepEngine:
         fused = self.encoder_decoder and self.cache is not None
         try:
             if fused:
-                encoded = self._encode([r.spec.prompt_ids for r in rows])
+                encoded = self._encode(*self._padded([r.spec.prompt_ids for r in rows]))
             else:
                 wants = [r.spec if r.spec.prompt_logprobs else None for r in rows]
                 prefilled, logits = self._prefill([(r.spec.prompt_ids, r.ids) for r in rows], wants)
@@ -299,13 +303,17 @@ class StepEngine:
             self._next(row, logits[b], tokens, answers)
         return rows if fused else []
 
-    def _encode(self, prompts: list) -> torch.Tensor:
-        """An encoder-decoder's encoder over the prompts at once, right-padded: its last hidden state."""
+    def _padded(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts right-padded to the longest: (ids, attention mask)."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([list(p) + [self.pad] * (width - len(p)) for p in prompts], dtype=torch.long,
                            device=self.device)
         mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long,
                             device=self.device)
+        return ids, mask
+
+    def _encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """An encoder-decoder's encoder over padded prompts (`_padded`) at once: its last hidden state."""
         with torch.no_grad():
             state = self.model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True).last_hidden_state
         self.source_state = (state.shape[-1], state.dtype)
@@ -318,13 +326,11 @@ class StepEngine:
         given in `wants` (one that asked for its prompt's log probabilities) has them kept (`self.prompt_logprobs`):
         every position's logits go through the head then."""
         n, prompts = len(rows), [list(prompt) for prompt, _ in rows]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([p + [self.pad] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-        mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long,
-                            device=self.device)
+        ids, mask = self._padded(prompts)
+        width = ids.shape[1]
         with torch.no_grad():
             if self.encoder_decoder:
-                encoded = BaseModelOutput(last_hidden_state=self._encode(prompts))
+                encoded = BaseModelOutput(last_hidden_state=self._encode(ids, mask))
                 prefilled = EncoderDecoderCache(DynamicCache(config=self.model.config),
                                                 DynamicCache(config=self.model.config))
                 start = torch.tensor([list(first) for _, first in rows], dtype=torch.long, device=self.device)
@@ -347,9 +353,9 @@ class StepEngine:
                 logits = out.logits[torch.arange(n), torch.tensor(last)]
                 for b, spec in enumerate(wants or ()):
                     if spec is not None:
-                        self.prompt_logprobs[spec.id] = [
-                            top_logprobs(out.logits[b, j], prompts[b][j + 1], spec.logprobs)
-                            for j in range(len(prompts[b]) - 1)]
+                        n_b = len(prompts[b])
+                        self.prompt_logprobs[spec.id] = top_logprobs(out.logits[b, :n_b - 1], prompts[b][1:],
+                                                                     spec.logprobs)
         if self.cache is None:
             why = check_layers(prefilled)
             if why:
@@ -477,7 +483,7 @@ class StepEngine:
         row.ids.append(token)
         tokens[row.spec.id] = (row.produced, token)
         if row.spec.logprobs >= 0:
-            self.logprobs[row.spec.id] = top_logprobs(logits, token, row.spec.logprobs)
+            self.logprobs[row.spec.id] = top_logprobs(logits[None], [token], row.spec.logprobs)[0]
         if reason:
             del self.running[row.slot]
             self.ended.append((row.spec.id, [row.new], [reason]))  # answered after the step's tokens (`step`)

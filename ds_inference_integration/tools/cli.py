@@ -21,9 +21,11 @@
     ds-inference bench predict [--scales 1,10] [--nprocs N]
                                           streamed vs accumulate-everything predict: peak RSS per rank and
                                           examples/s at 1x and 10x the test set
-    ds-inference bench serve [--models gpt2,t5] [--concurrency 1,4,16,64] [--requests 64] [--output_lengths A-B]
-                                          the server at tp 2, continuous vs batched vs --max_batch_size 1:
-                                          req/s, tokens/s, p50/p99 latency and time to first token, rows/step
+    ds-inference bench serve [--models gpt2,t5,gpt2-256] [--concurrency 1,4,16,64] [--requests 64]
+                             [--output_lengths A-B] [--arrival_rate R] [--beam_fraction F] [--disconnects N]
+                                          the server (tp 2, --tp_size), continuous vs batched vs --max_batch_size 1:
+                                          req/s, tokens/s, p50/p99 latency and time to first token, TPOT,
+                                          rows/step; with --disconnects, first token after a client leaves
     ds-inference bench steps [--lengths 16,256,1024] [--batches 1,8,31]
                                           the step engine in process: admission cost against the rows running
 Every bench repeats its measurements (--repeats, default 3) and gives min / median / max beside each ratio.
