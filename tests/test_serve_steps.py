@@ -410,6 +410,57 @@ def test_waiting_rows_join_by_tgis_rule(gpt2):
         assert answers.out[spec.id] == _alone(model, tokenizer, spec)
 
 
+def test_the_step_loop_keeps_no_record_of_rows_answered_in_earlier_steps(gpt2, monkeypatch):
+    """The leader's step loop, fed 40 one-row requests and then a stop as its front would feed it: every row is
+    answered once, and what the loop keeps of the rows it answered is never more than one step's (a record kept for
+    the server's life held every row id ever answered: memory that grew with every request)."""
+    from ds_inference_integration.serve import engine as serve_engine
+    from ds_inference_integration.serve.wire import Failed, Finished, Stop
+
+    model, tokenizer = gpt2
+    ids = [tuple(tokenizer(p)["input_ids"]) for p in PROMPTS[:40]]
+    records = []
+
+    class Kept(serve_engine.Answers):
+        def __init__(self, control):
+            super().__init__(control)
+            records.append(self)
+
+    class Front:
+        """The leader's connection: one admission a poll while any is left, then (every row answered) Stop."""
+
+        def __init__(self):
+            self.admits = [Admit(i, BatchKey(), (RowSpec(ids[i], max_new_tokens=3, ignore_eos=True, id=i),))
+                           for i in range(40)]
+            self.finished = []
+            self.polls, self.failed, self.stopped = 0, [], False
+
+        def poll(self, timeout=0):
+            self.polls += 1  # bounded: a loop that never answers them all is stopped after 2000 polls
+            return (bool(self.admits) or len(self.finished) + len(self.failed) == 40 or self.polls > 2000) \
+                and not self.stopped
+
+        def recv(self):
+            if self.admits:
+                return self.admits.pop(0)
+            self.stopped = True
+            return Stop()
+
+        def send(self, message):
+            if isinstance(message, Finished):
+                self.finished.append(message.row)
+            elif isinstance(message, Failed):
+                self.failed.append(message)
+
+    monkeypatch.setattr(serve_engine, "Answers", Kept)
+    front = Front()
+    control = serve_engine.Control(front, None, 1)
+    engine = StepEngine(model, tokenizer, "cpu", capacity=4)
+    serve_engine.Serving(model, tokenizer, torch.device("cpu"), control, None, 1).steps_loop(engine)
+    assert not front.failed and sorted(front.finished) == list(range(40))
+    assert max(len(r.ended) for r in records) <= 4
+
+
 def test_a_beam_rows_eos_is_kept_and_counted_as_a_greedy_rows(gpt2):
     """A beam request that ends at EOS: its sequence is generate's new tokens up to and with that EOS, in both
     engines, as a greedy row's is (so `completion_tokens` counts it alike; the text drops it as a special token)."""

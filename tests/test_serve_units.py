@@ -1,6 +1,7 @@
 """The server's parts in this process: when a batch leaves the queue, what a request may ask, the per-row rules of
 one batch (against generating each row alone, on the embedded GPT-2 and T5), streamed text against the final."""
 
+import json
 import time
 
 import pytest
@@ -40,6 +41,24 @@ def test_a_batch_leaves_full_or_after_max_wait_and_only_with_its_key():
         q.add(j)
     assert q.take(now=1.0).jobs == [c, d]  # full at 4 rows: leaves at once
     assert q.take(now=1.0) is None and len(q) == 1
+
+
+def test_rows_that_join_running_ones_wait_for_company_only_at_an_idle_replica(tmp_path):
+    """A replica whose rows join running ones (the step engine) takes what waits at once while it runs rows; idle, its
+    first admission waits for company as the batch engine's does (up to max_wait_ms), so that clients that come back
+    together start together. The batch engine's batches always wait."""
+    from ds_inference_integration.serve.replicas import Replica
+
+    q = Queue(max_batch_size=8, max_batch_tokens=None, max_wait_ms=20, max_queue=10, adaptive_wait=False)
+    steps, batch = Replica(0, [], tmp_path), Replica(1, [], tmp_path)
+    steps.state, steps.capacity, steps.joins_running = "ready", 8, True
+    batch.state, batch.capacity = "ready", 8
+    job = _job(at=0.0)
+    q.add(job)
+    assert batch.waits_for_company() and steps.waits_for_company()
+    assert q.take(now=0.010, wait=steps.waits_for_company()) is None  # idle: waits, as the batch engine would
+    steps.rows = {1, 2}  # rows running: what waits joins them at the next step
+    assert not steps.waits_for_company() and q.take(now=0.010, wait=steps.waits_for_company()).jobs == [job]
 
 
 def test_one_client_alone_never_waits():
@@ -249,3 +268,50 @@ def test_bench_serve_counts_a_request_past_its_points_deadline_as_unanswered():
         got = _one(listener.getsockname()[1], {"prompt": "a", "stream": True}, timeout=0.5)
         assert time.monotonic() - start < 5
     assert got["ok"] is False and "TimeoutError" in got["status"], got
+
+
+def test_bench_serve_times_first_tokens_of_streams_and_beam_requests_apart():
+    """A point with beam requests (not streamed: their first token comes with the whole answer): the time to first
+    token is the streamed requests', the beam requests' latency a figure of its own (counted as a first token, a beam
+    request's latency made p99 TTFT the beams')."""
+    import http.server
+    import threading
+
+    from ds_inference_integration.tools.bench_serve import _point
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+            if body.get("stream"):  # a first token at once, the rest 50 ms later
+                self.wfile.write(b'data: {"choices": [{"text": " a"}]}\n\n')
+                self.wfile.flush()
+                time.sleep(0.05)
+                self.wfile.write(b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+            else:  # a beam request: its whole answer after 400 ms
+                time.sleep(0.4)
+                self.wfile.write(json.dumps({"usage": {"completion_tokens": 2}}).encode())
+
+    class Server:
+        def __init__(self, port):
+            self.port = port
+
+        def steps(self):
+            return 0.0, 0.0
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        got = _point(Server(httpd.server_address[1]), ["a"], 4, 16, (2, 2), 30.0, beam_fraction=0.5)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert got["requests_ok"] == 16
+    assert got["ttft_p99"] < 0.2 and got["beam_latency_p50"] >= 0.4, got

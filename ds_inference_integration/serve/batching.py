@@ -21,9 +21,10 @@ one-request-at-a-time's (p50 367 against 336 ms, 20 ms of it the wait; `ds-infer
 wait for the next one.
 
 The queue feeds both engines: the batch engine takes a batch only when idle, and its batch waits as above; the step
-engine (`--scheduler continuous`, `serve/steps.py`) takes rows up to its free slots at any step, so nothing waits
-for company (`take(wait=False)`: a row admitted now decodes at the next step beside the running rows). The jobs of
-a batch that failed come back first, each to run alone (`retry_alone`).
+engine (`--scheduler continuous`, `serve/steps.py`) takes rows up to its free slots at any step, and while it runs
+rows nothing waits for company (`take(wait=False)`: a row admitted now decodes at the next step beside the running
+rows; the engine's own admission rule may group them); idle, its first admission waits as a batch does
+(`Replica.waits_for_company`). The jobs of a batch that failed come back first, each to run alone (`retry_alone`).
 """
 
 from __future__ import annotations

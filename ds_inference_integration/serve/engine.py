@@ -408,8 +408,11 @@ class Serving:
         """The step engine: between two steps, the leader's messages (admissions, cancellations) reach every rank
         alike; a step that failed on every rank is agreed and fails its running rows together (the front runs
         their requests again one at a time)."""
-        control, answers = self.control, Answers(self.control)
+        control = self.control
         while True:
+            # each step's own record of the rows it answered (a row is answered once within its step: a failed step
+            # answers only its running rows); one record for the server's life kept every row id it ever answered
+            answers = Answers(control)
             admitted = []
             for message in self.receive(wait=not engine.busy()):
                 if isinstance(message, Stop):

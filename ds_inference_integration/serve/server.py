@@ -188,7 +188,7 @@ class Server:
             free = sorted((r for r in self.replicas.replicas if r.free()), key=lambda r: (-r.free(), r.free_since))
             if free and self.state in ("ready", "draining"):
                 batch = self.queue.take(idle_since=free[0].free_since, room=free[0].free(),
-                                        wait=not free[0].joins_running)
+                                        wait=free[0].waits_for_company())
                 if batch is not None:
                     self._send(free[0], batch)
                     continue
@@ -223,8 +223,8 @@ class Server:
         """A row the replica no longer holds: its job, place and row (None for one the front forgot)."""
         had_room = replica.free() > 0
         replica.rows.discard(row_id)
-        if replica.free() and not had_room:
-            replica.free_since = time.monotonic()
+        if (replica.free() and not had_room) or (replica.joins_running and not replica.rows):
+            replica.free_since = time.monotonic()  # free again, or (rows joining running ones) idle since now
             self.wakeup.set()
         found = self.rows.pop(row_id, None)
         return None if found is None else (found[0], found[1], found[0].rows[found[1]])

@@ -31,7 +31,12 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # (133-164), 1.45x (227-260); gpt2-256 tp 1: 1.28x (47-52), 1.26x (60-66), 1.35x (80-123); the batch engine's p99
 # TTFT 395-2280 ms. Grouping admissions gains up to ~0.15x where an admission is dear (T5: an encoder forward), at
 # 2-3x the time to first token; a default other than 0/0 is #42's open question (one run, within run-to-run spread
-# for GPT-2).
+# for GPT-2). A third time, in one run per tp (`ds-inference bench serve --models gpt2-256,t5 --concurrency 16
+# --modes continuous,continuous_grouped,batched --requests 64 --repeats 3 --output_lengths 8-128 [--beam_fraction
+# 0.25 | --output_lengths 64] --tp_size {1,2}`, continuous_grouped at 0.5/8, 2026-12-05, tok/s against the batch
+# engine, 0/0 then 0.5/8): mixed tp 1 GPT-2 1.21x/1.48x, T5 1.23x/1.18x; tp 2 1.50x/1.41x, 1.49x/1.63x; with beams
+# tp 1 1.51x/1.55x, 1.67x/1.64x, tp 2 2.90x/2.81x, 2.58x/2.26x; fixed 64 tp 1 0.99x/0.96x, 0.78x/0.86x, tp 2
+# 1.02x/1.06x, 0.95x/0.94x; p99 TTFT 1.1-2.2x at 0.5/8. No rule wins beyond the spread: the default stays 0/0.
 WAITING_SERVED_RATIO = 0.0
 MAX_WAITING_STEPS = 0
 
@@ -45,7 +50,8 @@ class ServeArguments:
     max_batch_tokens: int | None = field(
         default=None, metadata={"help": "Padded tokens per batch at most: rows x (longest prompt + most new tokens)."})
     max_wait_ms: float = field(default=20.0, metadata={"help": "A batch leaves at the latest when its oldest request "
-                                                                 "has waited this long."})
+                                                                 "has waited this long (the step engine's rows wait so "
+                                                                 "only at an idle replica)."})
     adaptive_wait: bool = field(default=True, metadata={"help": "A batch also leaves once it holds as many requests "
                                                                 "as the batch before it (false: only full, over the "
                                                                 "token budget, or after --max_wait_ms)."})

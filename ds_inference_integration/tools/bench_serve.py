@@ -43,7 +43,12 @@ from ..topology import threads_per_rank
 from .bench import REPO, spread
 
 MODELS = {"gpt2": ("gpt2-num2words-en-ro", 24), "t5": ("t5-num2words-en-ro", 24), "gpt2-256": (None, 64)}
-MODES = {"continuous": ["--scheduler", "continuous"], "batched": ["--scheduler", "batch"],
+MODES = {"continuous": ["--scheduler", "continuous"],
+         # the step engine with waiting rows grouped before they join (TGI's rule, `serve/settings.py`), against
+         # the default (each joins at the next step)
+         "continuous_grouped": ["--scheduler", "continuous", "--waiting_served_ratio", "0.5", "--max_waiting_steps",
+                                "8"],
+         "batched": ["--scheduler", "batch"],
          "one_at_a_time": ["--scheduler", "batch", "--max_batch_size", "1"]}
 
 
@@ -152,7 +157,8 @@ def _answer(port: int, body: dict, timeout: float) -> dict:
         usage = json.loads(r.read())["usage"]
         c.close()
         latency = time.perf_counter() - start
-        return {"ok": True, "latency": latency, "ttft": latency, "tokens": usage["completion_tokens"], "tpot": None}
+        return {"ok": True, "latency": latency, "ttft": None, "tokens": usage["completion_tokens"], "tpot": None,
+                "streamed": False}
     first, tokens = None, 0
     for raw in r:
         line = raw.decode().strip()
@@ -166,7 +172,7 @@ def _answer(port: int, body: dict, timeout: float) -> dict:
     c.close()
     latency = time.perf_counter() - start
     tpot = (latency - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return {"ok": True, "latency": latency, "ttft": first, "tokens": tokens, "tpot": tpot}
+    return {"ok": True, "latency": latency, "ttft": first, "tokens": tokens, "tpot": tpot, "streamed": True}
 
 
 LONG_TOKENS = {"gpt2": 36, "t5": 1000, "gpt2-256": 200}  # a disconnected stream's max_tokens: the model's room
@@ -245,18 +251,23 @@ def _point(server: _Server, prompts: list[str], concurrency: int, requests: int,
     ok = [r for r in results if r["ok"]]
     if not ok:
         raise InferenceSetupError(f"bench serve: no request succeeded at concurrency {concurrency}: {results[0]}")
+    streamed = [r for r in ok if r["streamed"]] or ok
     return {"requests_ok": len(ok), "requests": requests, "req_per_s": len(ok) / wall,
             "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "latency_p50": _pct([r["latency"] for r in ok], 0.5), "latency_p99": _pct([r["latency"] for r in ok], 0.99),
             "tpot_p50": _pct([r["tpot"] for r in ok if r["tpot"] is not None] or [0.0], 0.5),
             "tpot_p99": _pct([r["tpot"] for r in ok if r["tpot"] is not None] or [0.0], 0.99),
-            "ttft_p50": _pct([r["ttft"] or r["latency"] for r in ok], 0.5),
-            "ttft_p99": _pct([r["ttft"] or r["latency"] for r in ok], 0.99),
+            # time to first token of the streamed requests (a beam request's first token comes with its whole
+            # answer: its latency, below; counted here it made p99 TTFT the beams' latency)
+            "ttft_p50": _pct([r["ttft"] or r["latency"] for r in streamed], 0.5),
+            "ttft_p99": _pct([r["ttft"] or r["latency"] for r in streamed], 0.99),
+            "beam_latency_p50": _pct([r["latency"] for r in ok if not r["streamed"]] or [0.0], 0.5),
+            "beam_latency_p99": _pct([r["latency"] for r in ok if not r["streamed"]] or [0.0], 0.99),
             "mean_step_rows": (after[0] - sums[0]) / max(1.0, after[1] - sums[1])}
 
 
 METRICS = ("req_per_s", "output_tokens_per_s", "latency_p50", "latency_p99", "ttft_p50", "ttft_p99", "tpot_p50",
-           "tpot_p99", "mean_step_rows")
+           "tpot_p99", "mean_step_rows", "beam_latency_p50", "beam_latency_p99")
 
 
 def parse_lengths(text: str | None) -> tuple[int, int] | None:
@@ -323,14 +334,15 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
                              **{m: spread([r[m] for r in runs[mode]]) for m in METRICS},
                              "requests_ok": min(r["requests_ok"] for r in runs[mode])}
                     results["points"].append(point)
-                    print(f"{name:5} {mode:14} c={concurrency:<3} {point['req_per_s']['median']:8.1f} req/s  "
-                          f"p50 {point['latency_p50']['median'] * 1000:6.0f} ms  p99 "
-                          f"{point['latency_p99']['median'] * 1000:6.0f} ms  rows/step "
+                    print(f"{name:8} {mode:18} c={concurrency:<3} {point['req_per_s']['median']:8.1f} req/s  "
+                          f"{point['output_tokens_per_s']['median']:7.0f} tok/s  p99 latency "
+                          f"{point['latency_p99']['median'] * 1000:6.0f} ms  p99 TTFT "
+                          f"{point['ttft_p99']['median'] * 1000:6.0f} ms  rows/step "
                           f"{point['mean_step_rows']['median']:.1f}", flush=True)
             for mode in modes if disconnects else ():
                 found = _disconnects(servers[mode], prompts, disconnects, LONG_TOKENS[name], point_timeout)
                 results["disconnects"].append({"model": name, "mode": mode, **found})
-                print(f"{name:5} {mode:14} TTFT after a disconnect {found['after_disconnect_ttft_p50'] * 1000:.0f} "
+                print(f"{name:8} {mode:18} TTFT after a disconnect {found['after_disconnect_ttft_p50'] * 1000:.0f} "
                       f"ms, idle {found['idle_ttft_p50'] * 1000:.0f} ms", flush=True)
         finally:
             for server in servers.values():
@@ -345,21 +357,24 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
 
 def _ratios(points: list[dict]) -> list[dict]:
     """Per model and concurrency, medians against medians: batched / one at a time (req/s, p99 latency) and
-    continuous / batched (output tokens/s, p99 time to first token), where both modes ran."""
+    continuous (and continuous_grouped) / batched (output tokens/s, p99 time to first token), where both modes
+    ran."""
     by = {(p["model"], p["mode"], p["concurrency"]): p for p in points}
     out = []
     for model, c in dict.fromkeys((p["model"], p["concurrency"]) for p in points):
         row = {"model": model, "concurrency": c}
-        batched, single, steps = (by.get((model, m, c)) for m in ("batched", "one_at_a_time", "continuous"))
+        batched, single = (by.get((model, m, c)) for m in ("batched", "one_at_a_time"))
         if batched and single:
             row.update(req_per_s_ratio=batched["req_per_s"]["median"] / single["req_per_s"]["median"],
                        latency_p99_ratio=batched["latency_p99"]["median"] / single["latency_p99"]["median"],
                        latency_p50_ms_batched=batched["latency_p50"]["median"] * 1000,
                        latency_p50_ms_one_at_a_time=single["latency_p50"]["median"] * 1000)
-        if steps and batched:
-            row.update(continuous_tokens_per_s_ratio=(steps["output_tokens_per_s"]["median"]
-                                                      / batched["output_tokens_per_s"]["median"]),
-                       continuous_ttft_p99_ratio=steps["ttft_p99"]["median"] / batched["ttft_p99"]["median"])
+        for name in ("continuous", "continuous_grouped"):
+            steps = by.get((model, name, c))
+            if steps and batched:
+                row.update({f"{name}_tokens_per_s_ratio": (steps["output_tokens_per_s"]["median"]
+                                                           / batched["output_tokens_per_s"]["median"]),
+                            f"{name}_ttft_p99_ratio": steps["ttft_p99"]["median"] / batched["ttft_p99"]["median"]})
         if len(row) > 2:
             out.append(row)
     return out
@@ -367,14 +382,18 @@ def _ratios(points: list[dict]) -> list[dict]:
 
 def _table(results: dict) -> str:
     lengths = results.get("output_lengths")
+    beams = bool(results.get("beam_fraction"))
     lines = [f"`{results['command']}` ({results['date']}, tp {results['tp_size']}, {results['cpus']} CPUs, "
              f"{results['requests_per_point']} requests per point"
              + (f", max_tokens drawn from {lengths[0]} to {lengths[1]}" if lengths else "")
              + (f", Poisson arrivals at {results['arrival_rate']:g} req/s" if results.get("arrival_rate") else "")
              + (f", {results['beam_fraction']:.0%} beam requests (4 beams)" if results.get("beam_fraction") else "")
-             + ", medians of repeats with min-max)", "",
+             + ", medians of repeats with min-max; TTFT and TPOT of the streamed requests"
+             + ("; beam requests' own latency in the last column" if beams else "") + ")", "",
              "| model | mode | concurrency | req/s | output tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | "
-             "p99 TTFT ms | p50 TPOT ms | p99 TPOT ms | rows per step |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "p99 TTFT ms | p50 TPOT ms | p99 TPOT ms | rows per step |" + (" beam requests' p50 / p99 latency ms |"
+                                                                          if beams else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if beams else "")]
 
     def f(s, scale=1.0, digits=1):
         return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
@@ -383,16 +402,19 @@ def _table(results: dict) -> str:
         lines.append(f"| {p['model']} | {p['mode']} | {p['concurrency']} | {f(p['req_per_s'])} | "
                      f"{f(p['output_tokens_per_s'], digits=0)} | {f(p['latency_p50'], 1000, 0)} | "
                      f"{f(p['latency_p99'], 1000, 0)} | {f(p['ttft_p50'], 1000, 0)} | {f(p['ttft_p99'], 1000, 0)} | "
-                     f"{f(p['tpot_p50'], 1000)} | {f(p['tpot_p99'], 1000)} | {f(p['mean_step_rows'])} |")
+                     f"{f(p['tpot_p50'], 1000)} | {f(p['tpot_p99'], 1000)} | {f(p['mean_step_rows'])} |"
+                     + (f" {f(p['beam_latency_p50'], 1000, 0)} / {f(p['beam_latency_p99'], 1000, 0)} |" if beams else ""))
     lines += ["", "| model | concurrency | req/s batched / one at a time | p99 latency batched / one at a time | "
-              "output tok/s continuous / batched | p99 TTFT continuous / batched |", "|---|---|---|---|---|---|"]
+              "output tok/s continuous / batched | p99 TTFT continuous / batched | output tok/s continuous_grouped / "
+              "batched | p99 TTFT continuous_grouped / batched |", "|---|---|---|---|---|---|---|---|"]
 
     def x(r, name):
         return f"{r[name]:.2f}x" if name in r else "-"
 
     for r in results["ratios"]:
         lines.append(f"| {r['model']} | {r['concurrency']} | {x(r, 'req_per_s_ratio')} | {x(r, 'latency_p99_ratio')} | "
-                     f"{x(r, 'continuous_tokens_per_s_ratio')} | {x(r, 'continuous_ttft_p99_ratio')} |")
+                     f"{x(r, 'continuous_tokens_per_s_ratio')} | {x(r, 'continuous_ttft_p99_ratio')} | "
+                     f"{x(r, 'continuous_grouped_tokens_per_s_ratio')} | {x(r, 'continuous_grouped_ttft_p99_ratio')} |")
     if results.get("disconnects"):
         lines += ["", "Time to first token of an 8-token request, idle and right after a client left a long stream "
                   f"({results['disconnects'][0]['trials']} of each, medians):", "",
