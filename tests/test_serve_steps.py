@@ -334,6 +334,44 @@ def test_the_probe_sends_what_the_slots_cannot_hold_to_the_batch_engine(gpt2, ba
     assert probe(bloom, tokenizer, "cpu") is not None
 
 
+def test_joining_rows_cross_attention_is_projected_from_their_own_encoder_output_alone(bart, monkeypatch):
+    """T5 and BART: a row that joins running rows has its cross-attention keys and values projected from its own
+    encoder output at admission (the key projections see the joining rows only: computed in the step's forward,
+    every running row's stand-in went through them too), and its answer is its answer alone. Where the projection
+    is not the layers' own (here: made wrong), `choose` finds it and the engine computes them in the forward."""
+    from ds_inference_integration.serve.steps import CrossProjection, choose
+
+    t5 = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
+    for model, tokenizer in (t5, bart):
+        assert choose(model, tokenizer, "cpu", 4) == (None, {})
+        first = next(m for n, m in model.get_decoder().named_modules() if n.endswith(CrossProjection.NAMES))
+        k = first.k if hasattr(first, "k") else first.k_proj
+        seen = []
+        hook = k.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+        engine, answers = StepEngine(model, tokenizer, "cpu", 4), Record()
+        specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=12, ignore_eos=True, id=i)
+                 for i, p in enumerate(PROMPTS[:3])]
+        engine.take(Admit(0, BatchKey(), tuple(specs[:2])))
+        engine.step(answers)
+        engine.step(answers)
+        seen.clear()
+        engine.take(Admit(1, BatchKey(), (specs[2],)))
+        engine.step(answers)  # the third row joins the two running
+        hook.remove()
+        assert seen == [1], seen
+        while engine.busy():
+            engine.step(answers)
+        for spec in specs:
+            assert answers.out[spec.id] == _alone(model, tokenizer, spec)
+
+        def wrong(self, states, own=CrossProjection.__call__):
+            return [(keys * 2, values) for keys, values in own(self, states)]
+
+        monkeypatch.setattr(CrossProjection, "__call__", wrong)
+        assert choose(model, tokenizer, "cpu", 4) == (None, {"project_cross": False})
+        monkeypatch.undo()
+
+
 def test_cancelled_failed_wide_beam_and_alone_rows_between_steps(gpt2):
     """A cancelled running row ends 'cancelled' at the next step, a cancelled waiting row without running; a row
     with nothing left to sample fails alone (400) and its neighbours keep their answers; a beam request wider than

@@ -314,11 +314,13 @@ def main(argv: list[str]) -> None:
     capacity = settings["capacity"]
     steps, scheduler = None, "batch"
     if settings.get("scheduler", "batch") == "continuous":
-        from .steps import StepEngine, probe
+        from .steps import StepEngine, choose
 
-        why = agree(None if (why := probe(model, tokenizer, device, capacity)) is None else (0, why), group, world)
+        why, options = choose(model, tokenizer, device, capacity)
+        why = agree(None if why is None else (0, why), group, world)
         if why is None:
-            steps = StepEngine(model, tokenizer, device, capacity, None, *settings.get("admission", (0.0, 0)))
+            steps = StepEngine(model, tokenizer, device, capacity, None, *settings.get("admission", (0.0, 0)),
+                               **options)
             scheduler = "continuous"
         else:
             scheduler = f"batch (--scheduler continuous: this model is served by the batch engine: {why[1]})"

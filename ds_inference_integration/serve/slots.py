@@ -152,6 +152,13 @@ class SlotCache(Cache):
             for mine, theirs in zip(self.cross.layers, prefilled.cross_attention_cache.layers):
                 mine.write_prompt(slot, theirs.keys[row:row + 1, :, :source], theirs.values[row:row + 1, :, :source])
 
+    def write_cross(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], source: int) -> None:
+        """A joining row's cross-attention keys and values (each layer's `[1, heads, width >= source, dim]`, projected
+        from its encoder output) into `slot`, its first `source` positions."""
+        self.sources[slot] = source
+        for mine, (keys, values) in zip(self.cross.layers, layers):
+            mine.write_prompt(slot, keys[:, :, :source], values[:, :, :source])
+
     def reorder(self, slots: list[int], sources: list[int]) -> None:
         """Beam search's reorder within one request: slot slots[i] continues the self-attention past of sources[i]
         (a copy of the group's own slots; its cross-attention is the same in every beam)."""

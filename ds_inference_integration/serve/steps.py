@@ -91,7 +91,7 @@ class StepEngine:
     `run_batch(admit, control, answers)` is the batch engine, for admissions the steps do not take."""
 
     def __init__(self, model, tokenizer, device, capacity: int, run_batch=None, waiting_served_ratio: float = 0.0,
-                 max_waiting_steps: int = 0):
+                 max_waiting_steps: int = 0, project_cross: bool = True):
         self.model, self.tokenizer, self.device, self.capacity = model, tokenizer, device, capacity
         self.run_batch = run_batch
         # when waiting rows join running ones (TGI's rule): once they are `waiting_served_ratio` x the running rows,
@@ -105,6 +105,9 @@ class StepEngine:
         self.window = getattr(model.config.get_text_config(), "sliding_window", None)
         self.mapping = bool(getattr(model.config.get_text_config(), "layer_types", None))
         self.positions = DecoderPositions(model) if self.encoder_decoder else None
+        # joining rows' cross-attention keys and values projected at admission (`CrossProjection`), where the decoder's
+        # layers are found and `project_cross` (the probe's choice) allows; else computed in the step's forward
+        self.projection = CrossProjection.of(model) if self.encoder_decoder and project_cross else None
         self.source_state = None  # an encoder-decoder's encoder output: (width, dtype), for the steps' stand-in
         self.eos = eos_ids(model)
         self.eos_set = set(self.eos)
@@ -272,17 +275,21 @@ class StepEngine:
         """New rows ((spec, key) each): prefilled together, copied into free slots, each given its first token. A
         prefill that fails is run again a row at a time, so that only the row that fails alone fails.
 
-        An encoder-decoder's rows, once the slots exist, only run their encoder here (together): their first decoder
-        step, which writes their cross-attention keys and values into their slots, is the step's decoding forward
-        with the running rows (`_decode`), so an admission costs one forward less: at tp 2 on this machine a forward
-        costs mostly its collectives (the embedded T5's 16-row step, 21 ms at tp 2 against 6 at tp 1). Those rows
-        are returned, to decode with the others."""
+        An encoder-decoder's rows, once the slots exist, only run their encoder here (together), and their
+        cross-attention keys and values are projected from it into their slots (`CrossProjection`; where the probe
+        found that wrong, the step's forward computes them, `SlotCache.join`): their first decoder step is the
+        step's decoding forward with the running rows (`_decode`), so an admission costs one forward less: at tp 2 on
+        this machine a forward costs mostly its collectives (the embedded T5's 16-row step, 21 ms at tp 2 against 6
+        at tp 1). Those rows are returned, to decode with the others."""
         free = sorted(set(range(self.capacity)) - set(self.running))
         rows = [self._row(spec, key, slot) for (spec, key), slot in zip(items, free)]
         fused = self.encoder_decoder and self.cache is not None
+        projected = None
         try:
             if fused:
                 encoded = self._encode(*self._padded([r.spec.prompt_ids for r in rows]))
+                if self.projection is not None and self.projection.fits(len(self.cache.cross.layers)):
+                    projected = self.projection(encoded)
             else:
                 wants = [r.spec if r.spec.prompt_logprobs else None for r in rows]
                 prefilled, logits = self._prefill([(r.spec.prompt_ids, r.ids) for r in rows], wants)
@@ -297,7 +304,11 @@ class StepEngine:
         for b, row in enumerate(rows):
             self.running[row.slot] = row
             if fused:
-                self.joining[row.slot] = encoded[b, :len(row.spec.prompt_ids)]
+                if projected is not None:  # its cross-attention keys in its slot now: the step decodes it as any row
+                    self.cache.write_cross(row.slot, [(k[b:b + 1], v[b:b + 1]) for k, v in projected],
+                                           len(row.spec.prompt_ids))
+                else:
+                    self.joining[row.slot] = encoded[b, :len(row.spec.prompt_ids)]
                 continue
             self.cache.write_prompt(row.slot, prefilled, b, len(row.ids), len(row.spec.prompt_ids))
             self._next(row, logits[b], tokens, answers)
@@ -502,6 +513,53 @@ class StepEngine:
         return ids
 
 
+class CrossProjection:
+    """An encoder-decoder's cross-attention keys and values for rows that join running ones, projected at admission
+    from their encoder output by each decoder layer's own key and value projections (T5's family: `k`, `v` of its
+    `EncDecAttention`; BART's: `k_proj`, `v_proj` of its `encoder_attn`; the head width `key_value_proj_dim` or
+    `head_dim`), as the layer's forward projects them; sharded projections give this rank's heads, as in the forward.
+    The step that admits them is then a plain decoding step. Computed inside that step's forward instead (the
+    fallback), every running row's stand-in went through the projections too: a step admitting one row beside 16
+    took 9.1 ms against 4.8 for a plain step on the embedded T5 in one process, the encoder 2.2 of it (2026-12-05).
+    `probe` checks the result against each row alone; where it differs the engine computes them in the forward."""
+
+    NAMES = ("EncDecAttention", "encoder_attn")
+
+    def __init__(self, layers: dict):
+        self.layers = layers  # layer index -> (key projection, value projection, head width)
+
+    @classmethod
+    def of(cls, model) -> "CrossProjection | None":
+        """The decoder's cross-attention projections, or None where a layer's are not found as above."""
+        layers = {}
+        for name, module in model.get_decoder().named_modules():
+            if name.rsplit(".", 1)[-1] not in cls.NAMES:
+                continue
+            k, v = (next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), torch.nn.Module)),
+                         None) for names in (("k_proj", "k"), ("v_proj", "v")))
+            width = getattr(module, "head_dim", None) or getattr(module, "key_value_proj_dim", None)
+            index = getattr(module, "layer_idx", None)
+            if k is None or v is None or not isinstance(width, int) or not isinstance(index, int) or index in layers:
+                return None
+            layers[index] = (k, v, width)
+        return cls(layers) if layers else None
+
+    def fits(self, layers: int) -> bool:
+        """Whether it has one projection per cross-attention layer of the cache (0 .. layers - 1)."""
+        return sorted(self.layers) == list(range(layers))
+
+    def __call__(self, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (keys, values), `[rows, heads, source width, head width]`, from encoder output `[rows,
+        source width, hidden]`."""
+        out = []
+        with torch.no_grad():
+            for index in range(len(self.layers)):
+                k, v, width = self.layers[index]
+                shape = (*states.shape[:-1], -1, width)
+                out.append((k(states).view(shape).transpose(1, 2), v(states).view(shape).transpose(1, 2)))
+        return out
+
+
 # The probe's bound on |logits - alone| / max |alone|, in fp32 (key True) and in half precision: rows decoded in one
 # step sum in another order than alone. Measured (2026-12-05, tiny random GPT-2, T5, BART, Marian, rows fed the same
 # tokens): right, at most 1.6e-6 in fp32, 0.0037 in fp16, 0.019 in bf16; a row given one shared position (the same
@@ -619,7 +677,20 @@ class Kept:
         raise RuntimeError(f"rows {list(rows)} failed: {message}")
 
 
-def probe(model, tokenizer, device, capacity: int = 4) -> str | None:
+def choose(model, tokenizer, device, capacity: int) -> tuple[str | None, dict]:
+    """Whether the step engine serves this model ((None, its settings)) or why not ((the reason, {})): the probe,
+    with joining rows' cross-attention projected at admission (`CrossProjection`) and, where that fails, computed in
+    the step's forward. The same on every rank (the probe's logits are the sharded forward's, alike everywhere)."""
+    why = probe(model, tokenizer, device, capacity)
+    if why is None:
+        return None, {}
+    if getattr(model.config, "is_encoder_decoder", False) and CrossProjection.of(model) is not None:
+        if probe(model, tokenizer, device, capacity, project_cross=False) is None:
+            return None, {"project_cross": False}
+    return why, {}
+
+
+def probe(model, tokenizer, device, capacity: int = 4, project_cross: bool = True) -> str | None:
     """Why this model cannot be served by the step engine (None: it can). Three rows of different lengths, two
     admitted together and the third joining while they run, must each give the logits of that row run alone (the
     plain forward at batch 1 with transformers' own cache, as generate runs it), step for step, within rounding: a
@@ -630,7 +701,7 @@ def probe(model, tokenizer, device, capacity: int = 4) -> str | None:
     # the most (limited to the model's positions: 64 and more for every model we ship)
     prompts = [[(7 * i + 3) % vocab for i in range(24)], [(5 * i + 11) % vocab for i in range(3)],
                [(3 * i + 5) % vocab for i in range(12)]]
-    engine = StepEngine(model, tokenizer, device, capacity)
+    engine = StepEngine(model, tokenizer, device, capacity, project_cross=project_cross)
     engine.record = {}
 
     answers, key = Kept(), BatchKey()
