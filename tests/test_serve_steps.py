@@ -317,7 +317,8 @@ def test_the_probe_sends_what_the_slots_cannot_hold_to_the_batch_engine(gpt2, ba
     for model, tokenizer in (t5, bart):
         assert "do not give their single-row logits" in probe(model, tokenizer, "cpu")
     decode = SlotCache.decode
-    monkeypatch.setattr(SlotCache, "decode", lambda self, positions, window=None: decode(self, positions))
+    monkeypatch.setattr(SlotCache, "decode", lambda self, positions, window=None, hi=None, fixed=False:
+                        decode(self, positions, None, hi, fixed))
     for model in windowed:
         assert "do not give their single-row logits" in probe(model, gpt2[1], "cpu")
     monkeypatch.undo()
@@ -370,6 +371,44 @@ def test_joining_rows_cross_attention_is_projected_from_their_own_encoder_output
         monkeypatch.setattr(CrossProjection, "__call__", wrong)
         assert choose(model, tokenizer, "cpu", 4) == (None, {"project_cross": False})
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "t5"])
+def test_fixed_shapes_decode_every_slot_over_the_caches_width_and_answer_as_alone(gpt2, kind):
+    """With fixed shapes (a GPU's default): every decoding step runs all the slots over the cache's whole width, so
+    its shapes change only when the cache grows (the widths seen are doublings), while rows of different lengths
+    join and leave, greedy and sampled and a beam group among them; every row's answer is still its answer alone."""
+    model, tokenizer = gpt2 if kind == "gpt2" else (AutoModelForSeq2SeqLM.from_pretrained(T5).eval(),
+                                                     AutoTokenizer.from_pretrained(T5))
+    engine, answers = StepEngine(model, tokenizer, "cpu", 6, fixed_shapes=True), Record()
+    assert not StepEngine(model, tokenizer, "cpu", 6).fixed_shapes  # off by default on CPU
+    shapes = []
+
+    def seen(module, args, kwargs):
+        ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
+        mask = kwargs.get("decoder_attention_mask", kwargs.get("attention_mask"))
+        if ids is not None and ids.shape[1] == 1 and mask is not None and mask.dim() == 4:  # a decoding step
+            shapes.append((ids.shape[0], mask.shape[-1], kwargs["attention_mask"].shape[-1]
+                           if kind == "t5" else None))
+
+    hook = model.register_forward_pre_hook(seen, with_kwargs=True)
+    specs = _rows(tokenizer, 6)
+    beam_key = BatchKey(num_beams=2, max_new_tokens=5)
+    beam = RowSpec(tuple(tokenizer(PROMPTS[7])["input_ids"]), max_new_tokens=5, id=99)
+    try:
+        _run(engine, {0: Admit(0, BatchKey(), tuple(specs[:2])), 2: Admit(1, BatchKey(), tuple(specs[2:4])),
+                      5: Admit(2, beam_key, (beam,)), 9: Admit(3, BatchKey(), tuple(specs[4:]))}, answers)
+    finally:
+        hook.remove()
+    assert shapes and {rows for rows, _, _ in shapes} == {6}, shapes
+    widths = sorted({width for _, width, _ in shapes})
+    assert all(w == 16 * 2 ** i for i, w in enumerate(widths)), widths  # the cache's widths: 16, 32, ...
+    assert len(widths) < len(shapes) / 4, widths
+    if kind == "t5":
+        assert len({source for _, _, source in shapes}) <= 2, shapes
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec)
+    assert answers.whole[99][0][0] == run_batch(model, tokenizer, Admit(0, beam_key, (beam,)), "cpu")["sequences"][0][0]
 
 
 def test_cancelled_failed_wide_beam_and_alone_rows_between_steps(gpt2):

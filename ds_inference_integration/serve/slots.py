@@ -189,23 +189,31 @@ class SlotCache(Cache):
         pair.is_updated = {i: not self.cross.layers[i].fill for i in range(len(self.layers))}
         return pair
 
-    def source_mask(self, hi: int) -> torch.Tensor:
+    def source_mask(self, hi: int, fixed: bool = False) -> torch.Tensor:
         """An encoder-decoder step's cross-attention mask (`[hi, width]`: 1 on each slot's own source), and the
-        cross views set to that width."""
-        width = max(self.sources[:hi])
+        cross views set to that width: the longest source among the first `hi` slots, or (`fixed`) the width the
+        cross-attention cache holds (it changes only when the cache grows)."""
+        width = self.cross.layers[0].width() if fixed else max(self.sources[:hi])
         for each in self.cross.layers:
             each.view = (hi, width)
         lengths = torch.tensor(self.sources[:hi], device=self.layers[0].keys.device)
         return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
 
-    def decode(self, positions: dict[int, int], window: int | None = None) -> tuple:
-        """Plan a step over slots 0..hi-1 (hi: the highest slot in `positions`, + 1), slot s writing at
+    def decode(self, positions: dict[int, int], window: int | None = None, hi: int | None = None,
+               fixed: bool = False) -> tuple:
+        """Plan a step over slots 0..hi-1 (hi: the highest slot in `positions`, + 1, unless given), slot s writing at
         `positions[s]`; returns the step's `position_ids` (`[hi, 1]`) and additive 4D mask (`[hi, 1, 1, width]`: 0 on
         each row's own past and new token, the dtype's lowest elsewhere; a slot not decoding sees its column 0 only,
         so no row of the softmax is empty, and its output is not used); and, with a sliding `window`, the mask of the
         sliding layers, which also hides what lies `window` or more positions back (transformers' sliding overlay: a
-        key at k is seen from q when q - window < k <= q; the keys themselves are all kept), else None."""
-        hi, width = max(positions) + 1, max(positions.values()) + 1
+        key at k is seen from q when q - window < k <= q; the keys themselves are all kept), else None. `fixed`: the
+        step's width is the cache's whole width (grown first where a row needs it), so that with a fixed `hi` the
+        step's shapes change only when the cache grows (log2 times), as CUDA graphs and `torch.compile` need."""
+        hi, width = (max(positions) + 1 if hi is None else hi), max(positions.values()) + 1
+        if fixed:
+            for each in self.layers:
+                each.grow(width)
+            width = self.layers[0].width()
         layer = self.layers[0]
         device, dtype = layer.keys.device, layer.keys.dtype
         slots = torch.tensor(sorted(positions), device=device)
