@@ -315,3 +315,32 @@ def test_bench_serve_times_first_tokens_of_streams_and_beam_requests_apart():
         httpd.server_close()
     assert got["requests_ok"] == 16
     assert got["ttft_p99"] < 0.2 and got["beam_latency_p50"] >= 0.4, got
+
+
+def test_the_fronts_connections_send_each_chunk_at_once():
+    """Every connection the front accepts has TCP_NODELAY (asyncio sets it only where the listening socket says
+    IPPROTO_TCP): without it, on a kept-alive connection a stream's first chunk waited for the client's delayed ACK
+    of the headers (48 ms against 5.9 on a fresh connection for a 4-token completion)."""
+    import asyncio
+    import socket
+
+    from ds_inference_integration.serve.app import listening_socket
+
+    async def accept_one():
+        sock = listening_socket("127.0.0.1", 0)
+        seen = asyncio.get_running_loop().create_future()
+
+        class Protocol(asyncio.Protocol):
+            def connection_made(self, transport):
+                own = transport.get_extra_info("socket")
+                seen.set_result(own.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Protocol, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            nodelay = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(accept_one()) == 1
