@@ -411,6 +411,33 @@ def test_fixed_shapes_decode_every_slot_over_the_caches_width_and_answer_as_alon
     assert answers.whole[99][0][0] == run_batch(model, tokenizer, Admit(0, beam_key, (beam,)), "cpu")["sequences"][0][0]
 
 
+def test_an_idle_engine_shrinks_its_cache_and_the_next_rows_answer_as_alone(gpt2):
+    """A 300-token row grows the slot cache to 512 columns for every slot; once no row is held the cache is back to
+    its first 16 (it stayed at its widest for the server's life), and rows admitted after it answer as alone; a step
+    that fails shrinks it too."""
+    model, tokenizer = gpt2
+    llama = _llama(tokenizer)
+    engine, answers = StepEngine(llama, tokenizer, "cpu", 4), Record()
+    long = RowSpec(tuple(tokenizer(PROMPTS[0])["input_ids"]), max_new_tokens=300, ignore_eos=True, id=0)
+    engine.take(Admit(0, BatchKey(), (long,)))
+    widths = []
+    while engine.busy():
+        engine.step(answers)
+        widths.append(engine.cache.layers[0].width())
+    assert max(widths) >= 512 and widths[-1] == 16
+    specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=6, ignore_eos=True, id=i)
+             for i, p in enumerate(PROMPTS[1:4], start=1)]
+    _run(engine, {0: Admit(1, BatchKey(), tuple(specs[:2])), 2: Admit(2, BatchKey(), (specs[2],))}, answers)
+    assert engine.cache.layers[0].width() == 16
+    for spec in [long, *specs]:
+        assert answers.out[spec.id] == _alone(llama, tokenizer, spec)
+    engine.take(Admit(3, BatchKey(), (RowSpec(long.prompt_ids, max_new_tokens=300, ignore_eos=True, id=9),)))
+    for _ in range(40):
+        engine.step(answers)
+    assert engine.cache.layers[0].width() == 64 and engine.fail_running() == [9]
+    assert engine.cache.layers[0].width() == 16
+
+
 def test_cancelled_failed_wide_beam_and_alone_rows_between_steps(gpt2):
     """A cancelled running row ends 'cancelled' at the next step, a cancelled waiting row without running; a row
     with nothing left to sample fails alone (400) and its neighbours keep their answers; a beam request wider than

@@ -152,6 +152,14 @@ class SlotCache(Cache):
             for mine, theirs in zip(self.cross.layers, prefilled.cross_attention_cache.layers):
                 mine.write_prompt(slot, theirs.keys[row:row + 1, :, :source], theirs.values[row:row + 1, :, :source])
 
+    def shrink(self) -> None:
+        """Every layer back to its first width (16 columns), contents dropped: for when no row is held."""
+        for each in (*self.layers, *(self.cross.layers if self.cross is not None else ())):
+            if each.is_initialized and each.width() > 16:
+                keys, values = each.keys, each.values
+                each.keys = keys.new_zeros((*keys.shape[:2], 16, keys.shape[3]))
+                each.values = values.new_zeros((*values.shape[:2], 16, values.shape[3]))
+
     def write_cross(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], source: int) -> None:
         """A joining row's cross-attention keys and values (each layer's `[1, heads, width >= source, dim]`, projected
         from its encoder output) into `slot`, its first `source` positions."""

@@ -223,6 +223,18 @@ class StepEngine:
             self._decode(decoding, tokens, answers)
         if not self.running:
             self.alone = False
+            if not self.waiting:
+                self._release()
+
+    def _release(self) -> None:
+        """No row held: the slot cache goes back to its first width (`SlotCache.shrink`), so that memory follows the
+        rows held now, not the longest row ever held: the cache grows to the longest row's width for every slot and
+        never shrank (one 2048-token row left a 32-layer model with 8 KV heads of 128 at 32 slots holding
+        2 x 32 x 8 x 128 x 2048 x 32 x 2 bytes = 8.6 GB in bf16 until the server ended, idle or not). Shrunk rather
+        than dropped: a T5 row admitted into no cache takes the first prefill's way, 4.3 against 3.9 ms."""
+        if self.cache is not None:
+            self.cache.shrink()
+        self.joining = {}
 
     def _end_cancelled(self, answers) -> None:
         if not self.cancelled:
@@ -516,6 +528,7 @@ class StepEngine:
         """A step that failed on every rank: its rows end (their ids returned, to be answered together)."""
         ids = list(dict.fromkeys(r.spec.id for r in self.running.values()))
         self.running.clear()
+        self._release()  # what the failed step left in the cache goes with its rows
         return ids
 
 
