@@ -249,7 +249,8 @@ def test_log_probabilities_of_prompt_and_new_tokens_are_the_models(gpt2):
     """Rows that ask for log probabilities (3 top tokens; one also its prompt's, as `echo` asks), greedy and sampled,
     joining running rows: each new token's and each prompt token's (after the first) equal the unsharded model's own
     log-softmax over the whole sequence within 1e-5, their top tokens too, and the tokens are what they were without
-    logprobs; the batch engine refuses them in one line."""
+    logprobs; the head sends every position through for the row that asked for its prompt's only (admitted beside
+    another row, it is prefilled alone); the batch engine refuses them in one line."""
     model, tokenizer = gpt2
     asks = [{"logprobs": 3, "prompt_logprobs": True}, {"logprobs": 0},
             {"logprobs": 2, "temperature": 1.0, "seed": 4, "top_k": 30}]
@@ -257,7 +258,15 @@ def test_log_probabilities_of_prompt_and_new_tokens_are_the_models(gpt2):
              for i, (p, kw) in enumerate(zip(PROMPTS[12:], asks))]
     plain = RowSpec(tuple(tokenizer(PROMPTS[20])["input_ids"]), max_new_tokens=12, id=9)
     engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
-    _run(engine, {0: Admit(0, BatchKey(), (plain, specs[0])), 2: Admit(1, BatchKey(), tuple(specs[1:]))}, answers)
+    heads = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: heads.append(tuple(output.shape[:2])))
+    try:
+        _run(engine, {0: Admit(0, BatchKey(), (plain, specs[0])), 2: Admit(1, BatchKey(), tuple(specs[1:]))},
+             answers)
+    finally:
+        hook.remove()
+    # several rows' prefill: at most their last positions (one each) go through the head
+    assert (1, len(specs[0].prompt_ids)) in heads and all(rows == 1 or width <= rows for rows, width in heads), heads
     assert 9 not in answers.logprobs and set(answers.prompt) == {0}
     for spec in specs:
         new = answers.out[spec.id][0]

@@ -298,7 +298,18 @@ class StepEngine:
         found that wrong, the step's forward computes them, `SlotCache.join`): their first decoder step is the
         step's decoding forward with the running rows (`_decode`), so an admission costs one forward less: at tp 2 on
         this machine a forward costs mostly its collectives (the embedded T5's 16-row step, 21 ms at tp 2 against 6
-        at tp 1). Those rows are returned, to decode with the others."""
+        at tp 1). Those rows are returned, to decode with the others.
+
+        A row that asked for its prompt's log probabilities is prefilled alone: every position of a prefill then goes
+        through the head, and together with the admission's other rows the logits held were [rows, longest prompt,
+        vocabulary] (16 rows of 2048 tokens of a 150k vocabulary: 20 GB in fp32); alone, its own prompt's."""
+        if len(items) > 1 and any(spec.prompt_logprobs for spec, _ in items):
+            plain = [item for item in items if not item[0].prompt_logprobs]
+            joined = self._admit(plain, tokens, answers) if plain else []
+            for item in items:
+                if item[0].prompt_logprobs:
+                    joined += self._admit([item], tokens, answers)
+            return joined
         free = sorted(set(range(self.capacity)) - set(self.running))
         rows = [self._row(spec, key, slot) for (spec, key), slot in zip(items, free)]
         fused = self.encoder_decoder and self.cache is not None
