@@ -537,3 +537,33 @@ def test_the_data_check_accepts_every_file_upstreams_load_dataset_reads(tmp_path
             with pytest.raises(InferenceSetupError, match=rf"^--test_file '{re.escape(path)}': ") as e:
                 data_files.check_data_file(path, "--test_file", columns=columns)
             assert "\n" not in str(e.value)
+
+
+def test_a_finished_rank_s_watchdog_thread_ends_before_the_interpreter_does(monkeypatch):
+    """`watchdog.finished` (at exit, or `run_main`'s end) wakes the watchdog's thread and waits for it: a daemon
+    thread left sleeping between heartbeats (up to 5 s) could be inside a store call while the interpreter tears
+    down. A store hosted here, a world of 2: the thread is gone within a second of `finished`."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from ds_inference_integration.run import watchdog
+    from ds_inference_integration.run.ranks import free_port
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setattr(watchdog, "_state", {})
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(watchdog.atexit, "register", lambda f: None)  # this test process is not a rank
+    watchdog.start(0, 2, timeout=30.0)  # beats every 3 s
+    thread = next(t for t in threading.enumerate() if t.name == "ds-inference-watchdog")
+    time.sleep(0.3)  # inside its first sleep between beats
+    assert thread.is_alive()
+    start = time.monotonic()
+    watchdog.finished()
+    assert not thread.is_alive() and time.monotonic() - start < 1.0
+    assert host.add("ds_inference_watchdog/done/0", 0) == 1
