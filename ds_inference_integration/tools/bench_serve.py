@@ -1,9 +1,9 @@
 """`ds-inference bench serve`: `ds-inference serve` (tp 2 by default, `--tp_size`) on this machine, a fixed request
 set sent at each concurrency (streamed, as `vllm bench serve` sends it: `ignore_eos`, `stream_options.include_usage`),
-to the same model served three ways side by side: `continuous` (the step engine), `batched` (`--scheduler batch`:
-one generate a batch) and `one_at_a_time` (the batch engine at `--max_batch_size 1`, as the handler this project
-grew from served), for the embedded GPT-2 and T5 and `gpt2-256` (the shape of the model #42 was measured on, built
-at start).
+to the same model served side by side: `continuous` (the step engine), `batched` (`--scheduler batch`: one generate
+a batch) and `one_at_a_time` (the batch engine at `--max_batch_size 1`, as the handler this project grew from
+served), and on request `continuous_grouped` (the step engine with TGI's admission rule at 0.5 / 8), for the
+embedded GPT-2 and T5 and `gpt2-256` (the shape of the model #42 was measured on, built at start).
 
 Per model, mode and concurrency, over repeats (min / median / max): requests/s, output tokens/s, p50 / p99
 latency, p50 / p99 time to first token, and the mean rows per decoding step (from the server's /metrics). Every

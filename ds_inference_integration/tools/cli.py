@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--modes", default="single,full,shard-aware,shard-aware-get-slice,pre-sharded",
                      help="the loading paths to run, comma-separated (single, the reference, always runs)")
     mem.set_defaults(func=_bench_memory)
-    bserve = bsub.add_parser("serve", help="serve at tp 2: batched vs one request at a time, at each concurrency")
+    bserve = bsub.add_parser("serve", help="serve (tp 2 by default): the step engine, the batch engine and one request "
+                                                 "at a time side by side, at each concurrency")
     bserve.add_argument("--models", default="gpt2,t5", help="models to serve: gpt2, t5 (the embedded ones), "
                         "gpt2-256 (a random 2-layer GPT-2 of 256 positions, built at start)")
     bserve.add_argument("--concurrency", default="1,4,16,64", help="clients at once, comma-separated")
@@ -320,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--max_wait_ms", type=float, default=20.0)
     bserve.add_argument("--point_timeout", type=float, default=120.0, help="a point stops sending after this long")
     bserve.add_argument("--modes", default="continuous,batched,one_at_a_time",
-                        help="servers to compare: continuous (the step engine), batched (--scheduler batch), "
+                        help="servers to compare: continuous (the step engine), continuous_grouped (the step "
+                             "engine, --waiting_served_ratio 0.5 --max_waiting_steps 8), batched (--scheduler batch), "
                              "one_at_a_time (--scheduler batch --max_batch_size 1)")
     bserve.add_argument("--output_lengths", default=None,
                         help="A-B: each request's max_tokens drawn from A to B (default: 24 for every request)")
