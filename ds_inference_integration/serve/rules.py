@@ -210,7 +210,7 @@ class BeamSteps:
         return done
 
 
-def generation_config(model, key: BatchKey, max_new_tokens: int, pad_token_id: int | None):
+def generation_config(model, key: BatchKey, max_new_tokens: int | None, pad_token_id: int | None):
     """The generation config rows of `key` are generated with: the model's own, /generate's settings, the key's beam
     settings and penalties, and none of generate's own sampling or ending for greedy and sampled rows (`RowRules`
     and `RowStops` keep each row's)."""

@@ -128,7 +128,7 @@ class StepEngine:
         self.cache: SlotCache | None = None
         self.joining: dict[int, torch.Tensor] = {}  # slot -> the encoder's output for a row whose first step is next
         self.record: dict[int, list[torch.Tensor]] | None = None  # row id -> each step's logits (`probe`)
-        self.configs: dict = {}  # (key, max_new_tokens) -> a row's generation config (`_config`)
+        self.configs: dict = {}  # key -> its rows' generation config (`_config`)
         # this step's log probabilities of rows that asked (`RowSpec.logprobs`, `prompt_logprobs`), by row id
         self.logprobs: dict[int, tuple] = {}
         self.prompt_logprobs: dict[int, list] = {}
@@ -260,7 +260,7 @@ class StepEngine:
         """A new row's record: its processors (generate's, from the model's generation config and the key), rules and
         stops; its ids start as its prompt (a decoder-only model) or the decoder's start token."""
         prompt = torch.tensor([list(spec.prompt_ids)], dtype=torch.long, device=self.device)
-        config = self._config(key, spec.max_new_tokens)
+        config = self._config(key)
         processors = self.model._get_logits_processor(
             generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
             logits_processor=LogitsProcessorList(), device=self.device, model_kwargs={})
@@ -268,18 +268,19 @@ class StepEngine:
         start = len(ids)
         return _Row(spec, slot, ids, start, processors, RowRules([spec], start, self.eos, self.device))
 
-    def _config(self, key: BatchKey, max_new_tokens: int):
+    def _config(self, key: BatchKey):
         """The generation config of a row of `key` (`rules.generation_config`, generate's defaults and special
-        tokens filled), kept per (key, max_new_tokens): building one copies the model's whole config (1.6 ms of the
-        2.5 ms a row's admission took in Python on the embedded T5, 2026-12-05), and rows read it only."""
-        found = self.configs.get((key, max_new_tokens))
+        tokens filled), kept per key: building one copies the model's whole config (1.3 ms a row on the embedded T5,
+        2026-12-05: 6% of the step engine's time on rows of random lengths while it was kept per (key, length)), and
+        rows read it only for their processors and decoder start, which no row's length changes (its length is its
+        `RowRules`'; a beam group builds its own, `_admit_beams`)."""
+        found = self.configs.get(key)
         if found is None:
             if len(self.configs) >= 256:
                 self.configs.clear()
-            found = with_defaults(self.model, generation_config(self.model, key, max_new_tokens,
-                                                                self.tokenizer.pad_token_id))
+            found = with_defaults(self.model, generation_config(self.model, key, None, self.tokenizer.pad_token_id))
             self.model._prepare_special_tokens(found, True, device=self.device)
-            self.configs[(key, max_new_tokens)] = found
+            self.configs[key] = found
         return found
 
     def _start(self, spec: RowSpec, config) -> list[int]:
