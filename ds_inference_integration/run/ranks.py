@@ -29,14 +29,16 @@ def free_port() -> int:
 
 
 def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, extra_env: dict | None = None,
-                first_device: int = 0, world: tuple[int, int, str, int] | None = None) -> list[subprocess.Popen]:
+                first_device: int = 0, world: tuple[int, int, str, int] | None = None,
+                threads: int | None = None) -> list[subprocess.Popen]:
     """`python -m module args...` as ranks 0..n-1 of one world. Rank 0 prints to this process's output; every
     other rank writes to `log_dir/rank-R.log`, a file, not a pipe: a rank that prints more than a pipe holds
     would block (and its peers wait for the timeout) if nobody read the pipe while it runs. `first_device`: the
     first GPU of this world, where several worlds share a machine (`serve --dp_size`: replica r starts at r x T);
     `extra_env` is added to every rank's environment. `world`: (world size, this machine's first rank, master
     address, master port) where the world spans machines (`serve --nnodes`); by default the n ranks are the world,
-    on 127.0.0.1 at a free port."""
+    on 127.0.0.1 at a free port. `threads`: each rank's CPU threads where the environment does not set
+    OMP_NUM_THREADS (default: the cores shared out among the n ranks)."""
     world_size, first, host, port = world or (n, 0, "127.0.0.1", free_port())
     procs = []
     for local in range(n):
@@ -51,7 +53,7 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, ex
                DS_PARENT_ENV: str(os.getpid()), **(extra_env or {})}
         if first_device:
             env["DS_INFERENCE_FIRST_DEVICE"] = str(first_device)
-        env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(n)))
+        env.setdefault("OMP_NUM_THREADS", str(threads or threads_per_rank(n)))
         log = None
         if rank:
             log = open(Path(log_dir) / f"rank-{rank}.log", "w")

@@ -18,6 +18,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from ..run.ranks import start_ranks
+from ..topology import serving_threads
 from .wire import AUTHKEY_ENV, FRONT_ENV, Hello, Stop, no_delay
 
 ENGINE = "ds_inference_integration.serve.engine"
@@ -111,7 +112,8 @@ class Replicas:
             if self.nnodes > 1:  # this node's share of the replica: ranks 0.. of it; the --worker nodes start the rest
                 world = (self.tp_size, 0, self.master_addr, self.master_port)
             procs = start_ranks(self.tp_size // self.nnodes, ENGINE, [json.dumps(self.settings)], log_dir,
-                                extra_env=env, first_device=r * self.tp_size, world=world)
+                                extra_env=env, first_device=r * self.tp_size, world=world,
+                                threads=serving_threads(self.dp_size * self.tp_size // self.nnodes, front=True))
             self.replicas.append(Replica(r, procs, log_dir))
         threading.Thread(target=self._accept, daemon=True, name="serve-accept").start()
 

@@ -39,7 +39,6 @@ from ..errors import InferenceSetupError
 from ..extras import optional_import
 from ..run.files import write_text_atomic
 from ..run.ranks import free_port, stop_session
-from ..topology import threads_per_rank
 from .bench import REPO, spread
 
 MODELS = {"gpt2": ("gpt2-num2words-en-ro", 24), "t5": ("t5-num2words-en-ro", 24), "gpt2-256": (None, 64)}
@@ -83,7 +82,9 @@ class _Server:
     def __init__(self, model_dir: Path, args: list[str], log_dir: Path, tp_size: int):
         self.port = free_port()
         self.log = open(log_dir / f"front-{self.port}.log", "w")
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(tp_size)), "TOKENIZERS_PARALLELISM": "false",
+        # the ranks' threads as `serve` shares the cores out (`topology.serving_threads`: a core left to the front),
+        # what a user gets, not this shell's OMP_NUM_THREADS
+        env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "TOKENIZERS_PARALLELISM": "false",
                "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "ds_inference_integration.tools.cli", "serve",
                                       str(model_dir), "--tp_size", str(tp_size), "--port", str(self.port),
