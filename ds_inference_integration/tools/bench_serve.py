@@ -14,7 +14,9 @@ load where a batch's rows end at different steps; `--arrival_rate R` sends reque
 most `--concurrency` open), and `--beam_fraction F` makes that share of them beam requests (4 beams, not streamed:
 their time to first token is their latency). TPOT (time per output token after the first) is given for streamed
 requests. `--disconnects N` adds, per model and mode, the time to first token right after a client left a long
-stream, against the idle server's (`_disconnects`). A SIGTERM to the bench ends its servers too.
+stream, against the idle server's (`_disconnects`), and the idle server's against the first token of the same prompts
+in one process (`_one_process_first_token`, #42's bound at concurrency 1: within 15 ms). A SIGTERM to the bench ends
+its servers too.
 
     ds-inference bench serve [--models gpt2,t5,gpt2-256] [--concurrency 1,4,16,64] [--requests 64] [--repeats 3]
                              [--modes continuous,batched,one_at_a_time] [--output_lengths 4-48] [--tp_size 2]
@@ -212,6 +214,25 @@ def _disconnects(server: _Server, prompts: list[str], n: int, long_tokens: int, 
             "after_disconnect_ttft_max": max(ok[1]), "after_over_idle": after_p50 / idle_p50, "trials": n}
 
 
+def _one_process_first_token(model_dir: Path, prompts: list[str], n: int) -> float:
+    """The median time to the first token of the prompts `_disconnects` sends idle (n, after 2 not counted), generated
+    alone in this process by the unsharded model as the examples run it (`generate`, greedy, one new token; torch's
+    default threads), before any server of the model starts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    kind = AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(model_dir).is_encoder_decoder else AutoModelForCausalLM
+    model, tokenizer = kind.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    times = []
+    for i in [0, 1, *range(n)]:
+        inputs = tokenizer(prompts[i % len(prompts)], return_tensors="pt")
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, num_beams=1)
+        times.append(time.perf_counter() - start)
+    return _pct(times[2:], 0.5)
+
+
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
@@ -314,6 +335,7 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
         lengths = output_lengths or (max_tokens, max_tokens)
         prompts = _prompts(name)
         model_dir = REPO / "examples" / "models" / directory if directory else _gpt2_256(log_dir)
+        alone = _one_process_first_token(model_dir, prompts, disconnects) if disconnects else None
         # Both servers run at once and the modes alternate point by point (one idle server costs a keep-alive a
         # second), so that a drift of the machine over the run falls on both alike.
         servers = {}
@@ -342,9 +364,12 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
                           f"{point['mean_step_rows']['median']:.1f}", flush=True)
             for mode in modes if disconnects else ():
                 found = _disconnects(servers[mode], prompts, disconnects, LONG_TOKENS[name], point_timeout)
-                results["disconnects"].append({"model": name, "mode": mode, **found})
+                results["disconnects"].append({"model": name, "mode": mode, **found,
+                                               "one_process_first_token_p50": alone,
+                                               "idle_over_one_process_ms": (found["idle_ttft_p50"] - alone) * 1000})
                 print(f"{name:8} {mode:18} TTFT after a disconnect {found['after_disconnect_ttft_p50'] * 1000:.0f} "
-                      f"ms, idle {found['idle_ttft_p50'] * 1000:.0f} ms", flush=True)
+                      f"ms, idle {found['idle_ttft_p50'] * 1000:.0f} ms, one process {alone * 1000:.1f} ms",
+                      flush=True)
         finally:
             for server in servers.values():
                 server.stop()
@@ -418,12 +443,15 @@ def _table(results: dict) -> str:
                      f"{x(r, 'continuous_grouped_tokens_per_s_ratio')} | {x(r, 'continuous_grouped_ttft_p99_ratio')} |")
     if results.get("disconnects"):
         lines += ["", "Time to first token of an 8-token request, idle and right after a client left a long stream "
-                  f"({results['disconnects'][0]['trials']} of each, medians):", "",
-                  "| model | mode | idle ms | after a disconnect ms (worst) | after / idle |", "|---|---|---|---|---|"]
+                  f"({results['disconnects'][0]['trials']} of each, medians), and the same prompts' first token in "
+                  "one process (the unsharded model's `generate`):", "",
+                  "| model | mode | idle ms | after a disconnect ms (worst) | after / idle | one process ms | "
+                  "idle - one process ms |", "|---|---|---|---|---|---|---|"]
         for d in results["disconnects"]:
-            lines.append(f"| {d['model']} | {d['mode']} | {d['idle_ttft_p50'] * 1000:.0f} | "
+            lines.append(f"| {d['model']} | {d['mode']} | {d['idle_ttft_p50'] * 1000:.1f} | "
                          f"{d['after_disconnect_ttft_p50'] * 1000:.0f} ({d['after_disconnect_ttft_max'] * 1000:.0f}) | "
-                         f"{d['after_over_idle']:.2f}x |")
+                         f"{d['after_over_idle']:.2f}x | {d['one_process_first_token_p50'] * 1000:.1f} | "
+                         f"{d['idle_over_one_process_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,7 @@
                                           the server (tp 2, --tp_size), continuous vs batched vs --max_batch_size 1:
                                           req/s, tokens/s, p50/p99 latency and time to first token, TPOT,
                                           rows/step; with --disconnects, first token after a client leaves
+                                          and idle against one process's
     ds-inference bench steps [--lengths 16,256,1024] [--batches 1,8,31]
                                           the step engine in process: admission cost against the rows running
 Every bench repeats its measurements (--repeats, default 3) and gives min / median / max beside each ratio.
@@ -333,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of the requests that are beam requests (4 beams, not streamed)")
     bserve.add_argument("--disconnects", type=int, default=0,
                         help="N: also the time to first token right after a client left a long stream, N times, "
-                             "against the idle server's")
+                             "against the idle server's, and the idle server's against one process's")
     bserve.add_argument("--output-dir", default="bench_out")
     bserve.set_defaults(func=_bench_serve)
     bsteps = bsub.add_parser("steps", help="the step engine in this process: an admission's cost against the rows "
