@@ -253,6 +253,12 @@ def test_completion_text_is_what_the_completion_adds_to_the_prompts_text(tokeniz
         streamed = Texts(tokenizer, (), prompt[-CONTEXT_TOKENS:])
         joined = "".join(streamed.delta(completion[:i]) for i in range(1, len(completion) + 1))
         assert joined + streamed.rest(completion) == text
+        decodes = []
+        counted = Texts(type("Counted", (), {"decode": lambda self, ids, **kw: decodes.append(ids) or tokenizer.decode(
+            ids, **kw)})(), (), prompt[-CONTEXT_TOKENS:])
+        decodes.clear()
+        counted.delta(completion)
+        assert len(decodes) == 1  # the prompt's text is decoded once per row, not again for every delta
         lost_space += text != tokenizer.decode(completion, skip_special_tokens=True)
     if family != "byte_level_bpe":  # byte-level tokens carry their own leading space ("Ġand")
         assert lost_space > 0  # decoding alone differs: the rule matters for this family

@@ -14,8 +14,8 @@ load where a batch's rows end at different steps; `--arrival_rate R` sends reque
 most `--concurrency` open), and `--beam_fraction F` makes that share of them beam requests (4 beams, not streamed:
 their time to first token is their latency). TPOT (time per output token after the first) is given for streamed
 requests. `--disconnects N` adds, per model and mode, the time to first token right after a client left a long
-stream, against the idle server's (`_disconnects`), and the idle server's against the first token of the same prompts
-in one process (`_one_process_first_token`, #42's bound at concurrency 1: within 15 ms). A SIGTERM to the bench ends
+stream, against the idle server's (`_disconnects`), and the first token at concurrency 1 against the same prompts'
+in one process (`_first_tokens`, `_one_process_first_token`: #42's bound, within 15 ms). A SIGTERM to the bench ends
 its servers too.
 
     ds-inference bench serve [--models gpt2,t5,gpt2-256] [--concurrency 1,4,16,64] [--requests 64] [--repeats 3]
@@ -214,15 +214,32 @@ def _disconnects(server: _Server, prompts: list[str], n: int, long_tokens: int, 
             "after_disconnect_ttft_max": max(ok[1]), "after_over_idle": after_p50 / idle_p50, "trials": n}
 
 
+def _first_tokens(server: _Server, prompts: list[str], n: int, timeout: float) -> float:
+    """The median time to first token of an 8-token request from one client (n of them, after 2 not counted), on a
+    server that has had no other load: measured before the points, since for PEAK_SECONDS after a burst of
+    requests (`serve/batching.py`) a lone client's request waits up to --max_wait_ms for company, by design."""
+    times = []
+    for i in [0, 1, *range(n)]:
+        answer = _one(server.port, {"prompt": prompts[i % len(prompts)], "max_tokens": 8, "temperature": 0,
+                                    "ignore_eos": True, "stream": True}, timeout)
+        if not answer["ok"] or not answer["ttft"]:
+            raise InferenceSetupError(f"bench serve: a first-token request got no answer: {answer}")
+        times.append(answer["ttft"])
+    return _pct(times[2:], 0.5)
+
+
 def _one_process_first_token(model_dir: Path, prompts: list[str], n: int) -> float:
-    """The median time to the first token of the prompts `_disconnects` sends idle (n, after 2 not counted), generated
+    """The median time to the first token of the prompts `_first_tokens` sends (n, after 2 not counted), generated
     alone in this process by the unsharded model as the examples run it (`generate`, greedy, one new token; torch's
     default threads), before any server of the model starts."""
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     kind = AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(model_dir).is_encoder_decoder else AutoModelForCausalLM
     model, tokenizer = kind.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # generate's note that max_new_tokens wins over the config's max_length
     times = []
     for i in [0, 1, *range(n)]:
         inputs = tokenizer(prompts[i % len(prompts)], return_tensors="pt")
@@ -230,6 +247,7 @@ def _one_process_first_token(model_dir: Path, prompts: list[str], n: int) -> flo
         with torch.no_grad():
             model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, num_beams=1)
         times.append(time.perf_counter() - start)
+    transformers.logging.set_verbosity(verbosity)
     return _pct(times[2:], 0.5)
 
 
@@ -338,13 +356,15 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
         alone = _one_process_first_token(model_dir, prompts, disconnects) if disconnects else None
         # Both servers run at once and the modes alternate point by point (one idle server costs a keep-alive a
         # second), so that a drift of the machine over the run falls on both alike.
-        servers = {}
+        servers, first = {}, {}
         try:
             for mode in modes:
                 extra = MODES[mode]
                 servers[mode] = _Server(model_dir,
                                         [*extra, "--max_wait_ms", str(max_wait_ms), "--max_queue",
                                          str(max(concurrencies) * 2)], log_dir, tp_size)
+                if disconnects:  # before any burst (`_first_tokens`)
+                    first[mode] = _first_tokens(servers[mode], prompts, disconnects, point_timeout)
                 _point(servers[mode], prompts, 4, 8, lengths, point_timeout)  # warm-up, not counted
             for concurrency in concurrencies:
                 runs = {mode: [] for mode in modes}
@@ -365,11 +385,11 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
             for mode in modes if disconnects else ():
                 found = _disconnects(servers[mode], prompts, disconnects, LONG_TOKENS[name], point_timeout)
                 results["disconnects"].append({"model": name, "mode": mode, **found,
-                                               "one_process_first_token_p50": alone,
-                                               "idle_over_one_process_ms": (found["idle_ttft_p50"] - alone) * 1000})
+                                               "first_token_c1_p50": first[mode], "one_process_first_token_p50": alone,
+                                               "c1_over_one_process_ms": (first[mode] - alone) * 1000})
                 print(f"{name:8} {mode:18} TTFT after a disconnect {found['after_disconnect_ttft_p50'] * 1000:.0f} "
-                      f"ms, idle {found['idle_ttft_p50'] * 1000:.0f} ms, one process {alone * 1000:.1f} ms",
-                      flush=True)
+                      f"ms, idle {found['idle_ttft_p50'] * 1000:.0f} ms; concurrency 1 {first[mode] * 1000:.1f} ms, "
+                      f"one process {alone * 1000:.1f} ms", flush=True)
         finally:
             for server in servers.values():
                 server.stop()
@@ -443,15 +463,16 @@ def _table(results: dict) -> str:
                      f"{x(r, 'continuous_grouped_tokens_per_s_ratio')} | {x(r, 'continuous_grouped_ttft_p99_ratio')} |")
     if results.get("disconnects"):
         lines += ["", "Time to first token of an 8-token request, idle and right after a client left a long stream "
-                  f"({results['disconnects'][0]['trials']} of each, medians), and the same prompts' first token in "
-                  "one process (the unsharded model's `generate`):", "",
-                  "| model | mode | idle ms | after a disconnect ms (worst) | after / idle | one process ms | "
-                  "idle - one process ms |", "|---|---|---|---|---|---|---|"]
+                  f"({results['disconnects'][0]['trials']} of each, medians); at concurrency 1 on a server before any "
+                  "other load, against the same prompts' first token in one process (the unsharded model's "
+                  "`generate`):", "",
+                  "| model | mode | idle ms | after a disconnect ms (worst) | after / idle | concurrency 1 ms | "
+                  "one process ms | concurrency 1 - one process ms |", "|---|---|---|---|---|---|---|---|"]
         for d in results["disconnects"]:
             lines.append(f"| {d['model']} | {d['mode']} | {d['idle_ttft_p50'] * 1000:.1f} | "
                          f"{d['after_disconnect_ttft_p50'] * 1000:.0f} ({d['after_disconnect_ttft_max'] * 1000:.0f}) | "
-                         f"{d['after_over_idle']:.2f}x | {d['one_process_first_token_p50'] * 1000:.1f} | "
-                         f"{d['idle_over_one_process_ms']:.1f} |")
+                         f"{d['after_over_idle']:.2f}x | {d['first_token_c1_p50'] * 1000:.1f} | "
+                         f"{d['one_process_first_token_p50'] * 1000:.1f} | {d['c1_over_one_process_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
