@@ -31,6 +31,11 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALL
 # the record of data files that passed their checks (predict/data_files.py): one per pytest process, removed at its
 # end, not the user's ~/.cache (the processes the tests start inherit it)
 os.environ["DS_INFERENCE_CACHE"] = tempfile.mkdtemp(prefix="ds-inference-tests-cache-")
+# the reference runs every worker and module share (`reference_run`): made by the first pytest process (xdist's
+# controller, whose environment its workers inherit), removed at its end
+_OWN_REFERENCES = not os.environ.get("DS_INFERENCE_TEST_REFERENCES")
+if _OWN_REFERENCES:
+    os.environ["DS_INFERENCE_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="ds-inference-test-references-")
 
 
 # Outputs a split computes against the unsharded ones: equal up to the order of their sums. A split sums the same
@@ -62,6 +67,8 @@ def assert_close_up_to_rounding(got, want, scale=None, msg: str = "") -> None:
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["DS_INFERENCE_CACHE"], ignore_errors=True)
+    if _OWN_REFERENCES:
+        shutil.rmtree(os.environ["DS_INFERENCE_TEST_REFERENCES"], ignore_errors=True)
 PREFIX = "translate English to Romanian: "
 TRANSLATE_ARGS = [
     "--predict_with_generate", "--source_lang", "en", "--target_lang", "ro", "--source_prefix", PREFIX,
@@ -174,6 +181,27 @@ def run_in_process(args: list[str], output_dir: Path, script: Path = RUN_TRANSLA
     finally:
         locks.release_all()  # the run's process ends here, and its hold on the output directory with it
     return Run(0, "", time.monotonic() - start, output_dir)
+
+
+def reference_run(args: list[str], script: Path = RUN_TRANSLATION) -> Run:
+    """`run_in_process` made once per pytest run for every worker and module that asks for the same script and
+    arguments (the first to ask makes it under a lock, the others wait and read it): the tests only read a reference
+    run's files. Each module and each xdist worker made its own: the 203-example references twice (13.7 and 15.3
+    s), the 37-example one in two modules, run_generation.py's four in both workers (30 and 28 s; `--durations`,
+    2026-12-05)."""
+    import fcntl
+    import hashlib
+
+    root = Path(os.environ["DS_INFERENCE_TEST_REFERENCES"])
+    key = hashlib.sha256(json.dumps([script.name, list(map(str, args))]).encode()).hexdigest()[:16]
+    out, done = root / f"{script.stem}-{key}", root / f"{script.stem}-{key}.done"
+    with open(root / f"{script.stem}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also where the run raised
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            run_in_process(args, out, script)
+            done.write_text("made\n")
+    return Run(0, "", 0.0, out)
 
 
 def load_example(name: str):
@@ -293,6 +321,26 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.get_closest_marker("launched") is None,
                                  -LONGEST.get(item.name, LONGEST.get(item.originalname, 0))))
+
+
+_MODULE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup, call and teardown, summed per module (on xdist's controller too: its workers' reports)."""
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What each module cost (seconds of its tests, summed over the workers), the costliest first: where a slow
+    addition to the suite shows (`make test` should stay under 9 minutes on 2 cores)."""
+    if not _MODULE_SECONDS or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.write_sep("=", f"seconds per module ({sum(_MODULE_SECONDS.values()):.0f} in all, over the workers)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        if seconds >= 1.0:
+            terminalreporter.write_line(f"{seconds:8.1f}  {module}")
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ from conftest import (
     finish_example,
     free_port,
     load_example,
+    reference_run,
     run_example,
     run_in_process,
     sampling_config,
@@ -31,14 +32,14 @@ ALL = ["--do_predict", "--per_device_eval_batch_size", "4", *TRANSLATE_ARGS]  # 
 
 
 @pytest.fixture(scope="module")
-def single_odd(tmp_path_factory):
-    run = run_in_process(ODD, tmp_path_factory.mktemp("single_odd"))
+def single_odd():
+    run = reference_run(ODD)
     return run.output_dir / "generated_predictions.txt", run.results("predict")
 
 
 @pytest.fixture(scope="module")
-def single_all(tmp_path_factory):
-    run = run_in_process(ALL, tmp_path_factory.mktemp("single_all"))
+def single_all():
+    run = reference_run(ALL)
     return (run.output_dir / "generated_predictions.txt").read_bytes()
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from serving import BIN, ServerProc, get, listening, post, post_all, post_arriving, request
 
-from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, run_in_process
+from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, reference_run, run_in_process
 
 pytestmark = pytest.mark.launched
 
@@ -39,30 +39,27 @@ def gpt2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run_generation_greedy(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run_generation_single")
-    run_in_process(["--max_new_tokens", "24", "--report_to", "none"], out, script=EXAMPLES / "run_generation.py")
+def run_generation_greedy():
+    out = reference_run(["--max_new_tokens", "24", "--report_to", "none"], EXAMPLES / "run_generation.py").output_dir
     return (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
 
 
 @pytest.fixture(scope="module")
-def run_generation_sampled(tmp_path_factory):
+def run_generation_sampled():
     """Seeded sampling at batch size 1: prompt i is sampled with seed 42 + i (the Trainer seeds batch i so)."""
-    out = tmp_path_factory.mktemp("run_generation_sampled")
-    run_in_process(["--max_new_tokens", "24", "--do_sample", "--seed", "42", "--per_device_eval_batch_size", "1",
-                    "--report_to", "none"], out, script=EXAMPLES / "run_generation.py")
+    out = reference_run(["--max_new_tokens", "24", "--do_sample", "--seed", "42", "--per_device_eval_batch_size", "1",
+                         "--report_to", "none"], EXAMPLES / "run_generation.py").output_dir
     return (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
 
 
 @pytest.fixture(scope="module")
-def run_generation_cut(tmp_path_factory):
+def run_generation_cut():
     """run_generation.py at 7 new tokens, greedy and seeded as the fixtures above: {"greedy": lines, "sampled": lines}."""
     lines = {}
     for name, extra in (("greedy", []), ("sampled", ["--do_sample", "--seed", "42", "--per_device_eval_batch_size",
                                                      "1"])):
-        out = tmp_path_factory.mktemp(f"run_generation_cut_{name}")
-        run_in_process(["--max_new_tokens", "7", *extra, "--report_to", "none"], out,
-                       script=EXAMPLES / "run_generation.py")
+        out = reference_run(["--max_new_tokens", "7", *extra, "--report_to", "none"],
+                            EXAMPLES / "run_generation.py").output_dir
         lines[name] = (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
     return lines
 
@@ -492,15 +489,14 @@ TRANSLATION_LENGTHS = (127, 9)
 
 
 @pytest.fixture(scope="module")
-def run_translation_single(tmp_path_factory):
+def run_translation_single():
     """run_translation.py in one process on the 203 embedded test sources, greedy and with 4 beams, at each of
     TRANSLATION_LENGTHS: {(beams, new tokens): lines}."""
     refs = {}
     for beams in (1, 4):
         for length in TRANSLATION_LENGTHS:
-            out = tmp_path_factory.mktemp(f"translation_single_{beams}_{length}")
-            run_in_process(["--do_predict", "--per_device_eval_batch_size", "16", "--num_beams", str(beams),
-                            "--generation_max_length", str(length + 1), *TRANSLATE_ARGS], out)
+            out = reference_run(["--do_predict", "--per_device_eval_batch_size", "16", "--num_beams", str(beams),
+                                 "--generation_max_length", str(length + 1), *TRANSLATE_ARGS]).output_dir
             refs[beams, length] = (out / "generated_predictions.txt").read_text(encoding="utf-8").splitlines()
     return refs
 

@@ -12,6 +12,7 @@ from conftest import (
     assert_ok,
     free_port,
     load_example,
+    reference_run,
     run_example,
     run_in_process,
     sampling_config,
@@ -21,8 +22,8 @@ ODD = ["--do_predict", "--max_predict_samples", "37", "--per_device_eval_batch_s
 
 
 @pytest.fixture(scope="module")
-def single_odd(tmp_path_factory):
-    run = run_in_process(ODD, tmp_path_factory.mktemp("single_odd"))
+def single_odd():
+    run = reference_run(ODD)
     assert_ok(run)
     return run
 

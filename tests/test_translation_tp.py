@@ -3,7 +3,7 @@ against the single-process run without the flag, in the same test session."""
 
 import pytest
 
-from conftest import DEFAULT_MODEL, PREFIX, TRANSLATE_ARGS, assert_ok, run_example, run_in_process
+from conftest import DEFAULT_MODEL, PREFIX, TRANSLATE_ARGS, assert_ok, reference_run, run_example, run_in_process
 
 PREDICT = ["--do_predict", "--per_device_eval_batch_size", "16", *TRANSLATE_ARGS]
 # The command of the original proposal (PR #14426), minus the two arguments that need the network.
@@ -18,13 +18,13 @@ PROPOSAL = [
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """Single-process references, computed once per module."""
+def single():
+    """Single-process references, made once per pytest run (`reference_run`)."""
     cache = {}
 
     def get(name: str, args: list[str]):
         if name not in cache:
-            run = run_in_process(args, tmp_path_factory.mktemp(f"single_{name}"))
+            run = reference_run(args)
             assert_ok(run)
             cache[name] = run
         return cache[name]
