@@ -752,3 +752,18 @@ def test_bench_steps_writes_its_figures(tmp_path):
     assert {(p["prompt_tokens"], p["running_rows"]) for p in results["points"]} == {(4, 1), (4, 2), (8, 1), (8, 2)}
     assert all(p["admission_ms"]["median"] > 0 and p["step_ms"]["median"] > 0 for p in results["points"])
     assert "| 8 | 2 |" in (tmp_path / "bench_steps.md").read_text()
+
+
+def test_t5s_per_row_position_bias_is_its_own_compute_bias_for_each_row_at_any_reach():
+    """The relative position bias of rows at their own positions, read from the table of every relative position
+    (`DecoderPositions._bias_table`), is bit for bit the module's own `compute_bias` of each row alone: one query
+    and several, keys past the table's first reach (it grows), positions far past T5's max_distance."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(T5).eval()
+    positions = DecoderPositions(model)
+    module = positions.biases[0]
+    for rows, query, key in (([0, 3, 17, 90], 1, 91), ([5, 300], 1, 301), ([2, 700, 41], 3, 704)):
+        with torch.no_grad(), positions.per_row(rows):
+            got = module.compute_bias(query, key)
+        want = torch.cat([type(module).compute_bias(module, query, key, past_seen_tokens=p) for p in rows])
+        assert got.shape == want.shape == (len(rows), model.config.num_heads, query, key)
+        assert torch.equal(got, want)
