@@ -421,9 +421,10 @@ def test_fixed_shapes_decode_every_slot_over_the_caches_width_and_answer_as_alon
 
 
 def test_an_idle_engine_shrinks_its_cache_and_the_next_rows_answer_as_alone(gpt2):
-    """A 300-token row grows the slot cache to 512 columns for every slot; once no row is held the cache is back to
-    its first 16 (it stayed at its widest for the server's life), and rows admitted after it answer as alone; a step
-    that fails shrinks it too."""
+    """A 300-token row grows the slot cache to 512 columns for every slot; once no row is held and the engine is
+    idle (`idle`: nothing came for a keep-alive interval) the cache is back to its first 16 (it stayed at its widest
+    for the server's life), not before (a client alone had it shrunk and grown again for every request), and rows
+    admitted after it answer as alone; a step that fails shrinks it at once."""
     model, tokenizer = gpt2
     llama = _llama(tokenizer)
     engine, answers = StepEngine(llama, tokenizer, "cpu", 4), Record()
@@ -433,11 +434,13 @@ def test_an_idle_engine_shrinks_its_cache_and_the_next_rows_answer_as_alone(gpt2
     while engine.busy():
         engine.step(answers)
         widths.append(engine.cache.layers[0].width())
-    assert max(widths) >= 512 and widths[-1] == 16
+    assert max(widths) >= 512 and widths[-1] == max(widths)
+    engine.idle()
+    assert engine.cache.layers[0].width() == 16
     specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=6, ignore_eos=True, id=i)
              for i, p in enumerate(PROMPTS[1:4], start=1)]
     _run(engine, {0: Admit(1, BatchKey(), tuple(specs[:2])), 2: Admit(2, BatchKey(), (specs[2],))}, answers)
-    assert engine.cache.layers[0].width() == 16
+    assert engine.cache.layers[0].width() == 32  # what these rows needed, not the long row's 512
     for spec in [long, *specs]:
         assert answers.out[spec.id] == _alone(llama, tokenizer, spec)
     engine.take(Admit(3, BatchKey(), (RowSpec(long.prompt_ids, max_new_tokens=300, ignore_eos=True, id=9),)))
@@ -572,6 +575,63 @@ def test_the_step_loop_keeps_no_record_of_rows_answered_in_earlier_steps(gpt2, m
     serve_engine.Serving(model, tokenizer, torch.device("cpu"), control, None, 1).steps_loop(engine)
     assert not front.failed and sorted(front.finished) == list(range(40))
     assert max(len(r.ended) for r in records) <= 4
+
+
+def test_the_step_loop_shrinks_the_cache_once_idle_for_a_keepalive_not_between_a_clients_requests(gpt2):
+    """Requests that come one after another each right after the last one's answer (a client alone) find the slot
+    cache as the last left it (it was shrunk and grown again for each: 0.85x the batch engine's decoding at
+    concurrency 1); a keep-alive interval with nothing coming shrinks it."""
+    from ds_inference_integration.serve import engine as serve_engine
+    from ds_inference_integration.serve.wire import Finished, Stop
+
+    model, tokenizer = gpt2
+    prompt = tuple(tokenizer(PROMPTS[0])["input_ids"])
+    widths = []
+
+    class Front:
+        """One 40-token request a poll after the previous one's answer, 3 of them; then nothing for a poll (the
+        keep-alive), then Stop."""
+
+        def __init__(self):
+            self.sent, self.finished, self.polls, self.quiet, self.stopped = 0, 0, 0, False, False
+
+        def poll(self, timeout=0):
+            self.polls += 1
+            if self.stopped:
+                return False
+            if self.polls > 5000:
+                return True  # bounded: Stop
+            if self.finished < 3:
+                return self.sent == self.finished  # the next request right after the last one's answer
+            if not self.quiet:
+                if timeout > 0:  # the idle loop's wait: nothing comes within the keep-alive interval
+                    self.quiet = True
+                    widths.append(engine.cache.layers[0].width())
+                return False
+            return timeout > 0  # then Stop, at the next wait (after the loop took the keep-alive)
+
+        def recv(self):
+            if self.sent < 3 and self.polls <= 5000:
+                self.sent += 1
+                widths.append(engine.cache.layers[0].width() if engine.cache is not None else 0)
+                return Admit(self.sent, BatchKey(), (RowSpec(prompt, max_new_tokens=40, ignore_eos=True,
+                                                             id=self.sent),))
+            widths.append(engine.cache.layers[0].width())
+            self.stopped = True
+            return Stop()
+
+        def send(self, message):
+            if isinstance(message, Finished):
+                self.finished += 1
+
+    front = Front()
+    engine = StepEngine(model, tokenizer, "cpu", capacity=4)
+    serve_engine.Serving(model, tokenizer, torch.device("cpu"), serve_engine.Control(front, None, 1), None,
+                         1).steps_loop(engine)
+    assert front.finished == 3 and front.polls < 5000
+    grown = max(widths)
+    assert grown >= 64 and widths[2:4] == [grown, grown]  # the second and third requests found it as it was left
+    assert widths[-1] == 16  # after the keep-alive: shrunk
 
 
 def test_a_beam_rows_eos_is_kept_and_counted_as_a_greedy_rows(gpt2):

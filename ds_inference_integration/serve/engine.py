@@ -419,8 +419,9 @@ class Serving:
             for message in self.receive(wait=not engine.busy()):
                 if isinstance(message, Stop):
                     return
-                if isinstance(message, Keepalive):
+                if isinstance(message, Keepalive):  # nothing came for a keep-alive interval
                     control.send(Alive())
+                    engine.idle()
                 elif isinstance(message, Cancel):
                     engine.cancel(message.rows)
                 elif isinstance(message, Admit):
