@@ -675,14 +675,14 @@ class DecoderPositions:
             return per_row_bias
 
         def all_rows_bias(query_length, key_length, device=None, past_seen_tokens=0):
-            device = embed.weight.device if device is None else device
-            past = torch.tensor(positions, dtype=torch.long, device=device)[:, None, None]
-            context = torch.arange(query_length, dtype=torch.long, device=device)[None, :, None] + past
-            memory = torch.arange(key_length, dtype=torch.long, device=device)[None, None, :]
-            reach = max(key_length, query_length + max(positions)) + 1
-            table = self._bias_table(module, bucket, embed, reach)
+            table = self._bias_table(module, bucket, embed, max(key_length, query_length + max(positions)) + 1)
+            at = table.device  # the relative positions index the table where it is
+            past = torch.tensor(positions, dtype=torch.long, device=at)[:, None, None]
+            context = torch.arange(query_length, dtype=torch.long, device=at)[None, :, None] + past
+            memory = torch.arange(key_length, dtype=torch.long, device=at)[None, None, :]
             # [rows, query, key, heads] -> [rows, heads, query, key]
-            return table[memory - context + (table.shape[0] // 2)].to(device).permute([0, 3, 1, 2])
+            bias = table[memory - context + (table.shape[0] // 2)].permute([0, 3, 1, 2])
+            return bias if device is None else bias.to(device)
         return all_rows_bias
 
     def _bias_table(self, module, bucket, embed, reach: int) -> torch.Tensor:

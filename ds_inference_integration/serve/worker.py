@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from ..run.ranks import start_ranks
-from ..topology import serving_threads
 from .replicas import ENGINE
 from .settings import engine_settings, parse
 
@@ -41,8 +40,9 @@ def _run(serve_args, inference_args, model_dir: str, local: int, log_dir: Path) 
     import json
 
     world = (inference_args.tp_size, serve_args.node_rank * local, serve_args.master_addr, serve_args.master_port)
+    # no front on this node: start_ranks shares the cores among its ranks (`serving_threads(local, front=False)`)
     procs = start_ranks(local, ENGINE, [json.dumps(engine_settings(model_dir, serve_args, inference_args))], log_dir,
-                        world=world, threads=serving_threads(local, front=False))
+                        world=world)
     print(f"ds-inference serve --worker: node {serve_args.node_rank} of {serve_args.nnodes}, ranks {world[1]} to "
           f"{world[1] + local - 1} of tp {inference_args.tp_size}, joining {serve_args.master_addr}:"
           f"{serve_args.master_port} (rank logs in {log_dir})", flush=True)

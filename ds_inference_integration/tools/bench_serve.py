@@ -181,17 +181,19 @@ def _answer(port: int, body: dict, timeout: float) -> dict:
 LONG_TOKENS = {"gpt2": 36, "t5": 1000, "gpt2-256": 200}  # a disconnected stream's max_tokens: the model's room
 
 
+def _short(server: _Server, prompt: str, timeout: float) -> dict:
+    """An 8-token streamed greedy request (`_one`): the request the first-token figures time."""
+    return _one(server.port, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True},
+                timeout)
+
+
 def _disconnects(server: _Server, prompts: list[str], n: int, long_tokens: int, timeout: float) -> dict:
     """#42's disconnect figure: the time to first token of a short request (8 tokens) on the idle server, n times,
     then n times right after a client left a long stream (`long_tokens`, `ignore_eos`) once its first token came;
     medians and the worst, and after / idle (the issue's bound: within 2x)."""
     import socket
 
-    def short(i):
-        return _one(server.port, {"prompt": prompts[i % len(prompts)], "max_tokens": 8, "temperature": 0,
-                                  "ignore_eos": True, "stream": True}, timeout)
-
-    idle = [short(i) for i in range(n)]
+    idle = [_short(server, prompts[i % len(prompts)], timeout) for i in range(n)]
     after = []
     for i in range(n):
         body = json.dumps({"prompt": prompts[(i + 1) % len(prompts)], "max_tokens": long_tokens, "temperature": 0,
@@ -205,7 +207,8 @@ def _disconnects(server: _Server, prompts: list[str], n: int, long_tokens: int, 
                 if not chunk:
                     break
                 seen += chunk
-        after.append(short(i))  # the client has left (its socket closed) just now
+        # the client has left (its socket closed) just now
+        after.append(_short(server, prompts[i % len(prompts)], timeout))
     ok = [r["ttft"] for r in idle if r["ok"] and r["ttft"]], [r["ttft"] for r in after if r["ok"] and r["ttft"]]
     if not all(ok):
         raise InferenceSetupError(f"bench serve: the disconnect figures got no answer: {idle[:1]} {after[:1]}")
@@ -220,8 +223,7 @@ def _first_tokens(server: _Server, prompts: list[str], n: int, timeout: float) -
     requests (`serve/batching.py`) a lone client's request waits up to --max_wait_ms for company, by design."""
     times = []
     for i in [0, 1, *range(n)]:
-        answer = _one(server.port, {"prompt": prompts[i % len(prompts)], "max_tokens": 8, "temperature": 0,
-                                    "ignore_eos": True, "stream": True}, timeout)
+        answer = _short(server, prompts[i % len(prompts)], timeout)
         if not answer["ok"] or not answer["ttft"]:
             raise InferenceSetupError(f"bench serve: a first-token request got no answer: {answer}")
         times.append(answer["ttft"])
@@ -241,13 +243,15 @@ def _one_process_first_token(model_dir: Path, prompts: list[str], n: int) -> flo
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate's note that max_new_tokens wins over the config's max_length
     times = []
-    for i in [0, 1, *range(n)]:
-        inputs = tokenizer(prompts[i % len(prompts)], return_tensors="pt")
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, num_beams=1)
-        times.append(time.perf_counter() - start)
-    transformers.logging.set_verbosity(verbosity)
+    try:
+        for i in [0, 1, *range(n)]:
+            inputs = tokenizer(prompts[i % len(prompts)], return_tensors="pt")
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, num_beams=1)
+            times.append(time.perf_counter() - start)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     return _pct(times[2:], 0.5)
 
 
