@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from ds_inference_integration.run.ranks import free_port
-from ds_inference_integration.topology import threads_per_rank
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -31,6 +30,25 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALL
 # the record of data files that passed their checks (predict/data_files.py): one per pytest process, removed at its
 # end, not the user's ~/.cache (the processes the tests start inherit it)
 os.environ["DS_INFERENCE_CACHE"] = tempfile.mkdtemp(prefix="ds-inference-tests-cache-")
+# The suite's share of the cores: xdist's N workers run side by side, so each worker, and every process a test of it
+# starts, gets cpu_count // N cores (`make test`: 2 workers on 2 cores, one each). Left to their defaults, the
+# workers' torch took both cores and so did a tp-1 process a test started: two OpenMP threads on a core that the
+# other worker keeps busy spin at every barrier waiting for each other. test_serve_steps.py alone at -n 2 (in-process
+# engines): 79 CPU-s in the workers at 2 threads, 10 at 1, 64 s against 41 s; in the whole suite the workers spent
+# 373 CPU-s (2026-12-05, 71eda4f). The processes a test starts read OMP_NUM_THREADS from here (the ranks' own
+# default shares the machine's cores among the ranks of one job, which knows nothing of the other worker's).
+SUITE_CORES = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+if os.environ.get("PYTEST_XDIST_WORKER") or "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(SUITE_CORES)
+if "torch" in sys.modules:  # imported before the variable was set: it read the default
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def suite_threads(processes: int = 1) -> int:
+    """Threads for each of `processes` CPU processes a test starts side by side: this worker's cores shared out."""
+    return max(1, SUITE_CORES // max(1, processes))
+
+
 # the reference runs every worker and module share (`reference_run`): made by the first pytest process (xdist's
 # controller, whose environment its workers inherit), removed at its end
 _OWN_REFERENCES = not os.environ.get("DS_INFERENCE_TEST_REFERENCES")
@@ -133,8 +151,8 @@ def start_example(args: list[str], output_dir: Path, nprocs: int | None = None, 
            "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **(env or {})}
     if fault:
         env.update(DS_INFERENCE_FAULT=fault, PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH")])))
-    if nprocs:  # CPU ranks share the cores, as torchrun would set it (the deepspeed launcher does not)
-        env["OMP_NUM_THREADS"] = str(threads_per_rank(nprocs))
+    if nprocs:  # CPU ranks share the worker's cores, as torchrun would share a machine's (the deepspeed launcher does not)
+        env["OMP_NUM_THREADS"] = str(suite_threads(nprocs))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     proc.started = time.monotonic()

@@ -15,8 +15,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from conftest import suite_threads
 from ds_inference_integration.run.ranks import free_port, stop_session
-from ds_inference_integration.topology import threads_per_rank
 
 BIN = Path(sys.executable).parent
 
@@ -34,7 +34,7 @@ class ServerProc:
         self.tmp.mkdir(exist_ok=True)
         env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ,
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": str(threads_per_rank(ranks)), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+               "OMP_NUM_THREADS": str(suite_threads(ranks)), "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
                "TMPDIR": str(self.tmp)}
         if fault:
             faults = str(Path(__file__).resolve().parent / "faults")
