@@ -203,23 +203,31 @@ def run_in_process(args: list[str], output_dir: Path, script: Path = RUN_TRANSLA
 
 def reference_run(args: list[str], script: Path = RUN_TRANSLATION) -> Run:
     """`run_in_process` made once per pytest run for every worker and module that asks for the same script and
-    arguments (the first to ask makes it under a lock, the others wait and read it): the tests only read a reference
-    run's files. Each module and each xdist worker made its own: the 203-example references twice (13.7 and 15.3
-    s), the 37-example one in two modules, run_generation.py's four in both workers (30 and 28 s; `--durations`,
-    2026-12-05)."""
-    import fcntl
+    arguments (`once_per_run`): the tests only read a reference run's files. Each module and each xdist worker
+    made its own: the 203-example references twice (13.7 and 15.3 s), the 37-example one in two modules,
+    run_generation.py's four in both workers (30 and 28 s; `--durations`, 2026-12-05)."""
     import hashlib
 
-    root = Path(os.environ["DS_INFERENCE_TEST_REFERENCES"])
     key = hashlib.sha256(json.dumps([script.name, list(map(str, args))]).encode()).hexdigest()[:16]
-    out, done = root / f"{script.stem}-{key}", root / f"{script.stem}-{key}.done"
-    with open(root / f"{script.stem}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also where the run raised
+    return Run(0, "", 0.0, once_per_run(f"{script.stem}-{key}", lambda out: run_in_process(args, out, script)))
+
+
+def once_per_run(name: str, make) -> Path:
+    """The directory `name` that `make(directory)` makes and fills once per pytest run, for every xdist worker and module
+    that asks for it: the first to ask makes it under a lock, the others wait for it and read it. (A module-scoped
+    fixture is made once per worker that runs one of its tests, and worksteal hands a module's tests to both.)
+    Where `make` raises, nothing is marked made and the next to ask makes it again."""
+    import fcntl
+
+    root = Path(os.environ["DS_INFERENCE_TEST_REFERENCES"])
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also where `make` raised
         if not done.exists():
             shutil.rmtree(out, ignore_errors=True)
-            run_in_process(args, out, script)
+            make(out)
             done.write_text("made\n")
-    return Run(0, "", 0.0, out)
+    return out
 
 
 def load_example(name: str):
@@ -315,8 +323,8 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
            "test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes": 63,
            "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 51,
            "test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it": 44,
-           "test_every_architecture_matches_the_unsharded_model[2]": 55,
-           "test_presharded_predictions_equal_the_source": 37, "test_unlisted_architectures_get_a_derived_policy": 30,
+           "test_every_architecture_matches_the_unsharded_model[2]": 70,
+           "test_presharded_predictions_equal_the_source": 37,
            "test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process": 30,
            "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[own_disks]": 88,
            "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[shared_disk]": 59,
@@ -324,7 +332,6 @@ LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
            "test_a_full_disk_ends_every_rank_in_one_line_and_the_same_command_resumes": 52,
            "test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes": 50,
            "test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_process": 41,
-           "test_the_2026_families_match_the_unsharded_model": 25,
            "test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams": 21,
            "test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server": 18,
            "test_dp2_x_tp2_serves_the_prompts_as_one_process": 16,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_policies_tp import KINDS, policy_check, policy_cli
+from test_policies_tp import KINDS, policy_check, policy_cli, shared_check
 
 from ds_inference_integration.policy.schema import POLICY_DIR, resolve_policy
 from ds_inference_integration.tools import rounding
@@ -31,20 +31,33 @@ def test_the_zoo_has_shipped_policies_to_check():
     assert set(QUICK) <= set(shipped_in_zoo()) and len(shipped_in_zoo()) >= 15
 
 
+# The bf16 checks of make test with the default flags, in one launch (`shared_check`): the quick set and the
+# embedding DeepSpeed splits (test_an_embedding_deepspeed_splits_keeps_the_models_dtype)
+BF16_DEFAULT = [*QUICK, "switch_transformers"]
+
+
+@pytest.fixture
+def bf16_check():
+    return shared_check("policy-check-bf16", lambda root: save_zoo(root, BF16_DEFAULT, "bf16"))
+
+
 @pytest.mark.parametrize("names", [QUICK, pytest.param(None, marks=pytest.mark.slow)], ids=["quick", "all_shipped"])
 @pytest.mark.launched
-def test_shipped_policies_pass_in_bf16_with_partings_at_near_ties_reported(names, tmp_path):
+def test_shipped_policies_pass_in_bf16_with_partings_at_near_ties_reported(names, tmp_path, request):
     """bf16 checkpoints, checked in their own dtype (no --dtype): every check passes on every rank; a row whose
     tokens part from one device is reported with the step, the reference's margin there and the logit difference,
     each within its bound; logits and hidden states within 2 x the unsharded bf16 model's own distance from fp32."""
-    names = names or shipped_in_zoo()
-    dirs = save_zoo(tmp_path / "zoo", names, "bf16")
-    proc, report = policy_check(dirs.values(), 2, tmp_path)
+    if names:
+        proc, report, _ = request.getfixturevalue("bf16_check")
+    else:
+        names = shipped_in_zoo()
+        proc, report = policy_check(save_zoo(tmp_path / "zoo", names, "bf16").values(), 2, tmp_path)
     assert proc.returncode == 0 and report["ok"], proc.stdout[-4000:]
-    assert report["dtypes"] == ["bf16"] * len(names) and "tp 2, bf16)" in proc.stdout
-    assert {(c["model"], c["check"]) for c in report["checks"]} == {(n, k) for n in names for k in KINDS}
+    assert report["dtypes"] == ["bf16"] * len(report["models"]) and "tp 2, bf16)" in proc.stdout
+    assert {(c["model"], c["check"]) for c in report["checks"]} == {(n, k) for n in report["models"] for k in KINDS}
+    assert set(names) <= set(report["models"])
     partings = []
-    for c in report["checks"]:
+    for c in (c for c in report["checks"] if c["model"] in names):
         if c["check"] == "logits":
             assert "RMS distance from fp32" in c["line"] and c["data"]["ratio"] <= rounding.FACTOR
         if c["check"] in ("greedy", "beam", "sample") and not c["data"]["identical"]:
@@ -216,10 +229,10 @@ def test_fp32_sums_through_deepspeeds_row_parallel_layers_pass_the_verdict(tmp_p
 
 
 @pytest.mark.launched
-def test_an_embedding_deepspeed_splits_keeps_the_models_dtype(tmp_path):
+def test_an_embedding_deepspeed_splits_keeps_the_models_dtype(bf16_check):
     """DeepSpeed 0.19.8 builds the embedding it splits (SwitchTransformers' `relative_attention_bias`) in the default
     dtype, fp32, inside a bf16 model, and the sharded forward failed ("expected m1 and m2 to have the same dtype");
     `deepspeed_compat.restore_parameter_dtypes` gives it back its dtype: every check passes in bf16 at tp 2."""
-    model = save_zoo(tmp_path / "zoo", ["switch_transformers"], "bf16")["switch_transformers"]
-    proc, report = policy_check([model], 2, tmp_path)
+    proc, report, _ = bf16_check
     assert proc.returncode == 0 and report["ok"], proc.stdout[-3000:]
+    assert "switch_transformers" in report["models"] and report["dtypes"] == ["bf16"] * len(report["models"])

@@ -8,11 +8,12 @@ check writes) bitwise equal to the naive path (full load, then split) with ident
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import BIN, save_tiny_model
+from conftest import BIN, once_per_run, save_tiny_model
 from ds_inference_integration.policy.schema import load_policy, policy_to_toml
 from ds_inference_integration.shard.attention import HeadLayout, split_fused_qkv
 from tiny_models import DECODERS, KEPT_WHOLE, save_decoder, save_kept_whole
@@ -21,13 +22,16 @@ SEQ2SEQ = ("t5", "mt5", "bart", "mbart", "marian")
 CHECKS_PER_MODEL = 8
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("arch")
+def save_model_dirs(root: Path) -> dict:
     dirs = {name: save_decoder(name, root) for name in DECODERS}
     dirs.update({kind: save_tiny_model(kind, root / kind) for kind in SEQ2SEQ})
     dirs.update({name: save_kept_whole(name, root) for name in KEPT_WHOLE})
     return dirs
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return save_model_dirs(tmp_path_factory.mktemp("arch"))
 
 
 def policy_cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -47,15 +51,77 @@ KINDS = {"logits", "hidden_states", "greedy", "beam", "sample", "weights_per_ran
 
 
 def assert_all_pass(proc, report, names, tp) -> dict:
-    """Every model has exactly the eight checks, all passed on every rank; returns {model: {check: record}}."""
+    """Every model has exactly the eight checks, all passed on every rank; returns {model: {check: record}} for
+    `names` (a report of more models is checked whole, and `names` must be among its models)."""
     assert proc.returncode == 0 and report and report["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
     by_model: dict = {}
     for c in report["checks"]:
         assert c["passed"] and not c["failed_ranks"] and c["tp"] == tp, c
         by_model.setdefault(c["model"], {})[c["check"]] = c
-    assert {m: set(checks) for m, checks in by_model.items()} == {m: KINDS for m in names}
-    assert report["passed"] == report["total"] == len(KINDS) * len(names) and report["rank_failure"] is None
-    return by_model
+    assert {m: set(checks) for m, checks in by_model.items()} == {m: KINDS for m in report["models"]}
+    assert set(names) <= set(report["models"]), (names, report["models"])
+    assert report["passed"] == report["total"] == len(KINDS) * len(report["models"]) and report["rank_failure"] is None
+    return {m: by_model[m] for m in names}
+
+
+FAMILIES_2026 = ["deepseek_v3", "lfm2", "mamba2", "mamba", "qwen3_5_text", "hunyuan_v1_dense", "granitemoe", "gpt_oss",
+                 "prophetnet"]
+UNLISTED = ("phi3", "gemma", "mixtral")
+
+
+def save_unlisted(root) -> dict:
+    """Models of types no policy file names, one per way of deriving (see test_unlisted_architectures_...)."""
+    import transformers as tr
+
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+    configs = {
+        "phi3": tr.Phi3Config(**common, num_key_value_heads=2),  # fused qkv_proj and gate_up_proj
+        "gemma": tr.GemmaConfig(**common, num_key_value_heads=1, head_dim=32),  # one KV head: a copy on each rank
+        "mixtral": tr.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    }  # per-head fused (Persimmon), experts with the attention kept whole (OLMoE), and the rest: `policy matrix`'s
+    dirs = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 96, 0, 1, 1
+        config.initializer_range = 0.2
+        tr.AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs
+
+
+def shared_check(name: str, save, *extra: str, timeout: float = 600):
+    """`policy_check` at tp 2 of the models `save(directory)` writes ({name: directory}), made once per pytest run
+    (`conftest.once_per_run`) for every worker and test that asks for `name`: (process, report, {name: directory}).
+    One launch for the checks of several tests: a launcher and two ranks' imports cost ~12 CPU-s on 2 cores
+    (2026-12-05), each time."""
+    from types import SimpleNamespace
+
+    def make(out: Path) -> None:
+        out.mkdir()
+        dirs = save(out / "models")
+        assert len({Path(d).name for d in dirs.values()}) == len(dirs)  # the report names a model by its directory
+        proc, _ = policy_check(dirs.values(), 2, out, *extra, timeout=timeout)
+        (out / "run.json").write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
+                                                  "stderr": proc.stderr, "dirs": {n: str(d) for n, d in dirs.items()}}))
+
+    out = once_per_run(name, make)
+    run = json.loads((out / "run.json").read_text())
+    report = out / "check_tp2.json"
+    return (SimpleNamespace(**{k: run[k] for k in ("returncode", "stdout", "stderr")}),
+            json.loads(report.read_text()) if report.is_file() else None, {n: Path(d) for n, d in run["dirs"].items()})
+
+
+def save_tp2_models(root: Path) -> dict:
+    """Every architecture with a policy, the 2026 families and the unlisted ones: what this module's tp-2 tests
+    read, each its own models, from one check (`tp2_check`)."""
+    from ds_inference_integration.tools.architecture_zoo import save_zoo
+
+    return {**save_model_dirs(root / "arch"), **save_zoo(root / "zoo", FAMILIES_2026), **save_unlisted(root / "unlisted")}
+
+
+@pytest.fixture
+def tp2_check():
+    return shared_check("policy-check-tp2", save_tp2_models)
 
 
 # tp 4 in `make test`: fused [Q|K|V] from Conv1D, multi-query, grouped fused with replicated KV heads, separate
@@ -67,9 +133,9 @@ TP4_SUBSET = ("gpt2", "gpt_bigcode_mqa", "falcon_new", "llama_kv1", "t5")
 @pytest.mark.parametrize("tp, subset", [pytest.param(2, None, id="2"), pytest.param(4, TP4_SUBSET, id="4-subset"),
                                         pytest.param(4, None, marks=pytest.mark.slow, id="4-every")])
 @pytest.mark.launched
-def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, subset, tmp_path):
+def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, subset, tmp_path, request):
     dirs = {n: d for n, d in model_dirs.items() if subset is None or n in subset}
-    proc, report = policy_check(dirs.values(), tp, tmp_path)
+    proc, report = request.getfixturevalue("tp2_check")[:2] if tp == 2 else policy_check(dirs.values(), tp, tmp_path)
     checks = assert_all_pass(proc, report, list(dirs), tp)
     for name, c in checks.items():
         assert all(c[mode]["data"]["identical"] and c[mode]["data"]["ranks_agree"] for mode in ("greedy", "beam", "sample"))
@@ -108,7 +174,7 @@ def test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on(model_dirs, t
 
 
 @pytest.mark.launched
-def test_the_2026_families_match_the_unsharded_model(tmp_path):
+def test_the_2026_families_match_the_unsharded_model(tp2_check):
     """One model per new way of deriving (issue #27): a dense-first MoE (DeepSeek-V3: its expert layers were
     never split, 75% of the weights per rank at tp 2), a convolution hybrid whose MLP no naming convention
     places (LFM2: failed in its short convolution, then in `w2`; its short convolution then kept whole, 61%),
@@ -119,11 +185,8 @@ def test_the_2026_families_match_the_unsharded_model(tmp_path):
     refused), and ProphetNet (its shipped policy; an lm_head DeepSpeed could not read). Every check passes, both
     loading paths and generation with the mixers' cache included, the share is within 5% of its target, and what is
     whole is named with its reason."""
-    from ds_inference_integration.tools.architecture_zoo import save_zoo
-
-    names = ["deepseek_v3", "lfm2", "mamba2", "mamba", "qwen3_5_text", "hunyuan_v1_dense", "granitemoe", "gpt_oss",
-             "prophetnet"]
-    proc, report = policy_check(save_zoo(tmp_path / "zoo", names).values(), 2, tmp_path)
+    names = FAMILIES_2026
+    proc, report, _ = tp2_check
     checks = assert_all_pass(proc, report, names, 2)
     share = {n: checks[n]["weights_per_rank"]["data"] for n in names}
     assert share["deepseek_v3"]["target"] < 0.52 and max(share["deepseek_v3"]["shares"]) < 0.53, share["deepseek_v3"]
@@ -140,29 +203,15 @@ def test_the_2026_families_match_the_unsharded_model(tmp_path):
 
 
 @pytest.mark.launched
-def test_unlisted_architectures_get_a_derived_policy(tmp_path):
-    """No file names these model types: the derived policy (row-parallel linears and, where DeepSpeed's own split
-    would be wrong, the attention table, the experts, an attention kept whole) matches the unsharded model. One
-    model per way of deriving; every derived architecture of the zoo is `policy matrix`'s, in `make test-all`.
-    Before the attention table was derived, Phi-3 failed on shapes, Persimmon gave logits 0.65 off, and a
-    one-KV-head Gemma gave every KV head to rank 0 (58.6% / 41.4% of the weights at tp 2); before the experts were
-    split, Mixtral's shard-aware loading refused its checkpoint."""
-    import transformers as tr
-
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
-    configs = {
-        "phi3": tr.Phi3Config(**common, num_key_value_heads=2),  # fused qkv_proj and gate_up_proj
-        "gemma": tr.GemmaConfig(**common, num_key_value_heads=1, head_dim=32),  # one KV head: a copy on each rank
-        "mixtral": tr.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-    }  # per-head fused (Persimmon), experts with the attention kept whole (OLMoE), and the rest: `policy matrix`'s
-    dirs = []
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 96, 0, 1, 1
-        config.initializer_range = 0.2
-        tr.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
-        dirs.append(str(tmp_path / name))
-    proc, report = policy_check(dirs, 2, tmp_path)
+def test_unlisted_architectures_get_a_derived_policy(tp2_check, tmp_path):
+    """No file names these model types (`save_unlisted`): the derived policy (row-parallel linears and, where
+    DeepSpeed's own split would be wrong, the attention table, the experts, an attention kept whole) matches the
+    unsharded model. One model per way of deriving; every derived architecture of the zoo is `policy matrix`'s, in
+    `make test-all`. Before the attention table was derived, Phi-3 failed on shapes, Persimmon gave logits 0.65 off,
+    and a one-KV-head Gemma gave every KV head to rank 0 (58.6% / 41.4% of the weights at tp 2); before the experts
+    were split, Mixtral's shard-aware loading refused its checkpoint."""
+    proc, report, dirs = tp2_check
+    configs = UNLISTED
     checks = assert_all_pass(proc, report, list(configs), 2)
     assert "no policy file for model_type 'phi3': derived row-parallel linears" in proc.stdout + proc.stderr
     for name in configs:  # the weight share, experts counted, within 5% of its target (a copy of KV heads, or the
@@ -173,7 +222,7 @@ def test_unlisted_architectures_get_a_derived_policy(tmp_path):
     assert 0.5 < mixtral["target"] < 0.501 and list(mixtral["by_design"]) == ["MixtralDecoderLayer.mlp.gate"], mixtral
 
     # `suggest` prints a loadable policy file, the derived one
-    suggested = policy_cli("suggest", dirs[0])
+    suggested = policy_cli("suggest", str(dirs["phi3"]))
     assert suggested.returncode == 0, suggested.stderr
     path = tmp_path / "phi3.toml"
     path.write_text(suggested.stdout)
