@@ -11,19 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, DATA, DEFAULT_MODEL, REPO, TRANSLATE_ARGS, run_in_process
+from conftest import BIN, DATA, DEFAULT_MODEL, REPO, TRANSLATE_ARGS, once_per_run, run_in_process
 from ds_inference_integration.run.ranks import free_port
 
 pytestmark = pytest.mark.launched  # every test here starts processes (a wheel, a venv, a launcher)
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel of this repository, built once for the tests below."""
-    wheels = tmp_path_factory.mktemp("wheels")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels), str(REPO)], check=True, timeout=180, cwd=wheels, capture_output=True)
-    return next(wheels.glob("ds_inference_integration-*.whl"))
+@pytest.fixture
+def wheel() -> Path:
+    """The wheel of this repository, built once per pytest run for the tests below (`once_per_run`)."""
+
+    def build(wheels: Path) -> None:
+        wheels.mkdir()
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(wheels), str(REPO)], check=True, timeout=180, cwd=wheels, capture_output=True)
+
+    return next(once_per_run("wheel", build).glob("ds_inference_integration-*.whl"))
 
 
 def test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2(tmp_path, wheel):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, WORKERS, assert_ok, run_example, run_in_process
+from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, WORKERS, assert_ok, once_per_run, run_example, run_in_process
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
 from ds_inference_integration.load.loaders import is_skeleton, load_model, pending_load
@@ -91,17 +91,22 @@ def test_checkpoint_without_safetensors_falls_back_or_fails_clearly(tmp_path, ca
         load_model(AutoModelForCausalLM, path, inference_args=ON, mode="shard-aware")
 
 
-@pytest.fixture(scope="module")
-def presharded(tmp_path_factory):
+@pytest.fixture
+def presharded():
     """The embedded translation model, copied (with a pytorch_model.bin beside its safetensors, which the
-    command must not copy), and pre-sharded for tp 2 by the command."""
-    root = tmp_path_factory.mktemp("preshard")
-    src = root / "t5"
-    shutil.copytree(DEFAULT_MODEL, src)
-    torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
-    proc = cli("shard", str(src), "--tp-size", "2", str(root / "t5_tp2"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return src, root / "t5_tp2", proc.stdout
+    command must not copy), and pre-sharded for tp 2 by the command: once per pytest run (`once_per_run`; the
+    tests only read it, or copy it), not once per worker that runs one of these tests."""
+
+    def make(root: Path) -> None:
+        src = root / "t5"
+        shutil.copytree(DEFAULT_MODEL, src)
+        torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
+        proc = cli("shard", str(src), "--tp-size", "2", str(root / "t5_tp2"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (root / "stdout.txt").write_text(proc.stdout)
+
+    root = once_per_run("presharded-t5-tp2", make)
+    return root / "t5", root / "t5_tp2", (root / "stdout.txt").read_text()
 
 
 @pytest.mark.launched
