@@ -118,24 +118,38 @@ def test_prompts_come_back_as_run_generation_writes_them_at_concurrency_16(gpt2,
 def test_openai_sdk_completes_streams_and_lists_the_model(gpt2):
     """The unmodified openai SDK (max_retries=0): the model list, a completion, and the same completion streamed
     with include_usage: the streamed text equals the non-streamed text, the last chunk before [DONE] is the usage
-    chunk with empty choices."""
+    chunk with empty choices. With `logprobs`, the chunks' log probabilities, joined, are the non-streamed answer's
+    (each token's text, its offset, its log probability and the likeliest tokens'), also where a stop string holds
+    the text back."""
     import openai
 
     client = openai.OpenAI(base_url=gpt2.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     models = client.models.list()
     assert [m.id for m in models.data] == ["gpt2-num2words-en-ro"]
     assert get(gpt2.url + "/v1/models")[1]["data"][0]["max_model_len"] == 64  # the model's positions
-    for prompt, extra in ((PROMPTS[0], {}), (PROMPTS[1], {"n": 2, "temperature": 0.9, "seed": 11}),
-                          (PROMPTS[2], {"stop": [" de"]})):
+    cases = ((PROMPTS[0], {}), (PROMPTS[1], {"n": 2, "temperature": 0.9, "seed": 11}), (PROMPTS[2], {"stop": [" de"]}))
+    for prompt, extra in [*cases, *((p, {**e, "logprobs": 2}) for p, e in cases)]:
         done = client.completions.create(model="gpt2-num2words-en-ro", prompt=prompt, max_tokens=20, **extra)
         texts = {c.index: "" for c in done.choices}
+        given = {c.index: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                 for c in done.choices}
         chunks = list(client.completions.create(model="gpt2-num2words-en-ro", prompt=prompt, max_tokens=20,
                                                 stream=True, stream_options={"include_usage": True}, **extra))
         for chunk in chunks[:-1]:
             for c in chunk.choices:
                 texts[c.index] += c.text
+                assert c.logprobs is None or "logprobs" in extra, c
+                for field in given[c.index] if c.logprobs is not None else ():
+                    given[c.index][field] += getattr(c.logprobs, field)
         assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == done.usage.total_tokens
         assert texts == {c.index: c.text for c in done.choices}, (texts, done.choices)
+        for c in done.choices if "logprobs" in extra else ():
+            got, want = given[c.index], c.logprobs
+            assert want.tokens and len(want.tokens) == len(want.token_logprobs) == len(want.top_logprobs)
+            assert (got["tokens"], got["text_offset"]) == (want.tokens, want.text_offset), (got, want)
+            assert [k for t in got["top_logprobs"] for k in sorted(t)] == \
+                [k for t in want.top_logprobs for k in sorted(t)]
+            assert max(abs(a - b) for a, b in zip(got["token_logprobs"], want.token_logprobs)) < 1e-4
         assert all(c.text for c in done.choices)
         if "stop" in extra:
             assert all(" de" not in c.text and c.finish_reason == "stop" for c in done.choices)
@@ -237,8 +251,7 @@ BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a w
     ("chat without a chat template", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}]}, 400, "template"),
     ("logprobs past 20", "POST", "/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
-    ("logprobs with stream", "POST", "/v1/completions", {"prompt": "a", "logprobs": 1, "stream": True}, 400,
-     "logprobs"),
+    ("echo with stream", "POST", "/v1/completions", {"prompt": "a", "echo": True, "stream": True}, 400, "echo"),
     ("logprobs on chat", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                          "logprobs": True}, 400, "logprobs"),
     ("an unknown route", "GET", "/v2/whatever", None, 404, "route"),

@@ -234,24 +234,27 @@ class Api:
             return row.prompt_text
         return self.tokenizer.decode(row.prompt_ids, skip_special_tokens=row.skip_special_tokens)
 
-    def logprobs(self, row, seq: list[int]) -> dict:
+    def logprobs(self, row, seq: list[int], start: int = 0, offset: int = 0) -> dict:
         """OpenAI's completion `logprobs` of a row (its prompt's first, with `echo`): each token's text, its log
         probability (None for the prompt's first, which has no context), the likeliest tokens' (with the token
-        itself, as vLLM gives them) and each token's character offset in the concatenated token texts."""
+        itself, as vLLM gives them) and each token's character offset in the concatenated token texts. A stream's
+        chunk gives `seq`'s tokens from `start` on (those the chunks before it have not), their offsets counted on
+        from `offset` (where the texts of the tokens before `start` end): the chunks' lists, joined, are the
+        non-streamed answer's."""
         ids, chosen, tops = [], [], []
-        if row.echo:
+        if row.echo and not start:
             ids += list(row.prompt_ids)
             chosen.append(None)
             tops.append(None)
             for lp, top in row.prompt_token_logprobs or ():
                 chosen.append(lp)
                 tops.append(top)
-        ids += list(seq)
-        for lp, top in row.token_logprobs[:len(seq)]:
+        ids += list(seq[start:])
+        for lp, top in row.token_logprobs[start:len(seq)]:
             chosen.append(lp)
             tops.append(top)
         words = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        top_logprobs, offsets, at = [], [], 0
+        top_logprobs, offsets, at = [], [], offset
         for t, lp, top, word in zip(ids, chosen, tops, words):
             offsets.append(at)
             at += len(word)
@@ -286,11 +289,23 @@ class Api:
             done = sum(generated)
             return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
 
-        def choice(i, text, finish=None):
+        # where a row asked for logprobs (completions only): how many of its tokens the chunks so far gave, and where
+        # their texts end (the next token's text_offset)
+        given, offsets = [0] * len(job.rows), [0] * len(job.rows)
+
+        def logprobs(i, tokens):
+            row = job.rows[i]
+            if chat or row.logprobs < 0 or given[i] >= len(tokens):
+                return None
+            found = self.logprobs(row, tokens, given[i], offsets[i])
+            given[i], offsets[i] = len(tokens), found["text_offset"][-1] + len(found["tokens"][-1])
+            return found
+
+        def choice(i, text, finish=None, lp=None):
             if chat:
                 return {"index": i, "delta": {"content": text} if text or finish is None else {},
                         "logprobs": None, "finish_reason": finish}
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
 
         finished = 0
         try:
@@ -307,13 +322,14 @@ class Api:
                 if kind_ == "token":
                     generated[i] = len(row.tokens)
                     text = texts[i].delta(row.tokens)
-                    if text:
-                        yield chunk([choice(i, text)], usage_now() if continuous else None)
+                    lp = logprobs(i, row.tokens)  # with the tokens that came, also where their text is held back
+                    if text or lp:
+                        yield chunk([choice(i, text, lp=lp)], usage_now() if continuous else None)
                 elif kind_ == "finish":
                     tokens = (row.sequences or [row.tokens])[0]
                     generated[i] = len(tokens)
-                    yield chunk([choice(i, texts[i].rest(tokens), _finish_reason(row, texts[i], tokens))],
-                                usage_now() if continuous else None)
+                    yield chunk([choice(i, texts[i].rest(tokens), _finish_reason(row, texts[i], tokens),
+                                        logprobs(i, tokens))], usage_now() if continuous else None)
                     finished += 1
                     if finished == len(job.rows):
                         if include_usage:

@@ -420,9 +420,6 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
         if beams:
             raise ServeError(400, f"logprobs with {names['num_beams']} {num_beams}: a beam's tokens have no one "
                                   f"distribution; valid: num_beams 1, or logprobs null", "logprobs")
-        if stream:
-            raise ServeError(400, "logprobs with stream are not served yet; valid: stream false, or logprobs null",
-                             "logprobs")
     if echo and limits.encoder_decoder:
         raise ServeError(400, "echo with an encoder-decoder model: its prompt is the encoder's, not text its "
                               "completion continues; valid: echo false", "echo")
