@@ -89,7 +89,7 @@ def save_unlisted(root) -> dict:
     return dirs
 
 
-def shared_check(name: str, save, *extra: str, timeout: float = 600):
+def shared_check(name: str, save, timeout: float = 600):
     """`policy_check` at tp 2 of the models `save(directory)` writes ({name: directory}), made once per pytest run
     (`conftest.once_per_run`) for every worker and test that asks for `name`: (process, report, {name: directory}).
     One launch for the checks of several tests: a launcher and two ranks' imports cost ~12 CPU-s on 2 cores
@@ -100,7 +100,7 @@ def shared_check(name: str, save, *extra: str, timeout: float = 600):
         out.mkdir()
         dirs = save(out / "models")
         assert len({Path(d).name for d in dirs.values()}) == len(dirs)  # the report names a model by its directory
-        proc, _ = policy_check(dirs.values(), 2, out, *extra, timeout=timeout)
+        proc, _ = policy_check(dirs.values(), 2, out, timeout=timeout)
         (out / "run.json").write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
                                                   "stderr": proc.stderr, "dirs": {n: str(d) for n, d in dirs.items()}}))
 
