@@ -188,9 +188,9 @@ def run_in_process(args: list[str], output_dir: Path, script: Path = RUN_TRANSLA
     """A single-process reference run through the script's own main(), in this process: the same code path as
     `run_example` without a launcher, without paying ~10 s of imports per run. (Runs that must show how a
     process ends, its exit code and output, use `run_example`.)"""
-    name = script.stem
+    name = str(script)
     if name not in _EXAMPLES:
-        _EXAMPLES[name] = load_example(name)
+        _EXAMPLES[name] = load_example(script)
     from ds_inference_integration.run import output_dir as locks
 
     start = time.monotonic()
@@ -230,11 +230,13 @@ def once_per_run(name: str, make) -> Path:
     return out
 
 
-def load_example(name: str):
-    """An example script imported as a module (its `main(argv)` runs in this process)."""
+def load_example(name: str | Path):
+    """An example script (by name, or any script by path) imported as a module (its `main(argv)` runs in this
+    process)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    path = name if isinstance(name, Path) else EXAMPLES / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -315,32 +317,36 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 # does not.
 
 
-# The longest tests (seconds, `--durations` of a warm run with two workers, 2026-12-02) start first, then the other
+# The longest tests (seconds, `--durations` of a warm run with two workers, 2026-12-06) start first, then the other
 # launched ones, then the in-process ones: the two workers (`make test`, --dist worksteal) then finish together
-# instead of one running a 98 s test alone at the end. A test that uses a module's server is not listed: sorted
+# instead of one running a 50 s test alone at the end. A test that uses a module's server is not listed: sorted
 # away from the module's other tests, it went to the other worker, which started a second server for it.
-LONGEST = {"test_every_architecture_matches_the_unsharded_model[4-every]": 98,
-           "test_every_architecture_matches_the_unsharded_model[4-subset]": 35, "test_dp2_x_tp2_on_four_ranks": 70,
-           "test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes": 63,
-           "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 51,
-           "test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it": 44,
-           "test_every_architecture_matches_the_unsharded_model[2]": 70,
-           "test_presharded_predictions_equal_the_source": 37,
-           "test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process": 30,
-           "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[own_disks]": 88,
-           "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[shared_disk]": 59,
-           "test_a_second_run_into_the_same_directory_is_refused_while_the_first_streams": 65,
-           "test_a_full_disk_ends_every_rank_in_one_line_and_the_same_command_resumes": 52,
-           "test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes": 50,
-           "test_eval_at_dp2_x_tp2_on_a_padded_last_batch_gives_every_metric_of_one_process": 41,
-           "test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams": 21,
-           "test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server": 18,
-           "test_dp2_x_tp2_serves_the_prompts_as_one_process": 16,
-           "test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key": 16,
-           "test_a_stopped_rank_gets_open_requests_503_within_the_timeout": 16,
-           "test_a_wrong_derived_policy_is_refused_before_ready": 12,
-           "test_ctrl_c_ends_every_rank_in_one_line_and_the_same_command_resumes": 37,
-           "test_t5_long_rows_leaving_clients_warnings_and_ctrl_c": 22}
+LONGEST = {"test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[own_disks]": 55,
+           "test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams": 43,
+           "test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_wait": 43,
+           "test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes": 38,
+           "test_smoke_kernel_refusal": 36,  # makes the GPU check's shared run (test_gpu_check.shared_gpu_check)
+           "test_every_architecture_matches_the_unsharded_model[2]": 35,
+           "test_every_architecture_matches_the_unsharded_model[4-subset]": 34,
+           "test_presharded_predictions_equal_the_source": 31,
+           "test_a_causal_lms_eval_loss_and_logits_at_dp_2_and_tp_2_are_one_process_s": 30,
+           "test_ctrl_c_ends_every_rank_in_one_line_and_the_same_command_resumes": 28,
+           "test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes": 27,
+           "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 26,
+           "test_dp2_x_tp2_serves_the_prompts_as_one_process": 26,
+           "test_t5_long_rows_leaving_clients_warnings_and_ctrl_c": 24,
+           "test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key": 23,
+           "test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server": 23,
+           "test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it": 22,
+           "test_tp_and_dp_groups_get_the_inference_timeout": 21,
+           "test_wheel_in_a_fresh_venv_lists_policies_and_predicts_at_tp2": 20,
+           "test_a_split_wrong_only_in_half_precision_fails_naming_the_layer": 19,
+           "test_a_replica_spanning_two_nodes_serves_as_one_process_and_a_lost_worker_ends_it": 19,
+           "test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process": 19,
+           "test_a_stopped_rank_gets_open_requests_503_within_the_timeout": 18,
+           "test_a_policy_that_does_not_work_is_refused_before_generating": 16,
+           "test_bad_setup_fails_fast_on_every_rank": 15,
+           "test_a_wrong_derived_policy_is_refused_before_ready": 12}
 
 
 def pytest_collection_modifyitems(config, items):

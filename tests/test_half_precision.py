@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_policies_tp import KINDS, policy_check, policy_cli, shared_check
+from test_policies_tp import KINDS, policy_check, policy_cli, shared_check, wrong_policy_check
 
 from ds_inference_integration.policy.schema import POLICY_DIR, resolve_policy
 from ds_inference_integration.tools import rounding
@@ -74,17 +74,24 @@ def test_a_split_wrong_only_in_half_precision_fails_naming_the_layer(tmp_path, m
     """A fault scales rank 1's part of layer 1's down projection by 1.2 after sharding, in half precision only (a
     scale applied twice on one rank): checked in fp32 it is invisible (the fault does not fire) and every check
     passes; checked in bf16, the logits and hidden states fail (and any token check that fails), each naming
-    model.layers.1, where the error first exceeds the rounding bound, on both ranks."""
+    model.layers.1, where the error first exceeds the rounding bound, on both ranks. One launch: the bf16
+    checkpoint and an fp32 one of the same model, each checked in its own dtype (two launches cost ~10 CPU-s more)."""
+    import shutil
+
     from conftest import FAULTS
 
     model = save_zoo(tmp_path / "zoo", ["llama"], "bf16")["llama"]
+    in_fp32 = tmp_path / "llama_fp32"
+    shutil.move(save_zoo(tmp_path / "zoo32", ["llama"], "fp32")["llama"], in_fp32)
     monkeypatch.setenv("PYTHONPATH", str(FAULTS))
     monkeypatch.setenv("DS_INFERENCE_FAULT", "half_scale:1:layers.1.mlp.down_proj:1.2")
-    proc, report = policy_check([model], 2, tmp_path, "--dtype", "fp32")
-    assert proc.returncode == 0 and report["ok"] and report["dtypes"] == ["fp32"], proc.stdout[-3000:]
-    proc, report = policy_check([model], 2, tmp_path)
+    proc, report = policy_check([in_fp32, model], 2, tmp_path)
+    assert report["models"] == ["llama_fp32", "llama"] and report["dtypes"] == ["fp32", "bf16"], proc.stdout[-3000:]
+    fp32 = [c for c in report["checks"] if c["model"] == "llama_fp32"]
+    assert len(fp32) == len(KINDS) and all(c["passed"] for c in fp32), proc.stdout[-3000:]
     assert proc.returncode == 1 and not report["ok"], proc.stdout[-3000:]
     failed = {c["check"]: c for c in report["checks"] if not c["passed"]}
+    assert all(c["model"] == "llama" for c in failed.values())
     assert {"logits", "hidden_states"} <= set(failed), proc.stdout[-3000:]
     assert failed["hidden_states"]["data"]["layer"] == "model.layers.1"
     # (the loading checks compare paths the fault reaches differently: it scales every sharded copy it sees)
@@ -95,14 +102,13 @@ def test_a_split_wrong_only_in_half_precision_fails_naming_the_layer(tmp_path, m
 
 
 @pytest.mark.launched
-def test_a_wrong_policy_is_one_fail_line_in_bf16_too(tmp_path):
-    """The existing wrong policy (OPT without fc2 row-parallel), on a bf16 checkpoint: one FAIL line naming fc2."""
-    model = save_zoo(tmp_path / "zoo", ["opt"], "bf16")["opt"]
-    wrong = tmp_path / "opt_missing_fc2.toml"
-    wrong.write_text('model_types = ["opt"]\n[layers.OPTDecoderLayer]\nrow_parallel = ["self_attn.out_proj"]\n')
-    proc, report = policy_check([model], 2, tmp_path, "--policy", str(wrong))
+def test_a_wrong_policy_is_one_fail_line_in_bf16_too():
+    """The existing wrong policy (OPT without fc2 row-parallel), on a bf16 checkpoint: one FAIL line naming fc2.
+    (The check is test_policies_tp.py's `wrong_policy_check`, whose third model is this one.)"""
+    proc, report = wrong_policy_check()
     assert proc.returncode == 1, proc.stdout[-3000:]
-    failed = [c for c in report["checks"] if not c["passed"]]
+    assert report["dtypes"][report["models"].index("opt_bf16")] == "bf16"
+    failed = [c for c in report["checks"] if not c["passed"] and c["model"] == "opt_bf16"]
     assert [c["check"] for c in failed] == ["sharded_forward"] and "fc2" in failed[0]["line"]
 
 

@@ -6,6 +6,7 @@ loading paths (shard-aware reads from the safetensors checkpoint, and a pre-shar
 check writes) bitwise equal to the naive path (full load, then split) with identical greedy ids."""
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -34,15 +35,23 @@ def model_dirs(tmp_path_factory):
     return save_model_dirs(tmp_path_factory.mktemp("arch"))
 
 
-def policy_cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def policy_cli(*args: str, timeout: float = 400, fault: str | None = None) -> subprocess.CompletedProcess:
+    """`ds-inference policy ARGS`; `fault`: DS_INFERENCE_FAULT with the tests' fault hooks on the path."""
+    env = None
+    if fault:
+        from conftest import FAULTS
+
+        env = {**os.environ, "DS_INFERENCE_FAULT": fault,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([str(BIN / "ds-inference"), "policy", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
-def policy_check(dirs, tp: int, tmp_path, *extra: str, timeout: float = 400):
+def policy_check(dirs, tp: int, tmp_path, *extra: str, timeout: float = 400, fault: str | None = None):
     """`ds-inference policy check --json`: the process and its structured report (None if it wrote none)."""
     out = tmp_path / f"check_tp{tp}.json"
-    proc = policy_cli("check", *map(str, dirs), "--tp-size", str(tp), "--json", str(out), *extra, timeout=timeout)
+    proc = policy_cli("check", *map(str, dirs), "--tp-size", str(tp), "--json", str(out), *extra, timeout=timeout,
+                      fault=fault)
     return proc, (json.loads(out.read_text()) if out.is_file() else None)
 
 
@@ -89,18 +98,18 @@ def save_unlisted(root) -> dict:
     return dirs
 
 
-def shared_check(name: str, save, timeout: float = 600):
+def shared_check(name: str, save, timeout: float = 600, fault: str | None = None):
     """`policy_check` at tp 2 of the models `save(directory)` writes ({name: directory}), made once per pytest run
     (`conftest.once_per_run`) for every worker and test that asks for `name`: (process, report, {name: directory}).
     One launch for the checks of several tests: a launcher and two ranks' imports cost ~12 CPU-s on 2 cores
-    (2026-12-05), each time."""
+    (2026-12-05), each time. `fault`: a fault hook that must leave every check passing (`policy_cli`)."""
     from types import SimpleNamespace
 
     def make(out: Path) -> None:
         out.mkdir()
         dirs = save(out / "models")
         assert len({Path(d).name for d in dirs.values()}) == len(dirs)  # the report names a model by its directory
-        proc, _ = policy_check(dirs.values(), 2, out, timeout=timeout)
+        proc, _ = policy_check(dirs.values(), 2, out, timeout=timeout, fault=fault)
         (out / "run.json").write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
                                                   "stderr": proc.stderr, "dirs": {n: str(d) for n, d in dirs.items()}}))
 
@@ -119,9 +128,19 @@ def save_tp2_models(root: Path) -> dict:
     return {**save_model_dirs(root / "arch"), **save_zoo(root / "zoo", FAMILIES_2026), **save_unlisted(root / "unlisted")}
 
 
+# The tp-2 check runs with rank 0's worker set to abort in the interpreter's teardown after its results are written
+# (test_sync_and_failures.py's test_a_policy_check_rank_that_aborts_in_teardown_..., which reads this check): a
+# check whose every check passed must pass whatever gloo's threads do at exit
+TP2_FAULT = "abort_at_exit:0"
+
+
+def tp2_shared():
+    return shared_check("policy-check-tp2", save_tp2_models, fault=TP2_FAULT)
+
+
 @pytest.fixture
 def tp2_check():
-    return shared_check("policy-check-tp2", save_tp2_models)
+    return tp2_shared()
 
 
 # tp 4 in `make test`: fused [Q|K|V] from Conv1D, multi-query, grouped fused with replicated KV heads, separate
@@ -157,16 +176,42 @@ def test_every_architecture_matches_the_unsharded_model(model_dirs, tp, subset, 
             } == set(KEPT_WHOLE) & set(checks)
 
 
+WRONG_OPT_POLICY = 'model_types = ["opt"]\n[layers.OPTDecoderLayer]\nrow_parallel = ["self_attn.out_proj"]\n'
+
+
+def wrong_policy_check():
+    """One `policy check --policy` of the wrong OPT policy (fc2 not row-parallel) on OPT, BLOOM (which the file does
+    not fit) and OPT in bf16, made once per pytest run for this test and test_half_precision.py's
+    test_a_wrong_policy_is_one_fail_line_in_bf16_too: (process, report). (One launch fewer: ~10 CPU-s.)"""
+    from types import SimpleNamespace
+
+    from ds_inference_integration.tools.architecture_zoo import save_zoo
+
+    def make(out: Path) -> None:
+        out.mkdir()
+        wrong = out / "opt_missing_fc2.toml"
+        wrong.write_text(WRONG_OPT_POLICY)
+        opt_bf16 = out / "opt_bf16"
+        save_zoo(out / "zoo", ["opt"], "bf16")["opt"].rename(opt_bf16)
+        dirs = [save_decoder("opt", out), save_decoder("bloom", out), opt_bf16]
+        proc, _ = policy_check(dirs, 2, out, "--policy", str(wrong), timeout=200)
+        (out / "run.json").write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
+                                                  "stderr": proc.stderr}))
+
+    out = once_per_run("policy-check-wrong-opt", make)
+    run = json.loads((out / "run.json").read_text())
+    return SimpleNamespace(**run), json.loads((out / "check_tp2.json").read_text())
+
+
 @pytest.mark.launched
-def test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on(model_dirs, tmp_path):
+def test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on():
     """A sharded forward that fails is one FAIL line naming the layer, on every rank, and the check goes on with
-    the next model (here the same wrong file, refused for a model it does not fit): no rank crashes."""
-    wrong = tmp_path / "opt_missing_fc2.toml"
-    wrong.write_text('model_types = ["opt"]\n[layers.OPTDecoderLayer]\nrow_parallel = ["self_attn.out_proj"]\n')
-    proc, report = policy_check([model_dirs["opt"], model_dirs["bloom"]], 2, tmp_path, "--policy", str(wrong),
-                                timeout=200)
+    the next model (here the same wrong file, refused for a model it does not fit, then OPT in bf16): no rank
+    crashes."""
+    proc, report = wrong_policy_check()
     assert proc.returncode == 1 and not report["ok"], proc.stdout[-3000:]
-    failed = [c for c in report["checks"] if not c["passed"]]
+    assert report["models"] == ["opt", "bloom", "opt_bf16"] and report["dtypes"] == ["fp32", "fp32", "bf16"]
+    failed = [c for c in report["checks"] if not c["passed"] and c["model"] in ("opt", "bloom")]
     assert [(c["model"], c["check"]) for c in failed] == [("opt", "sharded_forward"), ("bloom", "setup")], failed
     assert failed[0]["failed_ranks"] == [0, 1] and report["rank_failure"] is None
     assert "sharded forward failed in model.decoder.layers.0.fc2: RuntimeError" in failed[0]["line"]  # innermost

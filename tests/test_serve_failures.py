@@ -206,7 +206,12 @@ def test_the_front_answers_live_while_big_bodies_arrive_and_gives_their_memory_b
     front's memory went from 276 MB to 2.7 GB and stayed there. Now a body past --max_body_bytes (4 MiB) gets 413
     at once from its Content-Length, or as soon as 4 MiB of a chunked one arrived; one under it is decoded off the
     event loop (1.95 million numbers: 1.2 s of a worker thread) or refused for its 1.3 million arrays before it is
-    parsed; /live answers within 100 ms throughout, and the front's RSS comes back within 20% of idle."""
+    parsed; /live answers within 0.5 s throughout (a liveness probe's timeout is 1 s by default), and the front's RSS
+    comes back within 20% of idle. (The bound was 100 ms, which also told the pure-Python scanner from the C parser's
+    140 ms hold of the lock on this body; under the suite's load the machine alone made /live take 132-184 ms now
+    and then, 2026-12-04 to 06, so which parser decodes a big body is now test_serve_inputs.py's, in process:
+    test_a_big_body_is_decoded_by_the_scanner_that_lets_the_event_loop_in. A parse on the event loop held it over
+    1.2 s for this body.)"""
     _good(gpt2, greedy)
     idle = _rss_mb(gpt2.proc.pid)
     big = json.dumps({"prompt": "five hundred " * 800_000, "max_tokens": 2}).encode()  # 10.4 MB
@@ -226,7 +231,7 @@ def test_the_front_answers_live_while_big_bodies_arrive_and_gives_their_memory_b
         head, _, payload = answer.partition(b"\r\n\r\n")
         assert head.split(b" ")[1] == str(status).encode() and says.encode() in payload, answer[:300]
         assert probes and all(s == 200 for _, s in probes), probes
-        assert max(t for t, _ in probes) < 0.1, (len(raw), chunked, max(t for t, _ in probes))
+        assert max(t for t, _ in probes) < 0.5, (len(raw), chunked, max(t for t, _ in probes))
     time.sleep(1)
     assert _rss_mb(gpt2.proc.pid) <= 1.2 * idle, (idle, _rss_mb(gpt2.proc.pid))
     _good(gpt2, greedy)
@@ -380,6 +385,11 @@ def test_a_model_directory_the_server_cannot_serve_ends_before_ready_in_one_line
         server.stop()
 
 
+# make test-all's: the front's SIGHUP is make test's in process (test_serve_units.py's
+# test_a_closed_terminals_sighup_drains_the_front_as_sigterm_and_ctrl_c_do), a group's signal reaching the ranks is
+# test_t5_long_rows_leaving_clients_warnings_and_ctrl_c's Ctrl-C, and a drain that answers the open request and leaves
+# no process is test_serve.py's SIGTERM test (this server of its own cost 13 CPU-s, 2026-12-06)
+@pytest.mark.slow
 def test_a_closed_terminal_drains_the_server_as_sigterm_does(tmp_path):
     """SIGHUP to the process group (its terminal closed): uvicorn does not handle it, so the front ended where it
     stood (its temporary directory left behind) and the ranks died of it too. Now it drains: the open request is

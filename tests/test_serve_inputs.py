@@ -73,6 +73,24 @@ def test_a_body_holds_json_with_finite_numbers_whole_characters_and_bounded_nest
     _refused(raw.replace(b"0.5", b"NaN"), "NaN")  # and the same checks
 
 
+def test_a_big_body_is_decoded_by_the_scanner_that_lets_the_event_loop_in(monkeypatch):
+    """A body over C_PARSER_BYTES goes to the standard library's pure-Python scanner (its longest hold of Python's
+    lock was 6-15 ms; the C parser held it 36 ms per MB of integers in one call, the event loop waiting throughout:
+    bodies.py's docstring), a small one to the C parser."""
+    import inspect
+
+    seen = []
+    for name in ("_C_DECODER", "_PY_DECODER"):
+        decoder = getattr(bodies, name)
+        monkeypatch.setattr(decoder, "decode", lambda text, name=name, decode=decoder.decode: seen.append(name) or
+                            decode(text))
+    numbers = b'{"prompt": [' + b",".join([b"5"] * 40_000) + b'], "max_tokens": 2}'
+    assert len(numbers) > bodies.C_PARSER_BYTES
+    assert bodies.decode(b'{"prompt": [5, 5]}') == {"prompt": [5, 5]} and len(bodies.decode(numbers)["prompt"]) == 40_000
+    assert seen == ["_C_DECODER", "_PY_DECODER"]
+    assert inspect.isfunction(bodies._PY_DECODER.scan_once) and not inspect.isfunction(bodies._C_DECODER.scan_once)
+
+
 def test_a_refused_body_is_emptied_slice_by_slice():
     """bodies.release empties a refused body's containers a slice at a time (a million lists freed in one go held the
     event loop 176 ms under load: the launched /live test measures the lock), the request model's fields and the

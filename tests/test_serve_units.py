@@ -367,3 +367,42 @@ def test_a_servers_ranks_share_the_cores_of_every_replica_and_leave_one_to_the_f
     finally:
         pool.listener.close()
     assert started == [(tp // nnodes, want)] * dp
+
+
+def test_a_closed_terminals_sighup_drains_the_front_as_sigterm_and_ctrl_c_do():
+    """In process, the front's part of test_serve_failures.py's test_a_closed_terminal_drains_the_server_as_sigterm_does
+    (make test-all's: a server of its own cost 13 CPU-s of a suite over its 10 minutes, 2026-12-06): while the server
+    runs, SIGHUP (which uvicorn does not handle: it ended the front where it stood) is the handler SIGTERM and SIGINT
+    get, a first one drains and a second one ends the server at once (exit 128 + 1); afterwards the previous handlers
+    are back. (The ranks ignore a group's SIGHUP with its SIGINT, `engine.main`: test_t5_long_rows_leaving_clients_
+    warnings_and_ctrl_c sends the group Ctrl-C.)"""
+    import signal
+
+    import uvicorn
+
+    from ds_inference_integration.serve.asgi import Uvicorn
+
+    class Loop:
+        def call_soon_threadsafe(self, f, *args):
+            f(*args)
+
+    class Front:
+        loop, state, calls = Loop(), "serving", []
+
+        def drain(self, name):
+            self.calls.append(("drain", name))
+            self.state = "draining"
+
+        def interrupt(self, name, code):
+            self.calls.append(("interrupt", name, code))
+
+    server = Uvicorn(uvicorn.Config(app=None))
+    server.server = front = Front()
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    with server.capture_signals():
+        handlers = {sig: signal.getsignal(sig) for sig in before}
+        assert len(set(handlers.values())) == 1 and handlers[signal.SIGHUP] == server.handle_exit
+        handlers[signal.SIGHUP](signal.SIGHUP, None)
+        handlers[signal.SIGHUP](signal.SIGHUP, None)
+    assert front.calls == [("drain", "SIGHUP"), ("interrupt", "SIGHUP", 128 + signal.SIGHUP)]
+    assert {sig: signal.getsignal(sig) for sig in before} == before and not server.should_exit

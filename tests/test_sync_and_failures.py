@@ -40,8 +40,12 @@ def resumed_count(run) -> int:
 # The killed-then-resumed run is make test-all's (68 s of make test's 911 s, 2026-12-04): resuming after a kill is
 # make test's through test_killed_rank_... (tp 2) and the two-node test of test_layouts_and_faults.py (dp 2 x tp 2,
 # rank 3 killed, across two "nodes" with their own disks), and four ranks on one node through the first run here.
+# Both are make test-all's: in make test, test_trainer.py's test_replica_loader_refuses_iterable_data_across_replicas_
+# and_never_dispatches shows the loader never dispatching (in process) and test_layouts_and_faults.py's two-node test
+# four ranks at dp 2 x tp 2 giving one process's file and BLEU byte for byte (the dispatch run cost 27 CPU-s of a
+# suite over its 10 minutes, 2026-12-06)
 @pytest.mark.parametrize("launcher, loader, killed", [
-    ("torchrun", '{"dispatch_batches": true}', False),
+    pytest.param("torchrun", '{"dispatch_batches": true}', False, marks=pytest.mark.slow),
     pytest.param("deepspeed", '{"dispatch_batches": true, "split_batches": true}', True, marks=pytest.mark.slow)],
     ids=["dispatch", "dispatch_split_killed_then_resumed"])
 @pytest.mark.launched
@@ -83,7 +87,10 @@ def test_sampling_with_a_seed_matches_single_process(tiny_models, tmp_path):
     assert tp.predictions() == sampled.predictions()
 
 
-FAULT_ARGS = [*ODD[:2], "203", *ODD[3:], "--deepspeed_inference", "--inference_timeout", "60"]
+# 64 examples, 16 batches: the killed rank's runs stop at batch 3 and 9 and the last resumes the rest (a tp 2 run of
+# all 203 cost 15 CPU-s more than one of 37: test_layouts_and_faults.py's SOME, the same examples)
+SOME = [*ODD[:2], "64", *ODD[3:]]
+FAULT_ARGS = [*SOME, "--deepspeed_inference", "--inference_timeout", "60"]
 
 
 def _no_results(out) -> None:
@@ -111,11 +118,11 @@ def test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resume
     _no_results(tmp_path)
     resumed = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, launcher="torchrun")
     assert_ok(resumed)
-    single = run_in_process(plain, tmp_path / "single")
-    want = (tmp_path / "single" / "generated_predictions.txt").read_bytes()
+    single = reference_run(SOME)
+    want = (single.output_dir / "generated_predictions.txt").read_bytes()
     assert (tmp_path / "generated_predictions.txt").read_bytes() == want
     done, results = resumed_count(resumed), resumed.results("predict")
-    assert 0 < done < 203 and results["predict_generated_samples"] == 203 - done and results["predict_samples"] == 203
+    assert 0 < done < 64 and results["predict_generated_samples"] == 64 - done and results["predict_samples"] == 64
     assert {k: results[k] for k in ("predict_bleu", "predict_gen_len")} == \
         {k: single.results("predict")[k] for k in ("predict_bleu", "predict_gen_len")}
 
@@ -301,8 +308,12 @@ STOP_ARGS = ["--do_predict", "--max_predict_samples", "64", "--per_device_eval_b
              "--deepspeed_inference", "--tp_size", "2", "--inference_timeout", "10"]
 
 
-@pytest.mark.parametrize("nprocs, launcher, all_reduce", [(4, "torchrun", "gloo"), (2, "deepspeed", "shm")],
-                         ids=["dp2_x_tp2_gloo_torchrun", "tp2_shared_memory_all_reduce_deepspeed"])
+# The shared-memory all-reduce (asked for with DS_INFERENCE_CPU_ALL_REDUCE=shm; gloo is the default) is make
+# test-all's: the watchdog that ends a stopped rank is make test's through the gloo run, and on a fresh clone the
+# shm run also JIT-compiles DeepSpeed's op (43 CPU-s, besides the run's 14; 2026-12-06)
+@pytest.mark.parametrize("nprocs, launcher, all_reduce", [
+    (4, "torchrun", "gloo"), pytest.param(2, "deepspeed", "shm", marks=pytest.mark.slow)],
+    ids=["dp2_x_tp2_gloo_torchrun", "tp2_shared_memory_all_reduce_deepspeed"])
 @pytest.mark.launched
 def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs, launcher, all_reduce):
     """SIGSTOP: not dead, so no connection closes. Under DP x TP the TP all-reduce is gloo's; at tp = world on
@@ -327,25 +338,21 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, npro
 
 
 @pytest.mark.launched
-def test_a_policy_check_rank_that_aborts_in_teardown_after_its_results_does_not_fail_the_check(tmp_path):
+def test_a_policy_check_rank_that_aborts_in_teardown_after_its_results_does_not_fail_the_check():
     """`policy check`'s rank workers returned into the interpreter's teardown, where gloo's threads sometimes abort
     ("terminate called without an active exception", exit -6): twice in one `make test` under two workers
     (test_half_precision, the GPU check's smoke mode, 2026-12-04), every check passed and the check failed on the
     rank's exit code. A fault hook makes rank 0 abort at exit; the worker now leaves with os._exit once its results
-    are written and its process group destroyed, as `ds-inference shard`'s ranks do."""
-    import os
-    import subprocess
-    import sys
+    are written and its process group destroyed, as `ds-inference shard`'s ranks do. The check is test_policies_tp's
+    shared tp-2 check (every architecture with a policy, the 2026 families, the unlisted ones), run with that fault:
+    one launch for both (a launcher and two ranks cost ~12 CPU-s)."""
+    from test_policies_tp import TP2_FAULT, tp2_shared
 
-    from conftest import BIN, FAULTS, save_tiny_model
-
-    model = save_tiny_model("t5", tmp_path / "t5")
-    env = {**os.environ, "DS_INFERENCE_FAULT": "abort_at_exit:0", "PYTHONPATH": str(FAULTS),
-           "TORCH_EXTENSIONS_DIR": str(__import__("pathlib").Path(sys.prefix) / "torch_extensions")}
-    proc = subprocess.run([str(BIN / "ds-inference"), "policy", "check", str(model), "--tp-size", "2"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    assert TP2_FAULT == "abort_at_exit:0"
+    proc, report, dirs = tp2_shared()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "PASS: 8 of 8 checks passed" in proc.stdout, proc.stdout[-3000:]
+    n = 8 * len(dirs)
+    assert f"PASS: {n} of {n} checks passed" in proc.stdout and report["ok"], proc.stdout[-3000:]
 
 
 TEARDOWN = """
@@ -383,8 +390,12 @@ def test_a_script_that_returns_destroys_its_process_group_at_exit(tmp_path, end)
     assert (end == "raise") == ("error: rank 0 failed: ValueError: the script failed" in proc.stderr)
 
 
+# a_metric_package_missing is make test-all's: in make test, the other two show a user's script ending each of its 2
+# ranks in one line, and test_a_missing_package_ends_a_rank_in_the_line_naming_its_extra (in process) the line a
+# ModuleNotFoundError becomes (11 CPU-s, 2026-12-06)
 @pytest.mark.launched
-@pytest.mark.parametrize("when", ["setup", "after_the_process_groups_start", "a_metric_package_missing"])
+@pytest.mark.parametrize("when", ["setup", "after_the_process_groups_start",
+                                  pytest.param("a_metric_package_missing", marks=pytest.mark.slow)])
 def test_a_script_with_the_three_changes_ends_each_rank_in_one_line(tmp_path, when):
     """A user's script with the README's three changes and no `run_main` (tests/workers/causal_lm_eval.py), at 2
     ranks: a setup error (3 heads at --tp_size 2) printed a 17-line traceback per rank around the one-line error, and
@@ -468,3 +479,27 @@ def test_the_rank_that_hosts_the_store_waits_for_its_peers_to_stop_asking_it(mon
     for t in threads:
         t.join(30)
     assert seen == {0: 2, 1: 2} and not failed, (seen, failed)
+
+
+@pytest.mark.parametrize("module, line", [
+    ("sacrebleu", "sacrebleu is not installed; valid: pip install 'ds-inference-integration[metrics]'"),
+    ("sacrebleu.metrics", "sacrebleu is not installed; valid: pip install 'ds-inference-integration[metrics]'"),
+    ("no_such_package", "no module named 'no_such_package' is installed; valid: install the package that provides "
+                        "'no_such_package'")])
+def test_a_missing_package_ends_a_rank_in_the_line_naming_its_extra(monkeypatch, capsys, module, line):
+    """The exit rules' end of a rank whose script met a ModuleNotFoundError (a user's copy of upstream's script
+    without the extra that installs its metric's package): one `error:` line naming the extra, exit 2, no traceback
+    (launched at 2 ranks in test_a_script_with_the_three_changes_ends_each_rank_in_one_line[a_metric_package_missing])."""
+    from ds_inference_integration.run import lifecycle
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(lifecycle, "exit_now", leave)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as ended:
+        lifecycle.end_rank(ModuleNotFoundError(f"No module named {module!r}", name=module))
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"\nerror: {line} [rank 0]\n"
