@@ -23,8 +23,10 @@ def gpu_check(tmp_path, sections: str) -> dict:
 
 
 # make test's sections, in one launch for both tests that read them (`once_per_run`: the check's start-up and
-# its first section cost ~10 CPU-s, 2026-12-06)
-MAKE_TEST_SECTIONS = "kernel_inject,decode,verdict_1b"
+# its first section cost ~10 CPU-s, 2026-12-06). verdict_1b (a `policy check --dtype bf16` at tp 2 of a tiny Llama,
+# 12 CPU-s) is make test-all's: `policy check` of Llama at tp 2 is test_policies_tp.py's and in bf16
+# test_half_precision.py's.
+MAKE_TEST_SECTIONS = "kernel_inject,decode"
 
 
 def shared_gpu_check() -> dict:
@@ -76,11 +78,9 @@ def test_smoke_loading_and_engine(tmp_path):
 
 
 @pytest.mark.launched
-def test_smoke_decode_and_real_shape_verdict():
-    """In `make test` (~25 s): the decode section (plain generate, the plugin at tp 1, the plugin with a static cache
-    compiled, the serve step engine, each with its fraction of the bandwidth bound; batch 1 profiled) and the
-    real-shape verdict (a model of Llama-3.2-1B's config family saved in bf16, through `policy check --dtype bf16` at
-    tp 2), on CPU."""
+def test_smoke_decode():
+    """In `make test`: the decode section (plain generate, the plugin at tp 1, the plugin with a static cache
+    compiled, the serve step engine, each with its fraction of the bandwidth bound; batch 1 profiled), on CPU."""
     sections = shared_gpu_check()["sections"]
     decode = sections["decode"]
     assert decode["ok"], json.dumps(decode, indent=1)[:4000]
@@ -91,7 +91,14 @@ def test_smoke_decode_and_real_shape_verdict():
         assert 0 < row["fraction_of_bound"] < 1 and row["bound_tokens_per_s"] > row["tokens_per_s"] > 0
         assert row.get("tokens_equal_eager", True)  # the plugin's and the compiled tokens against plain generate's
     assert decode["bandwidth_measured_bytes_s"] > 1e8 and decode["profile_batch_1"]["top_ops"]
-    verdict = sections["verdict_1b"]
+
+
+@pytest.mark.slow
+@pytest.mark.launched
+def test_smoke_real_shape_verdict(tmp_path):
+    """In `make test-all` (12 CPU-s): the real-shape verdict (a model of Llama-3.2-1B's config family saved in bf16,
+    through `policy check --dtype bf16` at tp 2), on CPU (see MAKE_TEST_SECTIONS)."""
+    verdict = gpu_check(tmp_path, "verdict_1b")["sections"]["verdict_1b"]
     assert verdict["ok"] and verdict["passed"] == verdict["total"] == 8, json.dumps(verdict, indent=1)[:4000]
     assert "bf16" in next(c["line"] for c in verdict["checks"] if c["check"] == "logits")
 

@@ -73,6 +73,10 @@ def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader, killed)
         assert not (tmp_path / "predict_parts").exists()
 
 
+# make test-all's: in make test, seeded sampling at tp 2 equals one process's through `policy check` (its sample
+# check, every model of test_policies_tp.py's tp-2 check) and through the server against run_generation.py's seeded
+# Trainer (test_serve.py's module server and its dp 2 x tp 2 test) (15 CPU-s, 2026-12-06)
+@pytest.mark.slow
 @pytest.mark.launched
 def test_sampling_with_a_seed_matches_single_process(tiny_models, tmp_path):
     args = ["--model_name_or_path", str(tiny_models["t5"]), "--do_predict", "--max_predict_samples", "24",
