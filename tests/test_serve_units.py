@@ -102,6 +102,59 @@ def test_the_padded_token_budget_closes_a_batch():
     assert batch.jobs == [short] and q.waiting == [long_]
 
 
+def test_rows_that_join_running_ones_are_taken_within_what_the_running_rows_leave_of_the_token_budget():
+    """The step engine's rows run together: --max_batch_tokens bounds the tokens of every row a replica holds (each
+    row's prompt and new tokens: `Job.tokens`), not only one admission's. The oldest job that does not fit keeps its
+    place until rows end (no later job passes it); a job fits beside it when both do; an idle replica takes the
+    oldest whatever its tokens (the request check let it in: a beam request's row counts once there and here)."""
+    q = Queue(max_batch_size=8, max_batch_tokens=100, max_wait_ms=0, max_queue=10, adaptive_wait=False)
+    a, b, c = _job(width=30, new=30), _job(width=30, new=30), _job(width=10, new=10)
+    beams = _job(width=40, new=60, key=BatchKey(num_beams=4, max_new_tokens=60))
+    assert (a.tokens(), c.tokens(), beams.tokens()) == (60, 20, 100)
+    for job in (b, c):
+        q.add(job)
+    assert q.take(now=1.0, wait=False, tokens_room=40) is None  # a's 60 held: b does not fit, and c waits behind it
+    assert q.take(now=1.0, wait=False, tokens_room=100).jobs == [b, c]  # 80 of 100
+    q.add(beams)
+    assert q.take(now=1.0, wait=False, tokens_room=99) is None and q.take(now=1.0, wait=False, tokens_room=100)
+
+
+def test_the_front_sends_a_step_replica_what_fits_its_token_budget_and_the_rest_when_rows_end(tmp_path):
+    """The dispatcher, in process: a replica whose rows join running ones holds at most --max_batch_tokens tokens of
+    rows (here 100: a job of 60 runs, the next of 60 waits with a job of 20 behind it); when the running row ends,
+    both go at once (80)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ds_inference_integration.serve.replicas import Replica
+    from ds_inference_integration.serve.server import Server
+
+    sent = []
+
+    async def run():
+        q = Queue(max_batch_size=8, max_batch_tokens=100, max_wait_ms=0, max_queue=10, adaptive_wait=False)
+        replica = Replica(0, [], tmp_path)
+        replica.state, replica.capacity, replica.joins_running = "ready", 8, True
+        replica.conn = SimpleNamespace(send=sent.append)
+        server = Server(None, q, None, 60.0, 60.0, False)
+        server.loop, server.wakeup, server.state = asyncio.get_running_loop(), asyncio.Event(), "ready"
+        server.replicas = SimpleNamespace(replicas=[replica])
+        task = asyncio.create_task(server._dispatch())
+        a, b, c = _job(width=30, new=30), _job(width=30, new=30), _job(width=10, new=10)
+        for job in (a, b, c):
+            q.add(job)
+            server.wakeup.set()
+            await asyncio.sleep(0.05)
+        assert [len(m.rows) for m in sent] == [1] and replica.tokens_room(100) == 40
+        server._answered(replica, a.row_ids[0])  # a's row ends: 100 free
+        await asyncio.sleep(0.05)
+        assert [len(m.rows) for m in sent] == [1, 2] and replica.tokens_room(100) == 20
+        assert replica.tokens_room(None) is None
+        task.cancel()
+
+    asyncio.run(run())
+
+
 def test_a_request_is_checked_against_the_model_and_the_limits():
     def plan(**kw):
         args = dict(limits=LIMITS, max_tokens=8, temperature=None, top_p=None, top_k=None, n=1, stop=None,

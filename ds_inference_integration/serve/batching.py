@@ -3,7 +3,8 @@
 A request joins the queue as one Job (its rows). A batch is the oldest job plus the next jobs with the same
 BatchKey (what rows of one batch must share), in arrival order, and it leaves when it holds `max_batch_size`
 rows, when the next job would take it past the padded-token budget (`max_batch_tokens`: rows x (longest
-prompt + most new tokens), the cost of a padded batch, as TGI counts it), when its oldest job has waited
+prompt + most new tokens), the cost of a padded batch, as TGI counts it; for rows that join running ones, the
+budget is what the replica's running rows leave of it, each row counted unpadded, `Job.tokens`), when its oldest job has waited
 `max_wait_ms`, or (`--adaptive_wait`, the default) when it holds every request the clients are likely to send
 now; and only to an idle replica (while every replica is busy it keeps filling).
 
@@ -69,6 +70,13 @@ class Job:
     def new_tokens(self) -> int:
         return max(r.max_new_tokens for r in self.rows)
 
+    def tokens(self) -> int:
+        """The tokens its rows hold in a replica whose rows keep slots of their own (the step engine pads no row to
+        another): each row's prompt and new tokens; what `--max_batch_tokens` counts of the rows running together
+        there, as TGI's `max_batch_total_tokens` counts them. A beam request's row counts once, as the request check
+        counts it (`protocol.plan_rows`), so that a request it lets in fits an idle replica."""
+        return sum(len(r.prompt_ids) + r.max_new_tokens for r in self.rows)
+
 
 @dataclass
 class Batch:
@@ -128,12 +136,12 @@ class Queue:
         peak = max((n for _, n in self._open), default=1)
         return max(1, peak - len(self.running))
 
-    def _fill(self, room: int) -> tuple[list[Job], bool]:
+    def _fill(self, room: int, tokens_room: int | None = None) -> tuple[list[Job], bool]:
         """The next batch's jobs (`room` rows at most, and the oldest job whatever its size), and whether it is full
-        (no more rows or tokens fit)."""
+        (no more rows or tokens fit). `tokens_room`: see `take`."""
         first = self.waiting[0]
         jobs, rows = [first], len(first.rows)
-        width, new = first.width(), first.new_tokens()
+        width, new, held = first.width(), first.new_tokens(), first.tokens()
         room = min(room, self.max_batch_size)
         full = rows >= room or first.alone
         for job in self.waiting[1:]:
@@ -143,24 +151,33 @@ class Queue:
                 continue
             n = rows + len(job.rows)
             w, m = max(width, job.width()), max(new, job.new_tokens())
-            if n > room or (self.max_batch_tokens and n * (w + m) > self.max_batch_tokens):
+            over = held + job.tokens() > tokens_room if tokens_room is not None else \
+                bool(self.max_batch_tokens and n * (w + m) > self.max_batch_tokens)
+            if n > room or over:
                 full = True
                 break
             jobs.append(job)
-            rows, width, new = n, w, m
+            rows, width, new, held = n, w, m, held + job.tokens()
             full = rows >= room
         return jobs, full
 
     def take(self, now: float | None = None, idle_since: float = 0.0, room: int | None = None,
-             wait: bool = True) -> Batch | None:
+             wait: bool = True, tokens_room: int | None = None) -> Batch | None:
         """The batch that leaves now to a replica free since `idle_since` with `room` rows (default
         `max_batch_size`): a full one, one holding the requests expected, or one whose oldest job has waited
         `max_wait_ms` since that replica was free; or None. Without `wait` (a replica whose rows join a running
-        batch at the next step: nothing is gained by waiting) what is waiting leaves at once."""
+        batch at the next step: nothing is gained by waiting) what is waiting leaves at once. `tokens_room` (rows
+        that join running ones, under --max_batch_tokens): the tokens the replica's running rows leave of the
+        budget; the jobs taken hold at most that many (`Job.tokens`), and while the oldest does not fit nothing
+        leaves (it keeps its place: the next rows to end make room for it). An idle replica has the whole budget,
+        which every request fits: one whose rows alone pad past it is refused when it arrives."""
         if not self.waiting:
             return None
         now = time.monotonic() if now is None else now
-        jobs, full = self._fill(self.max_batch_size if room is None else room)
+        if tokens_room is not None and tokens_room < (self.max_batch_tokens or 0) and \
+                self.waiting[0].tokens() > tokens_room:
+            return None
+        jobs, full = self._fill(self.max_batch_size if room is None else room, tokens_room)
         enough = self.adaptive and len(jobs) >= self.expected(now)
         if wait and not full and not enough and now - max(jobs[0].arrived, idle_since) < self.max_wait:
             return None

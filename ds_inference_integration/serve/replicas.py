@@ -35,6 +35,7 @@ class Replica:
         self.state = "loading"  # loading, ready
         self.capacity, self.joins_running = 0, False  # the leader's Ready says
         self.rows: set[int] = set()  # ids of the rows it holds
+        self.tokens: dict[int, int] = {}  # of the rows it holds: the tokens each holds (`Job.tokens`)
         self.last_heard = self.free_since = time.monotonic()
 
     def free(self) -> int:
@@ -42,6 +43,13 @@ class Replica:
         if self.state != "ready" or (self.rows and not self.joins_running):
             return 0
         return self.capacity - len(self.rows)
+
+    def tokens_room(self, max_batch_tokens: int | None) -> int | None:
+        """What its running rows leave of --max_batch_tokens, for rows that join them (`Queue.take`); None for the
+        batch engine (a batch of its own: the padded rule) or without the flag."""
+        if not self.joins_running or not max_batch_tokens:
+            return None
+        return max_batch_tokens - sum(self.tokens.values())
 
     def waits_for_company(self) -> bool:
         """Whether a batch for it waits in the queue for company (`Queue.take(wait=...)`): always for the batch engine;

@@ -184,13 +184,22 @@ class Server:
     async def _dispatch(self) -> None:
         while True:
             # the replica with the most room first (rows spread over replicas that take them while others run),
-            # then the one free the longest
+            # then the one free the longest; the next one only where the first has no room for the oldest job's
+            # tokens under --max_batch_tokens (where it waits for company, the first one's rule decides)
             free = sorted((r for r in self.replicas.replicas if r.free()), key=lambda r: (-r.free(), r.free_since))
             if free and self.state in ("ready", "draining"):
-                batch = self.queue.take(idle_since=free[0].free_since, room=free[0].free(),
-                                        wait=free[0].waits_for_company())
-                if batch is not None:
-                    self._send(free[0], batch)
+                sent = False
+                for replica in free:
+                    tokens_room = replica.tokens_room(self.queue.max_batch_tokens)
+                    batch = self.queue.take(idle_since=replica.free_since, room=replica.free(),
+                                            wait=replica.waits_for_company(), tokens_room=tokens_room)
+                    if batch is not None:
+                        self._send(replica, batch)
+                        sent = True
+                        break
+                    if tokens_room is None or not self.queue.waiting or self.queue.waiting[0].tokens() <= tokens_room:
+                        break
+                if sent:
                     continue
             deadline = self.queue.next_deadline(free[0].free_since) if free else None
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -211,6 +220,7 @@ class Server:
             for ri, (row, row_id) in enumerate(zip(job.rows, job.row_ids)):
                 self.rows[row_id] = (job, ri)
                 specs.append(row.spec(row_id))
+                replica.tokens[row_id] = len(row.prompt_ids) + row.max_new_tokens  # as `Job.tokens` counts it
         replica.rows.update(s.id for s in specs)
         batch.started = time.monotonic()
         self.metrics.batch(len(specs), len(self.queue), replica.index)
@@ -223,9 +233,12 @@ class Server:
         """A row the replica no longer holds: its job, place and row (None for one the front forgot)."""
         had_room = replica.free() > 0
         replica.rows.discard(row_id)
+        replica.tokens.pop(row_id, None)
         if (replica.free() and not had_room) or (replica.joins_running and not replica.rows):
             replica.free_since = time.monotonic()  # free again, or (rows joining running ones) idle since now
             self.wakeup.set()
+        elif replica.tokens_room(self.queue.max_batch_tokens) is not None:
+            self.wakeup.set()  # its tokens back under --max_batch_tokens: the oldest waiting job may fit now
         found = self.rows.pop(row_id, None)
         return None if found is None else (found[0], found[1], found[0].rows[found[1]])
 

@@ -48,7 +48,8 @@ class ServeArguments:
     dp_size: int = field(default=1, metadata={"help": "Replicas, each a world of --tp_size ranks."})
     max_batch_size: int = field(default=32, metadata={"help": "Rows (sequences) per batch at most."})
     max_batch_tokens: int | None = field(
-        default=None, metadata={"help": "Padded tokens per batch at most: rows x (longest prompt + most new tokens)."})
+        default=None, metadata={"help": "Tokens per batch at most: rows x (longest prompt + most new tokens), padded; "
+                                        "for the step engine, each running row's prompt + new tokens together."})
     max_wait_ms: float = field(default=20.0, metadata={"help": "A batch leaves at the latest when its oldest request "
                                                                  "has waited this long (the step engine's rows wait so "
                                                                  "only at an idle replica)."})
