@@ -12,12 +12,13 @@ The flow, one folder per step (each folder's __init__ says what is in it):
                   attention, experts, mixers: the splits DeepSpeed cannot do)
     predict/   -> 4. the Trainer mixin: same batches per TP group, gather once per replica, rows in
                   input order; lockstep guard, length grouping, streaming and resume, metrics
-    run/       -> around every step: how a rank exits, the watchdog, atomic files, the output lock
+    run/       -> around every step: how a rank exits, the watchdog, atomic files, the output lock, and
+                  starting ranks without a launcher (ranks: the server's replicas and the tools' checks)
     errors     -> the one-line errors; deepspeed_compat: every DeepSpeed-version workaround;
                   extras: the optional packages and the extra that installs each
 
-Our tools (the `ds-inference` commands, the policy checker, the benchmarks, rank launching) are in
-`ds_inference_integration.tools`, apart from this library.
+Our tools (the `ds-inference` commands, the policy checker, the benchmarks) are in
+`ds_inference_integration.tools`, apart from this library; the server is `serve/`.
 """
 
 from .arguments import (

@@ -412,7 +412,7 @@ def autotp_row_parallel(model: nn.Module) -> list[tuple[type, list[str]]]:
 
     from deepspeed.module_inject.auto_tp import AutoTP
 
-    from .policy.schema import layer_kind
+    from .policy.layers import layer_kind
 
     kinds: dict[int, tuple] = {}  # each layer's kind, computed once for the whole parse
 

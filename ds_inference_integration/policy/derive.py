@@ -30,6 +30,7 @@ from torch import nn
 from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
 from ..errors import InferenceSetupError
 from .kinds import is_packed_experts, is_router, is_ssm_mixer
+from .layers import layer_kinds
 from .schema import (
     DERIVE,
     AttentionSpec,
@@ -37,7 +38,6 @@ from .schema import (
     class_source,
     is_linear,
     layer_classes,
-    layer_kinds,
     names_module,
     outermost_layer_classes,
     under_replicated,

@@ -39,7 +39,7 @@ PROBE_TOKENS = 8
 def first_layers(model: nn.Module, patterns) -> dict[str, nn.Module]:
     """Path -> module of the first layer of each kind (`policy.layer_kind`: a dense-first MoE's dense and expert
     layers, a hybrid's attention and mixer layers) of each class matching `patterns`, in each ModuleList."""
-    from .schema import layer_kind
+    from .layers import layer_kind
 
     chosen: dict[str, nn.Module] = {}
     seen = set()

@@ -168,8 +168,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
         "mode": mode, "rank": topology.rank, "ready_s": round(ready, 3), "generate_s": round(first_generate, 3),
         "baseline_rss_mb": round(baseline, 1), "peak_rss_at_ready_mb": round(peak_ready, 1),
         "peak_rss_mb": round(memory_mb("VmHWM"), 1), **gpu, "tokens": tokens[0].tolist(), "report": report}))
-    sys.stdout.flush()
-    os._exit(0)
+    return 0
 
 
 def _run_mode(mode: str, model_dir: Path, tp: int, work: Path, timeout: float, device: str, dtype: str) -> list[dict]:
@@ -308,7 +307,9 @@ if __name__ == "__main__":
         build_config_model(sys.argv[2], Path(sys.argv[3]), sys.argv[4])
         sys.exit(0)
     if len(sys.argv) == 7 and sys.argv[1] == "--worker":
-        rank = os.environ.get("RANK", "0")
-        sys.exit(_worker(sys.argv[2], sys.argv[3], sys.argv[4].replace("{rank}", rank), sys.argv[5], sys.argv[6]))
+        from ds_inference_integration.run.lifecycle import exit_now
+
+        rank = os.environ.get("RANK", "0")  # no process-group teardown, as the other tools' rank workers leave
+        exit_now(_worker(sys.argv[2], sys.argv[3], sys.argv[4].replace("{rank}", rank), sys.argv[5], sys.argv[6]))
     print("usage: ds-inference bench memory [--config H,L,HEADS,FF,VOCAB] [--tp-size N]", file=sys.stderr)
     sys.exit(2)
