@@ -7,24 +7,21 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import time
 import uuid
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from accelerate.utils import recursively_apply
 from transformers import Seq2SeqTrainer, Trainer
 
 from ..arguments import DeepSpeedInferenceArguments, world_size_from_env
 from ..errors import InferenceSetupError
 from ..load.loaders import is_skeleton
 from ..policy.schema import Policy
-from ..run.files import write_text_atomic
 from ..shard.inject import ShardReport
 from ..shard.setup import setup_inference
 from ..topology import ProcessGroups, Topology
+from . import gather, results
 from .length_grouping import input_lengths, length_order, padding_fraction, unsort
 from .lockstep import check_lockstep
 from .positions import check_inputs_fit
@@ -94,49 +91,11 @@ class DeepSpeedInferenceMixin:
     # Gathering ------------------------------------------------------------------------------------
 
     def _replica_gather(self, data):
-        """Gather over the data-parallel group only (TP peers hold identical rows), then drop the
-        padding accelerate added to even out the last batch, as `gather_for_metrics` does."""
-        dp = self.topology.dp_size
-        if dp == 1:
-            return data
-        group = self.process_groups.dp
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            t = t.contiguous()
-            if t.ndim == 0:
-                t = t[None]
-            parts = [torch.empty_like(t) for _ in range(dp)]
-            dist.all_gather(parts, t, group=group)
-            return torch.cat(parts)
-
-        if isinstance(data, _BatchLoss):
-            return self._gather_batch_loss(data.as_subclass(torch.Tensor), gather)
-        gathered = recursively_apply(gather, data)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            # `remainder` examples of the last gathered batch are real; each example has `per` rows in `t`
-            # (k generated sequences, or 1 label row), counted against this rank's batch, not the batch size
-            local = max(1, self._local_batch_examples)
-
-            def trim(t: torch.Tensor, local_rows: int) -> torch.Tensor:
-                per = local_rows // local if local_rows % local == 0 else 1
-                return t[:state.remainder * per]
-
-            gathered = _apply_pairs(trim, gathered, data)
-        return gathered
-
-    def _gather_batch_loss(self, losses: torch.Tensor, gather) -> torch.Tensor:
-        """The loop's `loss.repeat(batch_size)` of every replica. One process repeats each batch's loss by the loader's
-        batch size, its short last batch too, so eval_loss is the mean of the batch losses; the replicas' batches
-        are one process's batches (see _real_rows), so keeping every replica's repeats, except those of a last
-        batch made of padding alone, gives one process's mean. Trimming to the remainder's rows, as for the
-        predictions, weighed the short last batch by its row count instead (eval_loss 6.1062e-4 against one
-        process's 6.1190e-4: 37 examples, batch 8, dp 2 x tp 2, 2026-12-03)."""
-        gathered = gather(losses)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            gathered = gathered[:-(-state.remainder // self.args.eval_batch_size) * losses.shape[0]]
-        return gathered
+        """The loop's gather (`gather_function`): over the data-parallel group only, the padding of the last
+        batches taken off, a batch's loss weighed as one process weighs it (`gather.replica_gather`)."""
+        return gather.replica_gather(data, self.topology.dp_size, self.process_groups.dp,
+                                     self.accelerator.gradient_state, self._local_batch_examples,
+                                     self.args.eval_batch_size)
 
     # Data layout: replicas split the data, TP peers share it ----------------------------------------------
 
@@ -188,44 +147,34 @@ class DeepSpeedInferenceMixin:
             # upstream's DataCollatorForSeq2Seq gives `labels: None` for data without references, and upstream's
             # prediction_step takes the key for labels and runs the model without decoder inputs (a crash)
             inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        self._local_batch_examples = _batch_examples(inputs)
+        self._local_batch_examples = gather.batch_examples(inputs)
         if self.topology.tp_size > 1 and self.inference_args.lockstep_guard:
             start = time.perf_counter()
             self._check_lockstep(inputs)
             self.lockstep_seconds += time.perf_counter() - start
         prompt_width = inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
         rows, real = self._local_batch_examples, self._real_rows()
-        padded = real is not None and real < rows  # accelerate's padding of the last batches: see _real_rows
+        padded = real is not None and real < rows  # accelerate's padding of the last batches: see gather.real_rows
         if padded:
-            inputs = _slice_rows(inputs, rows, max(real, 1))
+            inputs = gather.slice_rows(inputs, rows, max(real, 1))
         with self._batch_seed(gen_kwargs):
             loss, tokens, labels = super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
         if padded:  # back to the batch's row count: the gather trims these rows off
-            tokens, labels = _pad_rows(tokens, max(real, 1), rows), _pad_rows(labels, max(real, 1), rows)
+            tokens, labels = gather.pad_rows(tokens, max(real, 1), rows), gather.pad_rows(labels, max(real, 1), rows)
         if real is not None and isinstance(loss, torch.Tensor):
-            loss = loss.as_subclass(_BatchLoss)  # so that _replica_gather trims it as one process weighs it
+            loss = loss.as_subclass(gather.BatchLoss)  # so that _replica_gather weighs it as one process does
         if tokens is not None and getattr(self.args, "predict_with_generate", False) and not getattr(
                 self.model.config, "is_encoder_decoder", False):
             tokens = tokens[:, prompt_width:]  # decoder-only: return the new tokens, not the (left-padded) prompt
         return loss, tokens, labels
 
     def _real_rows(self) -> int | None:
-        """How many rows of this replica's batch are examples, when the loop may have padded it (None: all are).
-
-        With more than one replica accelerate evens out the last batches (`even_batches`): a short last batch is
-        completed with examples from the start of the data, and a replica with nothing left gets a batch made of
-        them. The gather drops those rows afterwards, but they were computed: a padded batch's loss is the mean
-        over its repeats too, and sampling draws random numbers for every row, so eval_loss and sampled tokens
-        parted from one process's (37 examples, batch 8, dp 2 x tp 2: eval_loss 6.0795e-4 against 6.1190e-4,
-        2026-12-03). So a padded batch runs on its real rows only (a batch of padding alone on its first row,
-        for the collectives' sake), and is padded back to its row count for the gather. Global batch g =
-        (this replica's step) x dp + dp_rank holds examples g*B .. g*B+B-1 of the data, as one process's."""
-        n, dp = getattr(self, "_loop_examples", None), self.topology.dp_size
-        if n is None or dp == 1 or self.accelerator.dataloader_config.split_batches:
-            return None
-        start = (self._batch_index * dp + self.topology.dp_rank) * self.args.eval_batch_size
-        return max(0, min(self.args.eval_batch_size, n - start))
+        """How many rows of this replica's batch are examples, when the loop may have padded it (None: all are):
+        `gather.real_rows`."""
+        return gather.real_rows(getattr(self, "_loop_examples", None), self._batch_index, self.topology.dp_size,
+                                self.topology.dp_rank, self.args.eval_batch_size,
+                                self.accelerator.dataloader_config.split_batches)
 
     def _samples(self, gen_kwargs: dict) -> bool:
         """Whether this prediction step draws random numbers: generation with sampling."""
@@ -267,11 +216,7 @@ class DeepSpeedInferenceMixin:
         n, k = output.num_samples, self._rows_per_example()
         if getattr(self.args, "dataloader_drop_last", False):  # upstream's loop drops a short last batch of each
             n -= n % (self.args.eval_batch_size * self.topology.dp_size)  # process, and counts it in num_samples
-        for name, rows, per in (("predictions", output.predictions, k), ("label_ids", output.label_ids, 1)):
-            for count in _row_counts(rows):
-                if count != n * per:
-                    raise RuntimeError(f"{name}: gathered {count} rows for {n} examples x {per} row(s) each; rows "
-                                       "were lost or duplicated")
+        gather.check_row_counts(output, n, k)
         return output
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
@@ -298,39 +243,20 @@ class DeepSpeedInferenceMixin:
         config = getattr(self.model, "generation_config", None)
         return int(kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", None) or 1)
 
-    # Results files -----------------------------------------------------------------------------------
+    # Results files and speed metrics (`results`) ---------------------------------------------------------------
 
     def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
-        """Upstream's `save_metrics`, with every file written atomically and stamped with the layout it ran at
-        (`tp_size`, `dp_size`) and this run's `run_id`; `all_results.json` gathers this run's splits only (an
-        earlier run's are not merged in). Scripts write their predictions first and metrics last, so metrics on
-        disk always describe a completed output."""
-        if not self.is_world_process_zero():
-            return
-        out = Path(self.args.output_dir)
-        stamped = {"tp_size": self.topology.tp_size, "dp_size": self.topology.dp_size, **metrics, "run_id": self.run_id}
-        write_text_atomic(out / f"{split}_results.json", json.dumps(stamped, indent=4, sort_keys=True))
-        if combined:
-            path = out / "all_results.json"
-            try:
-                earlier = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                earlier = {}
-            merged = {**(earlier if isinstance(earlier, dict) and earlier.get("run_id") == self.run_id else {}),
-                      **stamped}
-            write_text_atomic(path, json.dumps(merged, indent=4, sort_keys=True))
-
-    # Speed metrics count samples per replica, not per rank ------------------------------------------
+        """Upstream's, written atomically and stamped with the layout and this run (`results.save_metrics`)."""
+        if self.is_world_process_zero():
+            results.save_metrics(self.args.output_dir, split, metrics, self.topology.tp_size, self.topology.dp_size,
+                                 self.run_id, combined)
 
     def _fix_speed_metrics(self, metrics: dict, prefix: str, num_samples: int | None) -> dict:
-        runtime = metrics.get(f"{prefix}_runtime")
+        """Steps per second per replica (`results.speed_metrics`), and the lock-step guard's time at tp > 1."""
         if self.topology.tp_size > 1:
             metrics[f"{prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
             self.lockstep_seconds = 0.0
-        if runtime and num_samples:
-            steps = math.ceil(num_samples / (self.args.eval_batch_size * self.topology.dp_size))
-            metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
-        return metrics
+        return results.speed_metrics(metrics, prefix, num_samples, self.args.eval_batch_size, self.topology.dp_size)
 
     def _check_inputs_fit(self, dataset, gen_kwargs: dict) -> None:
         """Sources and the generation length the caller set within an encoder-decoder's positions, one line before
@@ -459,58 +385,6 @@ def drops_last(args, topology) -> bool:
             f"--dataloader_drop_last, or --tp_size {topology.world_size} (one replica)"
         )
     return True
-
-
-def _batch_examples(inputs: dict) -> int:
-    from transformers.trainer_pt_utils import find_batch_size
-
-    return find_batch_size(inputs) or 0
-
-
-class _BatchLoss(torch.Tensor):
-    """A batch's loss on its way from prediction_step to the loop's gather (`_gather_batch_loss`)."""
-
-
-def _slice_rows(inputs: dict, rows: int, keep: int) -> dict:
-    """The batch's first `keep` rows (every tensor with `rows` rows; anything else as it is)."""
-    return type(inputs)({k: v[:keep] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v
-                         for k, v in inputs.items()})
-
-
-def _pad_rows(t, kept: int, rows: int):
-    """`t`, computed for a batch's first `kept` rows (k rows of it per example), with rows of -100 added up to k x
-    `rows` rows."""
-    if not isinstance(t, torch.Tensor) or not t.ndim:
-        return t
-    per = max(1, t.shape[0] // kept)
-    missing = rows * per - t.shape[0]
-    if missing <= 0:
-        return t
-    return torch.cat([t, torch.full((missing, *t.shape[1:]), -100, dtype=t.dtype, device=t.device)])
-
-
-def _apply_pairs(fn, gathered, local):
-    """`fn(gathered_tensor, rows of the matching local tensor)` over two structures of the same shape."""
-    if isinstance(gathered, dict):
-        return type(gathered)({k: _apply_pairs(fn, gathered[k], local[k]) for k in gathered})
-    if isinstance(gathered, (list, tuple)):
-        return type(gathered)(_apply_pairs(fn, g, v) for g, v in zip(gathered, local))
-    if isinstance(gathered, torch.Tensor):
-        return fn(gathered, len(local) if local.ndim else 1)
-    return gathered
-
-
-def _row_counts(rows) -> list[int]:
-    """The row count of every array in a prediction structure (batches of a list counted together)."""
-    if rows is None:
-        return []
-    if isinstance(rows, dict):
-        return [c for v in rows.values() for c in _row_counts(v)]
-    if isinstance(rows, list) and rows and all(hasattr(b, "shape") for b in rows):
-        return [sum(len(b) for b in rows)]  # eval_do_concat_batches=False: one array per batch
-    if isinstance(rows, (list, tuple)):
-        return [c for v in rows for c in _row_counts(v)]
-    return [len(rows)] if hasattr(rows, "shape") and rows.ndim else []
 
 
 class DeepSpeedInferenceSeq2SeqTrainer(DeepSpeedInferenceMixin, Seq2SeqTrainer):
