@@ -754,6 +754,11 @@ def test_bench_serve_writes_its_table_json_and_plot(tmp_path):
         assert png.size[0] >= 600  # two panels (req/s, p99) for the one model
 
 
+# make test-all's: make test ends a bench's servers on SIGTERM in process (test_serve_units.py's
+# test_a_sigterm_to_bench_serve_ends_the_servers_it_holds) and times a bench point against a stand-in server
+# (test_bench_serve_times_first_tokens_of_streams_and_beam_requests_apart) (this bench and its server cost 15
+# CPU-s, 2026-12-06)
+@pytest.mark.slow
 def test_a_sigterm_to_bench_serve_ends_its_servers(tmp_path):
     """`ds-inference bench serve` ended by SIGTERM (a job scheduler's, `timeout`'s) ends the servers it started,
     each in a session of its own: they were left running."""

@@ -459,3 +459,34 @@ def test_a_closed_terminals_sighup_drains_the_front_as_sigterm_and_ctrl_c_do():
         handlers[signal.SIGHUP](signal.SIGHUP, None)
     assert front.calls == [("drain", "SIGHUP"), ("interrupt", "SIGHUP", 128 + signal.SIGHUP)]
     assert {sig: signal.getsignal(sig) for sig in before} == before and not server.should_exit
+
+
+@pytest.mark.launched  # a `sleep` in a session of its own, standing for a server the bench started
+def test_a_sigterm_to_bench_serve_ends_the_servers_it_holds(tmp_path):
+    """In process, the bench's part of test_serve.py's test_a_sigterm_to_bench_serve_ends_its_servers (make
+    test-all's: the bench and a server of its own cost 15 CPU-s, 2026-12-06): after `_end_on_sigterm`, SIGTERM ends
+    every server the bench holds (each in a session of its own, which a signal to the bench's does not reach), then
+    the bench, 143."""
+    import os
+    import signal
+    import subprocess
+
+    from ds_inference_integration.tools import bench_serve
+
+    server = bench_serve._Server.__new__(bench_serve._Server)
+    server.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    server.log = open(tmp_path / "front.log", "w")
+    before = signal.getsignal(signal.SIGTERM)
+    bench_serve._Server.live.append(server)
+    try:
+        bench_serve._end_on_sigterm()
+        with pytest.raises(SystemExit) as ended:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert ended.value.code == 143 and server.proc.poll() is not None and not bench_serve._Server.live
+        with pytest.raises(ProcessLookupError):
+            os.killpg(server.proc.pid, 0)  # its session's group is gone
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        if server.proc.poll() is None:
+            server.proc.kill()
+        bench_serve._Server.live[:] = [s for s in bench_serve._Server.live if s is not server]
