@@ -325,7 +325,7 @@ LONGEST = {"test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resu
            "test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams": 43,
            "test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_wait": 43,
            "test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes": 38,
-           "test_smoke_kernel_refusal": 24,  # makes the GPU check's shared run (test_gpu_check.shared_gpu_check)
+           "test_smoke_decode": 20,
            "test_every_architecture_matches_the_unsharded_model[2]": 35,
            "test_every_architecture_matches_the_unsharded_model[4-subset]": 34,
            "test_presharded_predictions_equal_the_source": 31,

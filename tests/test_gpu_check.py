@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, REPO, once_per_run
+from conftest import BIN, REPO
 
 
 def gpu_check(tmp_path, sections: str) -> dict:
@@ -22,28 +22,18 @@ def gpu_check(tmp_path, sections: str) -> dict:
     return report
 
 
-# make test's sections, in one launch for both tests that read them (`once_per_run`: the check's start-up and
-# its first section cost ~10 CPU-s, 2026-12-06). verdict_1b (a `policy check --dtype bf16` at tp 2 of a tiny Llama,
-# 12 CPU-s) is make test-all's: `policy check` of Llama at tp 2 is test_policies_tp.py's and in bf16
-# test_half_precision.py's.
-MAKE_TEST_SECTIONS = "kernel_inject,decode"
+# make test runs the decode section (the check's start-up and its JSON with it); the kernel refusal and the
+# real-shape verdict are make test-all's: the refusal is test_arguments.py's in process (a launched refusal cost
+# 10 CPU-s), and `policy check` of Llama at tp 2 test_policies_tp.py's, in bf16 test_half_precision.py's (12 CPU-s;
+# 2026-12-06)
 
 
-def shared_gpu_check() -> dict:
-    def make(out):
-        out.mkdir()
-        (out / "report.json").write_text(json.dumps(gpu_check(out, MAKE_TEST_SECTIONS)))
-
-    return json.loads((once_per_run("gpu-check-smoke", make) / "report.json").read_text())
-
-
+@pytest.mark.slow
 @pytest.mark.launched
-def test_smoke_kernel_refusal():
-    """In `make test`: the check's own start-up and its JSON, on the cheapest section, with the decode and verdict
-    sections (one launch: `shared_gpu_check`)."""
-    report = shared_gpu_check()
-    assert list(report["sections"]) == MAKE_TEST_SECTIONS.split(",") and report["sections"]["kernel_inject"]["ok"], \
-        json.dumps(report, indent=1)[:4000]
+def test_smoke_kernel_refusal(tmp_path):
+    """The cheapest section: the plugin with DeepSpeed's kernels refused on CPU ranks in one line."""
+    report = gpu_check(tmp_path, "kernel_inject")
+    assert list(report["sections"]) == ["kernel_inject"] and report["ok"], json.dumps(report, indent=1)[:4000]
     refused = report["sections"]["kernel_inject"]["refused"]
     assert len(refused) == 1 and refused[0].startswith("error: --replace_with_kernel_inject")
 
@@ -78,10 +68,13 @@ def test_smoke_loading_and_engine(tmp_path):
 
 
 @pytest.mark.launched
-def test_smoke_decode():
-    """In `make test`: the decode section (plain generate, the plugin at tp 1, the plugin with a static cache
-    compiled, the serve step engine, each with its fraction of the bandwidth bound; batch 1 profiled), on CPU."""
-    sections = shared_gpu_check()["sections"]
+def test_smoke_decode(tmp_path):
+    """In `make test`: the check's start-up and its JSON, and the decode section (plain generate, the plugin at tp 1,
+    the plugin with a static cache compiled, the serve step engine, each with its fraction of the bandwidth bound;
+    batch 1 profiled), on CPU."""
+    report = gpu_check(tmp_path, "decode")
+    sections = report["sections"]
+    assert list(sections) == ["decode"] and report["ok"], json.dumps(report, indent=1)[:4000]
     decode = sections["decode"]
     assert decode["ok"], json.dumps(decode, indent=1)[:4000]
     paths = {(r["path"], r["batch_size"]) for r in decode["rows"]}
@@ -97,7 +90,7 @@ def test_smoke_decode():
 @pytest.mark.launched
 def test_smoke_real_shape_verdict(tmp_path):
     """In `make test-all` (12 CPU-s): the real-shape verdict (a model of Llama-3.2-1B's config family saved in bf16,
-    through `policy check --dtype bf16` at tp 2), on CPU (see MAKE_TEST_SECTIONS)."""
+    through `policy check --dtype bf16` at tp 2), on CPU (see the comment above test_smoke_kernel_refusal)."""
     verdict = gpu_check(tmp_path, "verdict_1b")["sections"]["verdict_1b"]
     assert verdict["ok"] and verdict["passed"] == verdict["total"] == 8, json.dumps(verdict, indent=1)[:4000]
     assert "bf16" in next(c["line"] for c in verdict["checks"] if c["check"] == "logits")
