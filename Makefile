@@ -47,7 +47,7 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest -q tests -m "not slow and not launched"
 
-test-all: lint  # also the slow benchmark-command runs
+test-all: lint  # also the slow runs: benchmark commands, launched variants make test leaves out (docs/testing.md)
 	$(BIN)/python -m pytest -q tests -m ""
 
 clean:
