@@ -136,30 +136,36 @@ class _Lines(list):
 
 def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
     """Read `proc`'s output until a line holds `text`; the rest is read on by a thread (nothing blocks)."""
-    return _read_until(proc, lambda line: text in line, timeout)
+    return _read_until(proc, timeout, line_done=lambda line: text in line)
 
 
 def _wait_for_parts(proc, out: Path, timeout: float) -> list[str]:
-    """Read `proc`'s output until a predict part in `out` holds a record (a batch or more on disk)."""
-    return _read_until(proc, lambda line: any(p.stat().st_size for p in (out / "predict_parts").glob("part-*.jsonl")),
-                       timeout, poll=0.1)
+    """Read `proc`'s output (on a thread) until a predict part in `out` holds a record (a batch or more on disk)."""
+    def written() -> bool:
+        try:
+            return any(p.stat().st_size for p in (out / "predict_parts").glob("part-*.jsonl"))
+        except OSError:  # a part renamed or removed between the listing and its size: look again
+            return False
+
+    return _read_until(proc, timeout, polled=written)
 
 
-def _read_until(proc, done, timeout: float, poll: float | None = None) -> list[str]:
-    """Read `proc`'s output on a thread until `done(line)` holds (checked on each line, and every `poll` s)."""
+def _read_until(proc, timeout: float, line_done=None, polled=None) -> list[str]:
+    """Read `proc`'s output on a thread until a line makes `line_done(line)` true, or `polled()` is (every 0.1 s)."""
     lines, found = _Lines(), threading.Event()
 
     def read():
         for line in proc.stdout:
             lines.append(line)
-            if done(line):
+            if line_done and line_done(line):
                 found.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout
-    while not found.wait(min(poll or timeout, max(0.0, deadline - time.monotonic()))) and time.monotonic() < deadline:
-        if poll and done(""):
+    while not found.is_set() and time.monotonic() < deadline:
+        found.wait(min(0.1 if polled else timeout, max(0.0, deadline - time.monotonic())))
+        if polled and polled():
             found.set()
     assert found.is_set(), "".join(lines)[-3000:]
     lines.reader = reader

@@ -98,18 +98,18 @@ def save_unlisted(root) -> dict:
     return dirs
 
 
-def shared_check(name: str, save, timeout: float = 600, fault: str | None = None):
+def shared_check(name: str, save, timeout: float = 600, fault: str | None = None, extra=lambda models: []):
     """`policy_check` at tp 2 of the models `save(directory)` writes ({name: directory}), made once per pytest run
     (`conftest.once_per_run`) for every worker and test that asks for `name`: (process, report, {name: directory}).
     One launch for the checks of several tests: a launcher and two ranks' imports cost ~12 CPU-s on 2 cores
-    (2026-12-05), each time. `fault`: a fault hook that must leave every check passing (`policy_cli`)."""
+    (2026-12-05), each time. `fault`: a fault hook (`policy_cli`); `extra(directory)`: more of the check's flags."""
     from types import SimpleNamespace
 
     def make(out: Path) -> None:
         out.mkdir()
         dirs = save(out / "models")
         assert len({Path(d).name for d in dirs.values()}) == len(dirs)  # the report names a model by its directory
-        proc, _ = policy_check(dirs.values(), 2, out, timeout=timeout, fault=fault)
+        proc, _ = policy_check(dirs.values(), 2, out, *extra(out / "models"), timeout=timeout, fault=fault)
         (out / "run.json").write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
                                                   "stderr": proc.stderr, "dirs": {n: str(d) for n, d in dirs.items()}}))
 
@@ -183,24 +183,18 @@ def wrong_policy_check():
     """One `policy check --policy` of the wrong OPT policy (fc2 not row-parallel) on OPT, BLOOM (which the file does
     not fit) and OPT in bf16, made once per pytest run for this test and test_half_precision.py's
     test_a_wrong_policy_is_one_fail_line_in_bf16_too: (process, report). (One launch fewer: ~10 CPU-s.)"""
-    from types import SimpleNamespace
-
     from ds_inference_integration.tools.architecture_zoo import save_zoo
 
-    def make(out: Path) -> None:
-        out.mkdir()
-        wrong = out / "opt_missing_fc2.toml"
-        wrong.write_text(WRONG_OPT_POLICY)
-        opt_bf16 = out / "opt_bf16"
-        save_zoo(out / "zoo", ["opt"], "bf16")["opt"].rename(opt_bf16)
-        dirs = [save_decoder("opt", out), save_decoder("bloom", out), opt_bf16]
-        proc, _ = policy_check(dirs, 2, out, "--policy", str(wrong), timeout=200)
-        (out / "run.json").write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
-                                                  "stderr": proc.stderr}))
+    def save(root: Path) -> dict:
+        root.mkdir(parents=True)
+        (root / "opt_missing_fc2.toml").write_text(WRONG_OPT_POLICY)
+        opt_bf16 = root / "opt_bf16"
+        save_zoo(root / "zoo", ["opt"], "bf16")["opt"].rename(opt_bf16)
+        return {"opt": save_decoder("opt", root), "bloom": save_decoder("bloom", root), "opt_bf16": opt_bf16}
 
-    out = once_per_run("policy-check-wrong-opt", make)
-    run = json.loads((out / "run.json").read_text())
-    return SimpleNamespace(**run), json.loads((out / "check_tp2.json").read_text())
+    proc, report, _ = shared_check("policy-check-wrong-opt", save, timeout=200,
+                                   extra=lambda models: ["--policy", str(models / "opt_missing_fc2.toml")])
+    return proc, report
 
 
 @pytest.mark.launched

@@ -57,7 +57,7 @@ def test_rows_that_join_running_ones_wait_for_company_only_at_an_idle_replica(tm
     q.add(job)
     assert batch.waits_for_company() and steps.waits_for_company()
     assert q.take(now=0.010, wait=steps.waits_for_company()) is None  # idle: waits, as the batch engine would
-    steps.rows = {1, 2}  # rows running: what waits joins them at the next step
+    steps.rows = {1: 12, 2: 12}  # rows running: what waits joins them at the next step
     assert not steps.waits_for_company() and q.take(now=0.010, wait=steps.waits_for_company()).jobs == [job]
 
 
@@ -110,7 +110,7 @@ def test_rows_that_join_running_ones_are_taken_within_what_the_running_rows_leav
     q = Queue(max_batch_size=8, max_batch_tokens=100, max_wait_ms=0, max_queue=10, adaptive_wait=False)
     a, b, c = _job(width=30, new=30), _job(width=30, new=30), _job(width=10, new=10)
     beams = _job(width=40, new=60, key=BatchKey(num_beams=4, max_new_tokens=60))
-    assert (a.tokens(), c.tokens(), beams.tokens()) == (60, 20, 100)
+    assert (a.slot_tokens(), c.slot_tokens(), beams.slot_tokens()) == (60, 20, 100)
     for job in (b, c):
         q.add(job)
     assert q.take(now=1.0, wait=False, tokens_room=40) is None  # a's 60 held: b does not fit, and c waits behind it

@@ -180,7 +180,7 @@ def test_the_probe_forward_fits_each_speech_model(kind, tmp_path):
 
 
 # All three are make test-all's: in make test, what differs by model is test_the_probe_forward_fits_each_speech_model
-# (in process: the input each reads, where wav2vec2 + BART and Speech2Text failed) and the example at dp 2 x tp 2 is
+# (in process: the input each reads, where wav2vec2 + BART and Speech2Text failed) and the example at tp 2 is
 # test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process's (wav2vec2 + BART here cost 19 CPU-s of a suite over
 # its 10 minutes, 2026-12-06)
 @pytest.mark.parametrize("kind", [pytest.param("wav2vec2_bart", marks=pytest.mark.slow),
@@ -221,7 +221,7 @@ def test_language_and_task_are_checked_before_the_model_loads(whisper, tmp_path,
 
 
 # make test-all's: in make test, the language and task flags are checked in process (the two tests around this one)
-# and Whisper at dp 2 x tp 2 equals one process (test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process);
+# and Whisper at tp 2 equals one process (test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process);
 # the prefix tokens forced on every rank are this test's alone (15 CPU-s, 2026-12-06)
 @pytest.mark.slow
 @pytest.mark.launched

@@ -4,9 +4,9 @@ A request joins the queue as one Job (its rows). A batch is the oldest job plus 
 BatchKey (what rows of one batch must share), in arrival order, and it leaves when it holds `max_batch_size`
 rows, when the next job would take it past the padded-token budget (`max_batch_tokens`: rows x (longest
 prompt + most new tokens), the cost of a padded batch, as TGI counts it; for rows that join running ones, the
-budget is what the replica's running rows leave of it, each row counted unpadded, `Job.tokens`), when its oldest job has waited
-`max_wait_ms`, or (`--adaptive_wait`, the default) when it holds every request the clients are likely to send
-now; and only to an idle replica (while every replica is busy it keeps filling).
+budget is what the replica's running rows leave of it, each row counted unpadded: `Row.slot_tokens`), when its
+oldest job has waited `max_wait_ms`, or (`--adaptive_wait`, the default) when it holds every request the clients
+are likely to send now; and only to an idle replica (while every replica is busy it keeps filling).
 
 The wait counts from when a replica was free to take the batch: requests that queued while every replica was busy
 have waited, but not for a batch to fill. Counted from their arrival instead, they left the moment a batch ended,
@@ -70,12 +70,9 @@ class Job:
     def new_tokens(self) -> int:
         return max(r.max_new_tokens for r in self.rows)
 
-    def tokens(self) -> int:
-        """The tokens its rows hold in a replica whose rows keep slots of their own (the step engine pads no row to
-        another): each row's prompt and new tokens; what `--max_batch_tokens` counts of the rows running together
-        there, as TGI's `max_batch_total_tokens` counts them. A beam request's row counts once, as the request check
-        counts it (`protocol.plan_rows`), so that a request it lets in fits an idle replica."""
-        return sum(len(r.prompt_ids) + r.max_new_tokens for r in self.rows)
+    def slot_tokens(self) -> int:
+        """The tokens its rows hold in a replica whose rows join running ones (`Row.slot_tokens`)."""
+        return sum(r.slot_tokens() for r in self.rows)
 
 
 @dataclass
@@ -141,7 +138,7 @@ class Queue:
         (no more rows or tokens fit). `tokens_room`: see `take`."""
         first = self.waiting[0]
         jobs, rows = [first], len(first.rows)
-        width, new, held = first.width(), first.new_tokens(), first.tokens()
+        width, new, held = first.width(), first.new_tokens(), first.slot_tokens()
         room = min(room, self.max_batch_size)
         full = rows >= room or first.alone
         for job in self.waiting[1:]:
@@ -151,13 +148,13 @@ class Queue:
                 continue
             n = rows + len(job.rows)
             w, m = max(width, job.width()), max(new, job.new_tokens())
-            over = held + job.tokens() > tokens_room if tokens_room is not None else \
+            over = held + job.slot_tokens() > tokens_room if tokens_room is not None else \
                 bool(self.max_batch_tokens and n * (w + m) > self.max_batch_tokens)
             if n > room or over:
                 full = True
                 break
             jobs.append(job)
-            rows, width, new, held = n, w, m, held + job.tokens()
+            rows, width, new, held = n, w, m, held + job.slot_tokens()
             full = rows >= room
         return jobs, full
 
@@ -168,14 +165,12 @@ class Queue:
         `max_wait_ms` since that replica was free; or None. Without `wait` (a replica whose rows join a running
         batch at the next step: nothing is gained by waiting) what is waiting leaves at once. `tokens_room` (rows
         that join running ones, under --max_batch_tokens): the tokens the replica's running rows leave of the
-        budget; the jobs taken hold at most that many (`Job.tokens`), and while the oldest does not fit nothing
-        leaves (it keeps its place: the next rows to end make room for it). An idle replica has the whole budget,
-        which every request fits: one whose rows alone pad past it is refused when it arrives."""
+        budget; the jobs taken hold at most that many (`Job.slot_tokens`), and while the oldest does not fit
+        nothing leaves (`waits_for_tokens`)."""
         if not self.waiting:
             return None
         now = time.monotonic() if now is None else now
-        if tokens_room is not None and tokens_room < (self.max_batch_tokens or 0) and \
-                self.waiting[0].tokens() > tokens_room:
+        if self.waits_for_tokens(tokens_room):
             return None
         jobs, full = self._fill(self.max_batch_size if room is None else room, tokens_room)
         enough = self.adaptive and len(jobs) >= self.expected(now)
@@ -185,6 +180,13 @@ class Queue:
             self.waiting.remove(job)
         self.running.update(jobs)
         return Batch(id=next(self._batch_ids), key=jobs[0].key, jobs=jobs)
+
+    def waits_for_tokens(self, tokens_room: int | None) -> bool:
+        """Whether the oldest job waits for a replica's running rows to leave it `tokens_room` tokens (see `take`): it
+        keeps its place, and the next rows to end make room for it. An idle replica has the whole budget, which every
+        request fits: one whose rows alone pad past it is refused when it arrives."""
+        return bool(self.waiting and tokens_room is not None and tokens_room < (self.max_batch_tokens or 0)
+                    and self.waiting[0].slot_tokens() > tokens_room)
 
     def next_deadline(self, idle_since: float = 0.0) -> float | None:
         """When the oldest job's wait ends (monotonic seconds), or None with nothing waiting."""

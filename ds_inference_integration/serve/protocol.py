@@ -288,6 +288,13 @@ class Row(RowSpec):
     sequences: list[list[int]] | None = None  # beams: num_return_sequences of them
     finish: list[str] | None = None
 
+    def slot_tokens(self) -> int:
+        """The tokens this row holds in a replica whose rows keep slots of their own (the step engine pads no row to
+        another): its prompt and new tokens, what `--max_batch_tokens` counts of the rows running together there, as
+        TGI's `max_batch_total_tokens` counts them. A beam request's row counts once, as `plan_rows` counts it, so
+        that a request it lets in fits an idle replica."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
     def spec(self, row_id: int) -> RowSpec:
         """What the engine needs of this row, under the id the front gives it for this admission."""
         given = {f.name: getattr(self, f.name) for f in fields(RowSpec)}

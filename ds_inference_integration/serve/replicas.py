@@ -34,8 +34,7 @@ class Replica:
         self.conn = None
         self.state = "loading"  # loading, ready
         self.capacity, self.joins_running = 0, False  # the leader's Ready says
-        self.rows: set[int] = set()  # ids of the rows it holds
-        self.tokens: dict[int, int] = {}  # of the rows it holds: the tokens each holds (`Job.tokens`)
+        self.rows: dict[int, int] = {}  # the ids of the rows it holds -> the tokens each holds (`Row.slot_tokens`)
         self.last_heard = self.free_since = time.monotonic()
 
     def free(self) -> int:
@@ -49,7 +48,7 @@ class Replica:
         batch engine (a batch of its own: the padded rule) or without the flag."""
         if not self.joins_running or not max_batch_tokens:
             return None
-        return max_batch_tokens - sum(self.tokens.values())
+        return max_batch_tokens - sum(self.rows.values())
 
     def waits_for_company(self) -> bool:
         """Whether a batch for it waits in the queue for company (`Queue.take(wait=...)`): always for the batch engine;

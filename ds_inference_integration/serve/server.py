@@ -197,7 +197,7 @@ class Server:
                         self._send(replica, batch)
                         sent = True
                         break
-                    if tokens_room is None or not self.queue.waiting or self.queue.waiting[0].tokens() <= tokens_room:
+                    if not self.queue.waits_for_tokens(tokens_room):
                         break
                 if sent:
                     continue
@@ -220,8 +220,7 @@ class Server:
             for ri, (row, row_id) in enumerate(zip(job.rows, job.row_ids)):
                 self.rows[row_id] = (job, ri)
                 specs.append(row.spec(row_id))
-                replica.tokens[row_id] = len(row.prompt_ids) + row.max_new_tokens  # as `Job.tokens` counts it
-        replica.rows.update(s.id for s in specs)
+                replica.rows[row_id] = row.slot_tokens()
         batch.started = time.monotonic()
         self.metrics.batch(len(specs), len(self.queue), replica.index)
         try:
@@ -232,8 +231,7 @@ class Server:
     def _answered(self, replica: Replica, row_id: int) -> tuple[Job, int, Row] | None:
         """A row the replica no longer holds: its job, place and row (None for one the front forgot)."""
         had_room = replica.free() > 0
-        replica.rows.discard(row_id)
-        replica.tokens.pop(row_id, None)
+        replica.rows.pop(row_id, None)
         if (replica.free() and not had_room) or (replica.joins_running and not replica.rows):
             replica.free_since = time.monotonic()  # free again, or (rows joining running ones) idle since now
             self.wakeup.set()
