@@ -490,3 +490,34 @@ def test_a_sigterm_to_bench_serve_ends_the_servers_it_holds(tmp_path):
         if server.proc.poll() is None:
             server.proc.kill()
         bench_serve._Server.live[:] = [s for s in bench_serve._Server.live if s is not server]
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "failed point"])
+def test_bench_serve_leaves_no_model_copy_behind(tmp_path, monkeypatch, ending):
+    """`bench serve` builds gpt2-256 into its scratch folder, beside its servers' logs. Stopped (a SIGTERM's
+    SystemExit, as `_end_on_sigterm` raises it), the folder goes; after a failed point its logs stay, named in the
+    error, and the model copy goes (both were left in /tmp before)."""
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.tools import bench_serve
+
+    scratch = tmp_path / "bench-serve-x"
+    monkeypatch.setattr(bench_serve.tempfile, "mkdtemp", lambda prefix: (scratch.mkdir(), str(scratch))[1])
+
+    class Stopped:
+        def __init__(self, model_dir, args, log_dir, tp_size):
+            assert (model_dir / "config.json").is_file()  # the model copy was built
+            (log_dir / "front-1.log").write_text("a server's log\n")
+            if ending == "sigterm":
+                raise SystemExit(143)
+            raise InferenceSetupError("bench serve: no request succeeded at concurrency 16: ...")
+
+    monkeypatch.setattr(bench_serve, "_Server", Stopped)
+    args = (["gpt2-256"], [16], 8, 1, 1, 20.0, 30.0, tmp_path / "out")
+    if ending == "sigterm":
+        with pytest.raises(SystemExit):
+            bench_serve.run_bench(*args)
+        assert not scratch.exists()
+    else:
+        with pytest.raises(InferenceSetupError, match=f"the servers' logs: {scratch}"):
+            bench_serve.run_bench(*args)
+        assert sorted(p.name for p in scratch.iterdir()) == ["front-1.log"]

@@ -352,6 +352,29 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
                      "max_wait_ms": max_wait_ms, "requests_per_point": requests, "cpus": os.cpu_count(),
                      "output_lengths": list(output_lengths) if output_lengths else None,
                      "arrival_rate": arrival_rate, "beam_fraction": beam_fraction, "points": [], "disconnects": []}
+    try:
+        _measure(results, models, modes, concurrencies, requests, repeats, tp_size, max_wait_ms, point_timeout,
+                 output_lengths, arrival_rate, beam_fraction, disconnects, log_dir)
+    except (SystemExit, KeyboardInterrupt):
+        shutil.rmtree(log_dir, ignore_errors=True)  # stopped (SIGTERM, Ctrl-C): nothing there to look at
+        raise
+    except BaseException as e:  # a point failed: the servers' logs stay (named in the error), the model copy goes
+        shutil.rmtree(log_dir / "gpt2-256", ignore_errors=True)
+        if isinstance(e, InferenceSetupError) and str(log_dir) not in str(e):
+            raise InferenceSetupError(f"{e} (the servers' logs: {log_dir})") from None
+        raise
+    shutil.rmtree(log_dir, ignore_errors=True)
+    results["ratios"] = _ratios(results["points"])
+    write_text_atomic(output_dir / "bench_serve.json", json.dumps(results, indent=1) + "\n")
+    write_text_atomic(output_dir / "bench_serve.md", _table(results))
+    _plot(results, output_dir / "bench_serve.png")
+    return results
+
+
+def _measure(results: dict, models, modes, concurrencies, requests, repeats, tp_size, max_wait_ms, point_timeout,
+             output_lengths, arrival_rate, beam_fraction, disconnects, log_dir: Path) -> None:
+    """Each model's points, into `results`: its servers (one a mode) up together, the points run, the servers
+    stopped; the servers' logs and a built model (`gpt2-256`) under `log_dir`."""
     for name in models:
         directory, max_tokens = MODELS[name]
         lengths = output_lengths or (max_tokens, max_tokens)
@@ -397,12 +420,6 @@ def run_bench(models: list[str], concurrencies: list[int], requests: int, repeat
         finally:
             for server in servers.values():
                 server.stop()
-    shutil.rmtree(log_dir, ignore_errors=True)  # the servers' logs, kept only where a point failed (it raised above)
-    results["ratios"] = _ratios(results["points"])
-    write_text_atomic(output_dir / "bench_serve.json", json.dumps(results, indent=1) + "\n")
-    write_text_atomic(output_dir / "bench_serve.md", _table(results))
-    _plot(results, output_dir / "bench_serve.png")
-    return results
 
 
 def _ratios(points: list[dict]) -> list[dict]:
