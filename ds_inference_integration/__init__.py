@@ -6,8 +6,8 @@ The flow, one folder per step (each folder's __init__ says what is in it):
     policy/    -> 1. which linears are row-parallel, how heads are laid out: policies/*.toml checked
                   against the real model (schema), derived where no file exists (derive), checked
                   numerically where nobody has (verify)
-    load/      -> 2. the model built on meta; each rank reads only its shard (loaders, checkpoint,
-                  presharded: the directory format of `ds-inference shard`)
+    load/      -> 2. the model built on meta; each rank reads only its shard (loaders: load_model;
+                  skeleton, keys, readers, checkpoint; presharded: the format of `ds-inference shard`)
     shard/     -> 3. deepspeed.init_inference in place (setup: setup_inference for one rank; inject;
                   attention, experts, mixers: the splits DeepSpeed cannot do)
     predict/   -> 4. the Trainer mixin: same batches per TP group, gather once per replica, rows in

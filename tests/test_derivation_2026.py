@@ -13,7 +13,7 @@ from torch import nn
 
 from conftest import assert_close_up_to_rounding
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.load.loaders import model_class_for
+from ds_inference_integration.load.skeleton import model_class_for
 from ds_inference_integration.policy.derive import derive_policy
 from ds_inference_integration.tools.architecture_zoo import ZOO
 

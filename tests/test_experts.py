@@ -62,7 +62,9 @@ def test_shard_aware_loading_reads_only_this_ranks_slices_of_each_expert(name, t
     """The checkpoint holds one tensor per expert and projection (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj);
     each rank's packed tensors come out bitwise equal to the full load's, split."""
     from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files
-    from ds_inference_integration.load.loaders import ShardAwareLoader, build_skeleton, plan_keys
+    from ds_inference_integration.load.keys import plan_keys
+    from ds_inference_integration.load.readers import ShardAwareLoader
+    from ds_inference_integration.load.skeleton import build_skeleton
 
     full = model_of(name)
     full.save_pretrained(tmp_path)

@@ -137,7 +137,7 @@ def test_the_2026_families_predict_at_tp2_as_one_process_through_the_example(nam
 
     import torch
 
-    from ds_inference_integration.load.loaders import model_class_for
+    from ds_inference_integration.load.skeleton import model_class_for
     from ds_inference_integration.tools.architecture_zoo import ZOO
 
     default = EXAMPLES / "models" / "gpt2-num2words-en-ro"

@@ -162,7 +162,7 @@ def test_the_skeleton_makes_every_buffer_as_from_pretrained_does(dtype, tmp_path
     the full load."""
     from transformers import AutoConfig
 
-    from ds_inference_integration.load.loaders import build_skeleton, model_class_for
+    from ds_inference_integration.load.skeleton import build_skeleton, model_class_for
 
     different = []
     for name in ZOO:

@@ -12,7 +12,7 @@ import torch
 
 from conftest import assert_close_up_to_rounding, rounding_ratio
 from ds_inference_integration import InferenceSetupError
-from ds_inference_integration.load.loaders import model_class_for
+from ds_inference_integration.load.skeleton import model_class_for
 from ds_inference_integration.policy.kinds import is_ssm_mixer, ssm_layout
 from ds_inference_integration.shard.mixers import split_ssm_mixer, ssm_mixers
 from ds_inference_integration.tools.architecture_zoo import ZOO

@@ -276,7 +276,8 @@ def main(argv: list[str]) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..load.loaders import load_model, model_class_for
+    from ..load.loaders import load_model
+    from ..load.skeleton import model_class_for
     from ..predict.lockstep import check_lockstep
     from ..run.ranks import end_with_parent, init_rank
     from ..shard.setup import setup_inference

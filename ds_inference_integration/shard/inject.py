@@ -33,6 +33,8 @@ from ..deepspeed_compat import (
     yuan_named_apart,
 )
 from ..errors import first_line, sharding_failure
+from ..load.loaders import loaded, pending_load, policy_id
+from ..load.readers import PreShardedLoader
 from ..policy.derive import derive_policy, derived_summary
 from ..policy.schema import AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
 from ..run.collector import collector_paused
@@ -270,13 +272,12 @@ def shard_model(
 ) -> tuple[nn.Module, ShardReport]:
     """Shard `model` in place over this rank's TP group; returns the (same) model and a report.
 
-    A skeleton from `load.loaders.load_model` (parameters on `meta`) is filled here, with only this rank's
-    part of each split tensor read from the checkpoint. A policy nobody has checked (derived, `autotp`,
-    or a file outside the shipped `policies/`) is checked numerically here first (`policy/verify.py`),
-    unless `verify` is False (`policy check` compares the whole model itself)."""
+    A skeleton from `load.loaders.load_model` (parameters on `meta`, its `PendingLoad` on it) is filled here,
+    with only this rank's part of each split tensor read from the checkpoint, and the pending load taken off. A
+    policy nobody has checked (derived, `autotp`, or a file outside the shipped `policies/`) is checked numerically
+    here first (`policy/verify.py`), unless `verify` is False (`policy check` compares the whole model itself)."""
     import deepspeed
 
-    from ..load.loaders import PreShardedLoader, loaded, pending_load, policy_id
     from ..policy.verify import reference_copies, verify_sharded_layers
 
     if policy is not None and not isinstance(policy, Policy):  # "derive", "auto", a path: resolved before, once

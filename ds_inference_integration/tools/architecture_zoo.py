@@ -280,7 +280,7 @@ def save_zoo(root: Path, names: list[str] | None = None, dtype: str = "fp32") ->
     `policy check` reads it); returns name -> directory."""
     import torch
 
-    from ..load.loaders import model_class_for
+    from ..load.skeleton import model_class_for
 
     dirs = {}
     for name in names or list(ZOO):

@@ -304,7 +304,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from transformers import AutoConfig
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..load.loaders import model_class_for
+    from ..load.skeleton import model_class_for
     from ..policy.derive import policy_for_model
     from ..policy.schema import check_head_counts, resolve_policy
     from ..policy.verify import main_input_name

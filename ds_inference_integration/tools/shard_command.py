@@ -80,8 +80,9 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
     from ..deepspeed_compat import init_deepspeed_comm
-    from ..load.loaders import load_model, model_class_for, policy_id
+    from ..load.loaders import load_model, policy_id
     from ..load.presharded import write_presharded
+    from ..load.skeleton import model_class_for
     from ..policy.derive import policy_for_model
     from ..policy.schema import policy_for_run
     from ..run.ranks import init_rank

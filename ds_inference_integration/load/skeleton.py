@@ -1,0 +1,129 @@
+"""The skeleton: a model built on `meta` (no memory, no random initialisation) with real buffers, and the
+bookkeeping the loaders fill it by: which names each parameter has, which modules own it, which parameters wait
+for DeepSpeed's split (`not_deferred`), and `replace_meta`, the one place a meta parameter becomes a real tensor.
+Also which Auto class builds a config's model (`model_class_for`, `check_model_kind`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import InferenceSetupError
+
+DEFERRED_TYPES = ("Linear", "Conv1D", "ColumnShard")  # modules whose parameters wait for the split
+
+
+def names_by_param(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def owners_of(model: nn.Module) -> dict[int, list[nn.Module]]:
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(module)
+    return owners
+
+
+def replace_meta(model: nn.Module, make, only=None, also: set[str] = frozenset()) -> int:
+    """Give every meta parameter (for which `only(param, owners)` holds), and every parameter named in `also`,
+    a real tensor `make(names, module, param)`; parameters shared between modules stay shared.
+    Returns the number of tensors made."""
+    names = names_by_param(model)
+    owners = owners_of(model)
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None or not (p.is_meta or any(n in also for n in names[id(p)])):
+                continue
+            if id(p) not in made:
+                if only is not None and not only(p, owners[id(p)]):
+                    continue
+                tensor = make(names[id(p)], module, p)
+                if tuple(tensor.shape) != tuple(p.shape):
+                    raise InferenceSetupError(f"checkpoint tensor for {names[id(p)][0]} has shape {list(tensor.shape)}, "
+                                              f"the model wants {list(p.shape)}")
+                made[id(p)] = nn.Parameter(tensor, requires_grad=False)
+            module._parameters[attr] = made[id(p)]
+    return len(made)
+
+
+def initialise_missing(model: nn.Module, missing: set[str]) -> None:
+    """Initialise the parameters named in `missing`, and nothing else, the way `from_pretrained` does: every other
+    parameter is flagged `_is_hf_initialized`, which transformers' init functions skip, then the model's own
+    `initialize_weights` runs. (Calling `_init_weights(module)` on the module would also reset the tensors of
+    that module that were just read: a LayerNorm missing only its bias would get its weight reset to 1.)"""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in missing:
+            p._is_hf_initialized = True
+    for module in model.modules():  # from_config marked every module done when it built the (meta) skeleton
+        module.__dict__.pop("_is_hf_initialized", None)
+    with torch.no_grad():
+        model.initialize_weights()
+
+
+def not_deferred(param, owners) -> bool:
+    return not all(isinstance(m, nn.Linear) or type(m).__name__ in DEFERRED_TYPES for m in owners)
+
+
+def build_skeleton(model_cls, config, dtype: torch.dtype, model_dir: Path) -> nn.Module:
+    """The model with parameters on `meta` (no memory, no initialisation) and real buffers."""
+    from accelerate import init_empty_weights
+    from transformers import GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    # `no_init_weights` (what from_pretrained builds under with ZeRO-3): without it `from_config` ran every
+    # `_init_weights` on the meta parameters, which torch computes through its reference decompositions: 0.25 of the
+    # 0.37 s this function took for a 32-layer Llama (cProfile, 2026-12-04), for tensors that are read, not drawn.
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        model = model_cls.from_config(config, dtype=dtype)
+    # Buffers as `from_pretrained` makes them: it builds the model under the checkpoint's dtype, too, then computes
+    # again every tensor the checkpoint did not fill with the model's own `_init_weights` (`initialize_weights`),
+    # which makes some buffers in fp32. Without this, GPT-J's sinusoidal positions kept the values computed under
+    # bf16 (0.011 off from one device's), and its greedy ids through shard-aware and pre-sharded loading differed
+    # from the full load (`ds-inference policy matrix --dtype bf16`, 2026-12-04). The parameters, still on meta and
+    # read from the checkpoint later, are marked as done, as from_pretrained marks the ones it loaded; the marks
+    # `from_config` left on modules and buffers (it ran the same initialisation under the checkpoint's dtype) go.
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for buffer in module.buffers(recurse=False):
+            buffer.__dict__.pop("_is_hf_initialized", None)
+    for param in model.parameters():
+        param._is_hf_initialized = True
+    model.initialize_weights()
+    model.tie_weights()  # from_config skips tying when the parameters are on meta
+    model.eval()
+    if (Path(model_dir) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model
+
+
+def model_class_for(config):
+    """The Auto class that builds a model of this config for generation: speech-to-text (Whisper), other
+    encoder-decoders, or decoder-only."""
+    import transformers as tr
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+    if getattr(config, "model_type", None) in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return tr.AutoModelForSpeechSeq2Seq
+    return tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
+
+
+def check_model_kind(config, model_cls, model_dir) -> None:
+    """One `InferenceSetupError` before anything loads when the Auto class `model_cls` builds no model of this
+    config's type (a decoder-only model given to a seq2seq script: an AttributeError on decoder_start_token_id, or
+    transformers' ValueError listing every class, otherwise)."""
+    mapping = model_cls._model_mapping
+    if type(config) in mapping:
+        return
+    names = sorted(mapping._model_mapping)
+    familiar = [n for n in ("t5", "bart", "mbart", "marian", "pegasus", "led", "whisper", "speech_to_text",
+                            "speech-encoder-decoder", "llama", "gpt2") if n in names] or names[:8]
+    raise InferenceSetupError(f"{model_dir} holds a {config.model_type!r} model, which {model_cls.__name__} does not "
+                              f"build; valid: one of its {len(names)} types, such as {', '.join(familiar)}")
