@@ -1,5 +1,5 @@
 """Step 4, predicting: the Trainer mixin (`trainer`: the seams in upstream's Trainer), one process's rows from the
 replicas (`gather`), the results files and speed metrics (`results`), the same batches on every rank of a TP group
-(`lockstep`), length grouping, streamed and resumable predictions (`streaming`), the metrics, position ids
-(`positions`), and what the parser checks before anything loads: a run's data files (`data_files`) and a
-speech model's languages (`languages`)."""
+(`lockstep`), each batch's sampling seed (`sampling`), length grouping, streamed and resumable predictions
+(`streaming`), the metrics, position ids (`positions`), and what the parser checks before anything loads: a run's
+data files (`data_files`) and a speech model's languages (`languages`)."""

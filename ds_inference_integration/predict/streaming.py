@@ -252,6 +252,21 @@ def generation_identity(generation_config) -> dict | None:
     return {k: v for k, v in sorted(settings.items()) if not k.startswith("_") and k != "transformers_version"}
 
 
+def run_identity(model, dataset, order, topology, batch_size: int, gen_kwargs: dict | None,
+                 seed: int | None) -> RunIdentity:
+    """What decides the bytes of a streamed predict: the model and its weights, the data (and whether it is
+    length-grouped), the layout, the generation settings and, when sampling, the seed. A resume must match it."""
+    gen = {k: v for k, v in sorted((gen_kwargs or {}).items()) if v is not None}
+    return RunIdentity(
+        model=model_identity(model, next(model.parameters()).dtype),
+        data={"examples": len(dataset), "sha256": fingerprint_rows(dataset), "length_grouped": order is not None},
+        layout={"tp_size": topology.tp_size, "dp_size": topology.dp_size, "batch_size": batch_size},
+        generation={"kwargs": json.loads(json.dumps(gen, default=str)),
+                    "generation_config": generation_identity(getattr(model, "generation_config", None)),
+                    "seed": seed},
+    )
+
+
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     """`key: old -> new` for every leaf that differs, in the order of `new` (RunIdentity's: model, data,
     layout, generation), so that the line, which names the first four, names the weightiest first."""

@@ -3,9 +3,7 @@ data-parallel replica, and return exactly one row per input example, in input or
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import logging
 import time
 import uuid
@@ -25,6 +23,8 @@ from . import gather, results
 from .length_grouping import input_lengths, length_order, padding_fraction, unsort
 from .lockstep import check_lockstep
 from .positions import check_inputs_fit
+from .sampling import batch_seed, samples
+from .streaming import StreamJob, run_identity, streamed_predict
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,8 @@ class DeepSpeedInferenceMixin:
         padded = real is not None and real < rows  # accelerate's padding of the last batches: see gather.real_rows
         if padded:
             inputs = gather.slice_rows(inputs, rows, max(real, 1))
-        with self._batch_seed(gen_kwargs):
+        # when sampling, one seed per batch of the whole data set, as one process's (`sampling.batch_seed`)
+        with batch_seed(self.args, self.topology, self._batch_index, self._samples(gen_kwargs)):
             loss, tokens, labels = super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
         if padded:  # back to the batch's row count: the gather trims these rows off
@@ -176,28 +177,9 @@ class DeepSpeedInferenceMixin:
                                 self.topology.dp_rank, self.args.eval_batch_size,
                                 self.accelerator.dataloader_config.split_batches)
 
-    def _samples(self, gen_kwargs: dict) -> bool:
-        """Whether this prediction step draws random numbers: generation with sampling."""
-        if not getattr(self.args, "predict_with_generate", False):
-            return False
-        kwargs = gen_kwargs or getattr(self, "_gen_kwargs", None) or {}
-        config = getattr(self.model, "generation_config", None)
-        return bool(kwargs.get("do_sample", getattr(config, "do_sample", False)))
-
-    @contextlib.contextmanager
-    def _batch_seed(self, gen_kwargs: dict):
-        """When sampling, one seed per batch of the whole data set: equal on the ranks of a TP group, and equal to
-        the single-process run's seed for the same batch, so sampling gives the same tokens. The global random
-        state is forked and given back afterwards: a training run that evaluates now and then keeps its own
-        random sequence (dropout) instead of restarting it from this seed after every evaluation."""
-        if not self._samples(gen_kwargs):
-            yield
-            return
-        device = self.args.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
-                                   device_type=device.type if device.type == "cuda" else "cuda"):
-            torch.manual_seed(self.args.seed + self._batch_index * self.topology.dp_size + self.topology.dp_rank)
-            yield
+    def _samples(self, gen_kwargs: dict | None) -> bool:
+        """Whether this prediction step samples (`sampling.samples`: the call's kwargs, else those kept by predict)."""
+        return samples(self.args, self.model, gen_kwargs or getattr(self, "_gen_kwargs", None))
 
     def evaluation_loop(self, dataloader, *args, **kwargs):
         # Seq2SeqTrainer.predict/evaluate reset gather_function before every call: set ours here.
@@ -310,8 +292,6 @@ class DeepSpeedInferenceMixin:
         the parts are merged into `<output_dir>/<predictions_file>` in input order. `metric` (e.g.
         `metrics.CorpusBleu()`) is computed from statistics stored with each prediction. Host memory does not grow
         with the data set; returns the metrics (on every rank). See `predict/streaming.py`."""
-        from .streaming import StreamJob, streamed_predict
-
         if not getattr(self.args, "predict_with_generate", False):
             raise InferenceSetupError("predict_to_file writes generated text: pass --predict_with_generate")
         if self.processing_class is None or not hasattr(self.processing_class, "batch_decode"):
@@ -332,7 +312,9 @@ class DeepSpeedInferenceMixin:
         test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
         self.model.eval()
         job = StreamJob(dataset=test_dataset, order=order, topology=self.topology, output_dir=Path(self.args.output_dir),
-                        batch_size=self.args.eval_batch_size, identity=lambda: self._stream_identity(test_dataset, order),
+                        batch_size=self.args.eval_batch_size, identity=lambda: run_identity(
+                            self.model, test_dataset, order, self.topology, self.args.eval_batch_size, gen_kwargs,
+                            self.args.seed if self._samples({}) else None),
                         collate=self.data_collator, generate=self._generate_batch, tokenizer=self.processing_class)
         if fresh is None:  # InferenceArgumentParser keeps transformers 4's --overwrite_output_dir on the arguments
             fresh = bool(getattr(self.args, "overwrite_output_dir", False))
@@ -350,24 +332,6 @@ class DeepSpeedInferenceMixin:
         self._batch_index = k - 1
         _, tokens, _ = self.prediction_step(self.model, inputs, prediction_loss_only=False)
         return tokens
-
-    def _stream_identity(self, dataset, order):
-        """What decides the bytes of a streamed predict (streaming.RunIdentity): a resume must match it."""
-        from .streaming import RunIdentity, fingerprint_rows, generation_identity, model_identity
-
-        generation_config = getattr(self.model, "generation_config", None)
-        gen = {k: v for k, v in sorted((self._gen_kwargs or {}).items()) if v is not None}
-        sampling = self._samples({})
-        return RunIdentity(
-            model=model_identity(self.model, next(self.model.parameters()).dtype),
-            data={"examples": len(dataset), "sha256": fingerprint_rows(dataset),
-                  "length_grouped": order is not None},
-            layout={"tp_size": self.topology.tp_size, "dp_size": self.topology.dp_size,
-                    "batch_size": self.args.eval_batch_size},
-            generation={"kwargs": json.loads(json.dumps(gen, default=str)),
-                        "generation_config": generation_identity(generation_config),
-                        "seed": self.args.seed if sampling else None},
-        )
 
     def _get_eval_sampler(self, eval_dataset):
         # Prediction order is ours (sorted above, restored after); never a randomised length sampler here.
