@@ -465,9 +465,9 @@ def test_modules_are_printed_once_while_deepspeed_shards_and_as_they_are_after()
 
 def test_the_pending_load_is_handed_over_on_the_skeleton_in_the_open(tmp_path):
     """Issue #43's seam (a module-global registry keyed by the model before it, #29's hidden attributes before that):
-    `load_model` returns the skeleton carrying its one PendingLoad under the documented `PENDING_ATTRIBUTE`, what
-    `shard_model` reads; sharded, the model is a skeleton no more and carries nothing of the load. A model loaded
-    whole carries none."""
+    `load_model` returns the skeleton carrying its one PendingLoad under the documented `PENDING_ATTRIBUTE`, and
+    `shard_model` takes it as an argument (a skeleton without it is refused, naming how to pass it); sharded, the
+    model is a skeleton no more and carries nothing of the load. A model loaded whole carries none."""
     from transformers import AutoModelForCausalLM
 
     from ds_inference_integration.load.loaders import PENDING_ATTRIBUTE, PendingLoad
@@ -480,8 +480,10 @@ def test_the_pending_load_is_handed_over_on_the_skeleton_in_the_open(tmp_path):
     pending = pending_load(skeleton)
     assert vars(skeleton)[PENDING_ATTRIBUTE] is pending and is_skeleton(skeleton)
     assert isinstance(pending, PendingLoad) and isinstance(pending.loader, ShardAwareLoader) and pending.start > 0
+    with pytest.raises(TypeError, match="without its pending load: pass pending=pending_load"):
+        shard_model(skeleton, ON, Topology(1, 0, 1), ProcessGroups(None, None, None), None, torch.float32)
     sharded, report = shard_model(skeleton, ON, Topology(1, 0, 1), ProcessGroups(None, None, None), None,
-                                  torch.float32)
+                                  torch.float32, pending=pending)
     assert "shard-aware" in report.loading and not is_skeleton(sharded) and PENDING_ATTRIBUTE not in vars(sharded)
     assert not any(p.is_meta for p in sharded.parameters())
     full = AutoModelForCausalLM.from_pretrained(path)

@@ -46,10 +46,11 @@ from .skeleton import build_skeleton, check_model_kind
 
 logger = logging.getLogger(__name__)
 
-# The attribute a skeleton carries from `load_model` to `shard_model`, in the open: `vars(model)` shows it, the
-# skeleton is what `load_model` returns and what `setup_inference` (the Trainer's, serve's, a script's) takes, and
-# `shard_model` removes it once every weight is read. (It was a module-global registry keyed by the model, which
-# hid where loading ends and sharding begins: #43.)
+# The attribute a skeleton carries out of `load_model`, in the open (`vars(model)` shows it): the skeleton is what
+# `load_model` returns and what `setup_inference` (the Trainer's, serve's, a script's) takes, and `setup_inference`
+# hands its pending load to `shard_model` as an argument (`pending`), where loading ends and sharding begins;
+# `shard_model` takes it off once every weight is read. (It was a module-global registry keyed by the model, which
+# `shard_model` looked up from inside: #43.)
 PENDING_ATTRIBUTE = "ds_inference_pending_load"
 
 

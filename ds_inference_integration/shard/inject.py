@@ -33,7 +33,7 @@ from ..deepspeed_compat import (
     yuan_named_apart,
 )
 from ..errors import first_line, sharding_failure
-from ..load.loaders import loaded, pending_load, policy_id
+from ..load.loaders import PendingLoad, is_skeleton, loaded, policy_id
 from ..load.readers import PreShardedLoader
 from ..policy.derive import derive_policy, derived_summary
 from ..policy.schema import AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
@@ -269,11 +269,13 @@ def shard_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     verify: bool = True,
+    pending: PendingLoad | None = None,
 ) -> tuple[nn.Module, ShardReport]:
     """Shard `model` in place over this rank's TP group; returns the (same) model and a report.
 
-    A skeleton from `load.loaders.load_model` (parameters on `meta`, its `PendingLoad` on it) is filled here,
-    with only this rank's part of each split tensor read from the checkpoint, and the pending load taken off. A
+    A skeleton from `load.loaders.load_model` (parameters on `meta`) is filled here from `pending`, its
+    `PendingLoad` (`pending_load(skeleton)`: where loading ends and sharding begins), with only this rank's part of
+    each split tensor read from the checkpoint; the pending load is then taken off the model. A
     policy nobody has checked (derived, `autotp`, or a file outside the shipped `policies/`) is checked numerically
     here first (`policy/verify.py`), unless `verify` is False (`policy check` compares the whole model itself)."""
     import deepspeed
@@ -283,7 +285,9 @@ def shard_model(
     if policy is not None and not isinstance(policy, Policy):  # "derive", "auto", a path: resolved before, once
         raise TypeError(f"shard_model takes a Policy, or None for DeepSpeed's AutoTP, not {policy!r}: resolve it with "
                         "policy.derive.policy_for_model first (setup_inference does)")
-    pending = pending_load(model)
+    if pending is None and is_skeleton(model):
+        raise TypeError("shard_model got a skeleton (weights not read yet) without its pending load: pass "
+                        "pending=pending_load(model) (setup_inference does)")
     loader = pending.open(topology.tp_size, topology.tp_rank, policy_id(policy), dtype, groups.tp) if pending else None
     device = torch.device(device)
     full_bytes = _param_bytes(model) * torch.finfo(dtype).bits // torch.finfo(next(model.parameters()).dtype).bits

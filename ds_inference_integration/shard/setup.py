@@ -12,6 +12,7 @@ from torch import nn
 
 from ..arguments import DeepSpeedInferenceArguments
 from ..deepspeed_compat import init_deepspeed_comm
+from ..load.loaders import pending_load
 from ..policy.derive import policy_for_model
 from ..policy.schema import Policy, check_head_counts, policy_for_run
 from ..run import lifecycle, watchdog
@@ -49,6 +50,7 @@ def setup_inference(model: nn.Module, inference_args: DeepSpeedInferenceArgument
         lifecycle.tear_down_at_exit()
     watchdog.start(topology.rank, topology.world_size, inf.inference_timeout)
     all_reduce = init_deepspeed_comm(topology) if groups.mesh is not None else None
-    model, report = shard_model(model, inf, topology, groups, policy, dtype, device=device)
+    # where loading (step 2) ends: the skeleton `load_model` returned hands its pending load over here
+    model, report = shard_model(model, inf, topology, groups, policy, dtype, device=device, pending=pending_load(model))
     logger.warning("deepspeed_inference: %s%s; %s", topology, f", all-reduce {all_reduce}" if all_reduce else "", report)
     return InferenceSetup(model=model, topology=topology, groups=groups, report=report, dtype=dtype)

@@ -89,7 +89,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments
     from ..deepspeed_compat import init_deepspeed_comm
-    from ..load.loaders import load_model
+    from ..load.loaders import load_model, pending_load
     from ..policy.derive import policy_for_model
     from ..policy.schema import policy_for_run
     from ..run.ranks import init_rank
@@ -146,7 +146,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
         model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=dtype,
                            mode="shard-aware" if mode == GET_SLICE else mode)
         model, shard = shard_model(model, args, topology, groups, policy_for_model(policy, model, topology.tp_size),
-                                   dtype, device=device)
+                                   dtype, device=device, pending=pending_load(model))
         report = str(shard)
     sync()
     ready = time.perf_counter() - start

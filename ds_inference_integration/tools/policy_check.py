@@ -431,7 +431,7 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
     import torch
 
     from ..load.checkpoint import checkpoint_files
-    from ..load.loaders import load_model, policy_id
+    from ..load.loaders import load_model, pending_load, policy_id
     from ..load.presharded import start_writing, write_presharded
     from ..policy.derive import policy_for_model
     from ..shard.inject import shard_model
@@ -447,7 +447,7 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         model = load_model(cls, source, mode=mode, inference_args=args, dtype=dtype)
         metas = sum(p.is_meta for p in model.parameters())
         model, report = shard_model(model, args, topology, groups, policy_for_model(policy, model, topology.tp_size),
-                                    dtype, verify=False)
+                                    dtype, verify=False, pending=pending_load(model))
         mine = dict(model.named_parameters(remove_duplicate=False))
         bad = [n for n in want if n not in mine or mine[n].shape != want[n].shape or not torch.equal(mine[n], want[n])]
         bad += [n for n in mine if n not in want]

@@ -80,7 +80,7 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
     from ..deepspeed_compat import init_deepspeed_comm
-    from ..load.loaders import load_model, policy_id
+    from ..load.loaders import load_model, pending_load, policy_id
     from ..load.presharded import write_presharded
     from ..load.skeleton import model_class_for
     from ..policy.derive import policy_for_model
@@ -101,7 +101,7 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
         policy = None if policy_spec == "autotp" else policy_for_run(policy_spec, config, topology.tp_size)
         model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware")
         policy = policy_for_model(policy, model, topology.tp_size)
-        model, report = shard_model(model, args, topology, groups, policy, dtype, device=device)
+        model, report = shard_model(model, args, topology, groups, policy, dtype, device=device, pending=pending_load(model))
         manifest = write_presharded(model, Path(src), Path(out), topology, groups,
                                     policy_id(report.policy_object or policy), dtype)
         if manifest is not None:
