@@ -212,6 +212,15 @@ def reference_run(args: list[str], script: Path = RUN_TRANSLATION) -> Run:
     return Run(0, "", 0.0, once_per_run(f"{script.stem}-{key}", lambda out: run_in_process(args, out, script)))
 
 
+def resumed_count(output: str) -> int:
+    """K from a resumed run's own log line `resumed: K of N examples already done` (exactly one in `output`)."""
+    import re
+
+    found = re.findall(r"resumed: (\d+) of (\d+) examples already done", output)
+    assert len(found) == 1, output[-3000:]
+    return int(found[0][0])
+
+
 def once_per_run(name: str, make) -> Path:
     """The directory `name` that `make(directory)` makes and fills once per pytest run, for every xdist worker and module
     that asks for it: the first to ask makes it under a lock, the others wait for it and read it. (A module-scoped
@@ -321,17 +330,15 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 # launched ones, then the in-process ones: the two workers (`make test`, --dist worksteal) then finish together
 # instead of one running a 50 s test alone at the end. A test that uses a module's server is not listed: sorted
 # away from the module's other tests, it went to the other worker, which started a second server for it.
-LONGEST = {"test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[own_disks]": 55,
+LONGEST = {"test_a_killed_rank_sigterm_ctrl_c_and_a_killed_job_each_end_a_run_and_the_same_command_resumes": 80,
+           "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[own_disks]": 55,
            "test_translation_sources_come_back_as_run_translation_predicts_them_greedy_and_beams": 43,
            "test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_wait": 43,
-           "test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes": 38,
            "test_smoke_decode": 20,
            "test_every_architecture_matches_the_unsharded_model[2]": 35,
            "test_every_architecture_matches_the_unsharded_model[4-subset]": 34,
            "test_presharded_predictions_equal_the_source": 31,
            "test_a_causal_lms_eval_loss_and_logits_at_dp_2_and_tp_2_are_one_process_s": 30,
-           "test_ctrl_c_ends_every_rank_in_one_line_and_the_same_command_resumes": 28,
-           "test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes": 27,
            "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 26,
            "test_dp2_x_tp2_serves_the_prompts_as_one_process": 26,
            "test_t5_long_rows_leaving_clients_warnings_and_ctrl_c": 24,
@@ -355,23 +362,54 @@ def pytest_collection_modifyitems(config, items):
 
 
 _MODULE_SECONDS: dict = {}
+_MODULE_CPU: dict = {}
+_TEST_CPU: dict = {}
+_CPU_MARK = [None]
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time and that of the processes it waited for (launchers wait for their ranks, so a launched
+    run's ranks count once it ends): a 2-core machine's suite is CPU-bound, so CPU is what a test costs the others."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's CPU seconds (since the last report of this process) ride on its report to xdist's controller."""
+    report = (yield).get_result()
+    now = _cpu_seconds()
+    spent, _CPU_MARK[0] = (now - _CPU_MARK[0] if _CPU_MARK[0] is not None else 0.0), now
+    report.user_properties = [*report.user_properties, ("cpu_seconds", round(spent, 2))]
 
 
 def pytest_runtest_logreport(report):
     """Each test's setup, call and teardown, summed per module (on xdist's controller too: its workers' reports)."""
     module = report.nodeid.split("::")[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    cpu = dict(report.user_properties).get("cpu_seconds", 0.0)
+    _MODULE_CPU[module] = _MODULE_CPU.get(module, 0.0) + cpu
+    _TEST_CPU[report.nodeid] = _TEST_CPU.get(report.nodeid, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter):
-    """What each module cost (seconds of its tests, summed over the workers), the costliest first: where a slow
-    addition to the suite shows (`make test` should stay under 9 minutes on 2 cores)."""
+    """What each module cost (seconds of its tests summed over the workers, and CPU seconds of the tests and of the
+    processes they started), the costliest first, then the costliest tests: where a slow addition to the suite shows
+    (`make test` should stay under 9 minutes on 2 cores)."""
     if not _MODULE_SECONDS or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    terminalreporter.write_sep("=", f"seconds per module ({sum(_MODULE_SECONDS.values()):.0f} in all, over the workers)")
-    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+    terminalreporter.write_sep("=", f"seconds / CPU seconds per module ({sum(_MODULE_SECONDS.values()):.0f} / "
+                                    f"{sum(_MODULE_CPU.values()):.0f} in all, over the workers)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -_MODULE_CPU.get(kv[0], 0.0)):
         if seconds >= 1.0:
-            terminalreporter.write_line(f"{seconds:8.1f}  {module}")
+            terminalreporter.write_line(f"{seconds:8.1f} {_MODULE_CPU.get(module, 0.0):8.1f}  {module}")
+    terminalreporter.write_sep("-", "the 15 costliest tests in CPU seconds")
+    for nodeid, cpu in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{cpu:8.1f}  {nodeid}")
+    if os.environ.get("DS_INFERENCE_TEST_CPU_FILE"):  # every test's CPU seconds, for a closer look
+        Path(os.environ["DS_INFERENCE_TEST_CPU_FILE"]).write_text(json.dumps(_TEST_CPU, indent=1))
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ from conftest import (
     free_port,
     load_example,
     reference_run,
+    resumed_count,
     run_example,
     run_in_process,
     sampling_config,
@@ -139,15 +140,21 @@ def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
     return _read_until(proc, timeout, line_done=lambda line: text in line)
 
 
-def _wait_for_parts(proc, out: Path, timeout: float) -> list[str]:
-    """Read `proc`'s output (on a thread) until a predict part in `out` holds a record (a batch or more on disk)."""
-    def written() -> bool:
+def _records(out: Path) -> int:
+    """Predictions on disk in `out`'s parts (a line a record; a part renamed or removed while read counts 0)."""
+    count = 0
+    for part in (out / "predict_parts").glob("part-*.jsonl"):
         try:
-            return any(p.stat().st_size for p in (out / "predict_parts").glob("part-*.jsonl"))
-        except OSError:  # a part renamed or removed between the listing and its size: look again
-            return False
+            count += part.read_bytes().count(b"\n")
+        except OSError:
+            pass
+    return count
 
-    return _read_until(proc, timeout, polled=written)
+
+def _wait_for_parts(proc, out: Path, timeout: float, more_than: int = 0) -> list[str]:
+    """Read `proc`'s output (on a thread) until its parts in `out` hold more than `more_than` records (a batch or
+    more of its own on disk)."""
+    return _read_until(proc, timeout, polled=lambda: _records(out) > more_than)
 
 
 def _read_until(proc, timeout: float, line_done=None, polled=None) -> list[str]:
@@ -172,15 +179,18 @@ def _read_until(proc, timeout: float, line_done=None, polled=None) -> list[str]:
     return lines
 
 
-@pytest.mark.launched
-def test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_resumes(single_some, tmp_path):
-    """`kill PID` of the deepspeed command during a tp 2 predict: within 20 s no process of the job runs (before:
-    the command exited 143 at once and both ranks ran on, DeepSpeed 0.19 forwarding signals only for pdsh); the
-    same command again resumes and ends byte for byte as one process."""
-    args = [*SOME, *TP2]
-    proc, _ = start_example(args, tmp_path, nprocs=2, launcher="deepspeed", fault="pace:0.3")
+def _no_results(out: Path) -> None:
+    assert not (out / "predict_results.json").exists() and not (out / "generated_predictions.txt").exists()
+
+
+def _sigterm_to_the_deepspeed_command(args: list[str], out: Path) -> list[str]:
+    """`kill PID` of the deepspeed command during a tp 2 predict, once a batch of this run is on disk: within 20 s
+    no process of the job runs (before: the command exited 143 at once and both ranks ran on, DeepSpeed 0.19
+    forwarding signals only for pdsh); its output."""
+    before = _records(out)
+    proc, _ = start_example(args, out, nprocs=2, launcher="deepspeed", fault="pace:0.3")
     try:
-        lines = _wait_for_parts(proc, tmp_path, 200)  # streaming, a batch or more on disk, 15 batches of 0.3 s left
+        lines = _wait_for_parts(proc, out, 200, before)  # streaming, a batch of its own on disk, many of 0.3 s left
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(10)
         deadline = time.monotonic() + 20
@@ -191,40 +201,74 @@ def test_sigterm_to_the_deepspeed_command_ends_every_rank_and_the_same_command_r
         os.killpg(proc.pid, signal.SIGKILL) if _session_alive(proc.pid) else None
     lines.reader.join(10)  # the output up to the end of the last process
     assert any("the deepspeed command (pid" in line for line in lines), "".join(lines)[-2000:]
-    resumed = run_example(args, tmp_path, nprocs=2, launcher="deepspeed")
-    assert_ok(resumed)
-    assert "resumed: " in resumed.output
-    assert (tmp_path / "generated_predictions.txt").read_bytes() == single_some
+    return lines
 
 
-@pytest.mark.launched
-def test_ctrl_c_ends_every_rank_in_one_line_and_the_same_command_resumes(single_some, tmp_path):
+def _ctrl_c(args: list[str], out: Path) -> list[str]:
     """Ctrl-C in the terminal of a torchrun tp 2 predict (SIGINT to the whole process group, the launcher and both
-    ranks, as a terminal sends it): each rank says so in one line and exits 130; torchrun exits non-zero with its
-    own report of the signal, the only traceback (each rank printed its KeyboardInterrupt traceback: 176-317 lines
-    in all, 2026-12-05); the same command then resumes and ends byte for byte as one process."""
+    ranks, as a terminal sends it), once a batch of this run is on disk: each rank says so in one line and exits
+    130; torchrun exits non-zero with its own report of the signal, the only traceback (each rank printed its
+    KeyboardInterrupt traceback: 176-317 lines in all, 2026-12-05); its output."""
     import re
 
-    args = [*SOME, *TP2]
-    proc, _ = start_example(args, tmp_path, nprocs=2, fault="pace:0.3")
+    before = _records(out)
+    proc, _ = start_example(args, out, nprocs=2, fault="pace:0.3")
     try:
-        lines = _wait_for_parts(proc, tmp_path, 200)
+        lines = _wait_for_parts(proc, out, 200, before)
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
         lines.reader.join(10)
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if _session_alive(proc.pid) else None
-    out = "".join(lines)
-    assert proc.returncode != 0, out[-3000:]
+    output = "".join(lines)
+    assert proc.returncode != 0, output[-3000:]
     errors = sorted(line.strip() for line in lines if line.startswith("error:"))
     assert errors == [f"error: interrupted (SIGINT); this rank stopped; a streamed predict resumes from its parts when "
-                      f"the same command runs again [rank {r}]" for r in (0, 1)], out[-3000:]
-    assert out.count("Traceback") == out.count("SignalException: Process"), out[-3000:]  # torchrun's own report
-    assert not re.search(r'File ".*(run_translation|ds_inference_integration)|frame #', out), out[-3000:]
-    resumed = run_example(args, tmp_path, nprocs=2)
+                      f"the same command runs again [rank {r}]" for r in (0, 1)], output[-3000:]
+    assert output.count("Traceback") == output.count("SignalException: Process"), output[-3000:]  # torchrun's own
+    assert not re.search(r'File ".*(run_translation|ds_inference_integration)|frame #', output), output[-3000:]
+    return lines
+
+
+# One streamed predict of 64 examples (16 batches at tp 2) that every way a run ends early interrupts in turn, each
+# run resuming from what the ones before it left: the same command's resume after each is what each test of these
+# faults showed, and one chain of six launches shows it where three tests of two or three launches each did (seven
+# launches, ~110 CPU-s of a suite over its 10 minutes, 2026-12-06; a launch costs ~16 CPU-s before any work).
+@pytest.mark.launched
+def test_a_killed_rank_sigterm_ctrl_c_and_a_killed_job_each_end_a_run_and_the_same_command_resumes(single_some,
+                                                                                                  tmp_path):
+    """At tp 2 (64 examples, 16 batches), in turn: SIGKILL of rank 1 at its third batch ends the run within the
+    timeout with nothing claimed; a resume with other generation settings is refused; SIGTERM to the deepspeed
+    command running the same command (a resume) ends every process of the job; Ctrl-C in torchrun's terminal
+    (another resume) ends each rank in one line; the whole job killed at once (launcher and both ranks, SIGKILL) in
+    a further resume claims nothing either; and the same command once more ends byte for byte as one process,
+    generating only the examples not yet on disk, with one process's BLEU."""
+    from ds_inference_integration.errors import InferenceSetupError
+
+    out, args = tmp_path, [*SOME, *TP2]
+    killed = run_example(args, out, nprocs=2, timeout=200, fault="kill:1:3")
+    assert killed.returncode != 0 and killed.seconds < 60 + 30, (killed.seconds, killed.output[-3000:])
+    _no_results(out)
+    with pytest.raises(InferenceSetupError, match=r"different predict run \(.*generation\.kwargs\.num_beams: 1 -> 2"):
+        run_in_process([*SOME, "--num_beams", "2"], out)
+    for interrupt in (_sigterm_to_the_deepspeed_command, _ctrl_c):
+        done = _records(out)
+        lines = interrupt(args, out)
+        assert resumed_count("".join(lines)) == done and _records(out) > done, "".join(lines)[-3000:]
+        _no_results(out)
+    done = _records(out)
+    assert done < 4 * 11, done  # batch 12 of the 16 (the fault counts a predict's batches from its first) is to come
+    job = run_example(args, out, nprocs=2, timeout=200, fault="killjob:0:12")
+    assert job.returncode == -9 and resumed_count(job.output) == done, job.output[-3000:]
+    _no_results(out)
+    resumed = run_example(args, out, nprocs=2, timeout=200)
     assert_ok(resumed)
-    assert "resumed: " in resumed.output
-    assert (tmp_path / "generated_predictions.txt").read_bytes() == single_some
+    assert (out / "generated_predictions.txt").read_bytes() == single_some
+    done, results = resumed_count(resumed.output), resumed.results("predict")
+    assert 0 < done < 64 and results["predict_generated_samples"] == 64 - done and results["predict_samples"] == 64
+    single = reference_run(SOME)
+    assert {k: results[k] for k in ("predict_bleu", "predict_gen_len")} == \
+        {k: single.results("predict")[k] for k in ("predict_bleu", "predict_gen_len")}
 
 
 # Two runs of one command into one directory, and a timeout meant as "none" -----------------------------------------

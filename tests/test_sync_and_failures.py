@@ -13,6 +13,7 @@ from conftest import (
     free_port,
     load_example,
     reference_run,
+    resumed_count,
     run_example,
     run_in_process,
     sampling_config,
@@ -26,15 +27,6 @@ def single_odd():
     run = reference_run(ODD)
     assert_ok(run)
     return run
-
-
-def resumed_count(run) -> int:
-    """K from the resumed run's own log line `resumed: K of N examples already done`."""
-    import re
-
-    found = re.findall(r"resumed: (\d+) of (\d+) examples already done", run.output)
-    assert len(found) == 1, run.output[-3000:]
-    return int(found[0][0])
 
 
 # The killed-then-resumed run is make test-all's (68 s of make test's 911 s, 2026-12-04): resuming after a kill is
@@ -68,7 +60,7 @@ def test_dp2_x_tp2_on_four_ranks(single_odd, tmp_path, launcher, loader, killed)
     assert "world 4 = tp 2 x dp 2 (rank 3)" in run.output
     assert 0 <= results["predict_lockstep_guard_seconds"] < results["predict_runtime"]
     if killed:
-        done = resumed_count(run)
+        done = resumed_count(run.output)
         assert 0 < done < 37 and results["predict_generated_samples"] == 37 - done
         assert not (tmp_path / "predict_parts").exists()
 
@@ -101,34 +93,10 @@ def _no_results(out) -> None:
     assert not (out / "predict_results.json").exists() and not (out / "generated_predictions.txt").exists()
 
 
-@pytest.mark.launched
-def test_killed_rank_ends_the_run_within_the_timeout_and_the_same_command_resumes(tmp_path):
-    """SIGKILL of rank 1 in the middle of a tp 2 predict: the run ends promptly with nothing claimed; a resume
-    with other generation settings is refused; the same command continues, is killed whole (launcher and
-    ranks) further on, and the same command again gives byte for byte the single-process predictions,
-    generating only the examples that were not on disk."""
-    from ds_inference_integration.errors import InferenceSetupError
-
-    run = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="kill:1:3", launcher="torchrun")
-    assert run.returncode != 0
-    assert run.seconds < 60 + 30, run.seconds
-    _no_results(tmp_path)
-    plain = [a for a in FAULT_ARGS if a not in ("--deepspeed_inference",)]
-    with pytest.raises(InferenceSetupError, match=r"different predict run \(.*generation\.kwargs\.num_beams: 1 -> 2"):
-        run_in_process([*plain, "--num_beams", "2"], tmp_path)
-    # then the whole job killed at once (launcher and both ranks, SIGKILL) further on: nothing claimed either
-    killed = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, fault="killjob:0:9", launcher="torchrun")
-    assert killed.returncode == -9 and "resumed: " in killed.output, killed.output[-3000:]
-    _no_results(tmp_path)
-    resumed = run_example(FAULT_ARGS, tmp_path, nprocs=2, timeout=200, launcher="torchrun")
-    assert_ok(resumed)
-    single = reference_run(SOME)
-    want = (single.output_dir / "generated_predictions.txt").read_bytes()
-    assert (tmp_path / "generated_predictions.txt").read_bytes() == want
-    done, results = resumed_count(resumed), resumed.results("predict")
-    assert 0 < done < 64 and results["predict_generated_samples"] == 64 - done and results["predict_samples"] == 64
-    assert {k: results[k] for k in ("predict_bleu", "predict_gen_len")} == \
-        {k: single.results("predict")[k] for k in ("predict_bleu", "predict_gen_len")}
+# A killed rank, its run ending within the timeout and the same command resuming (refused with other generation
+# settings, then a whole job killed, then byte for byte): test_layouts_and_faults.py's
+# test_a_killed_rank_sigterm_ctrl_c_and_a_killed_job_each_end_a_run_and_the_same_command_resumes, one chain of runs
+# with SIGTERM and Ctrl-C.
 
 
 @pytest.mark.launched
