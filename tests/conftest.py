@@ -340,7 +340,6 @@ LONGEST = {"test_a_killed_rank_sigterm_ctrl_c_and_a_killed_job_each_end_a_run_an
            "test_presharded_predictions_equal_the_source": 31,
            "test_a_causal_lms_eval_loss_and_logits_at_dp_2_and_tp_2_are_one_process_s": 30,
            "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 26,
-           "test_dp2_x_tp2_serves_the_prompts_as_one_process": 26,
            "test_t5_long_rows_leaving_clients_warnings_and_ctrl_c": 24,
            "test_sigterm_drains_an_idle_replica_lives_past_the_timeout_chat_and_api_key": 23,
            "test_a_full_queue_gets_429_at_once_and_a_killed_rank_ends_the_server": 23,
