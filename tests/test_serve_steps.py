@@ -800,7 +800,11 @@ def test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_
         client.join(60)
         status, body, headers = answers[0]
         assert status == 503 and headers.get("x-should-retry") == "false", answers
+        assert "exited" in body["error"]["message"], body
+        health, _, _ = request("GET", one.url + "/health", timeout=5)
+        assert health in (503, 0), health  # answering 503 on its way out, or gone
         assert one.proc.wait(30) == 3, one.output()[-2000:]
+        assert "error: replica 0 rank 1 exited" in one.output(), one.output()[-2000:]
     finally:
         one.stop()
     assert not one.group_alive()
