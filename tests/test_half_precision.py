@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_policies_tp import KINDS, policy_check, policy_cli, shared_check, wrong_policy_check
+from test_policies_tp import HALF_SCALE, KINDS, faults_check, policy_check, policy_cli, shared_check, wrong_policy_check
 
 from ds_inference_integration.policy.schema import POLICY_DIR, resolve_policy
 from ds_inference_integration.tools import rounding
@@ -70,27 +70,21 @@ def test_shipped_policies_pass_in_bf16_with_partings_at_near_ties_reported(names
 
 
 @pytest.mark.launched
-def test_a_split_wrong_only_in_half_precision_fails_naming_the_layer(tmp_path, monkeypatch):
+def test_a_split_wrong_only_in_half_precision_fails_naming_the_layer():
     """A fault scales rank 1's part of layer 1's down projection by 1.2 after sharding, in half precision only (a
     scale applied twice on one rank): checked in fp32 it is invisible (the fault does not fire) and every check
     passes; checked in bf16, the logits and hidden states fail (and any token check that fails), each naming
     model.layers.1, where the error first exceeds the rounding bound, on both ranks. One launch: the bf16
-    checkpoint and an fp32 one of the same model, each checked in its own dtype (two launches cost ~10 CPU-s more)."""
-    import shutil
-
-    from conftest import FAULTS
-
-    model = save_zoo(tmp_path / "zoo", ["llama"], "bf16")["llama"]
-    in_fp32 = tmp_path / "llama_fp32"
-    shutil.move(save_zoo(tmp_path / "zoo32", ["llama"], "fp32")["llama"], in_fp32)
-    monkeypatch.setenv("PYTHONPATH", str(FAULTS))
-    monkeypatch.setenv("DS_INFERENCE_FAULT", "half_scale:1:layers.1.mlp.down_proj:1.2")
-    proc, report = policy_check([in_fp32, model], 2, tmp_path)
-    assert report["models"] == ["llama_fp32", "llama"] and report["dtypes"] == ["fp32", "bf16"], proc.stdout[-3000:]
+    checkpoint and an fp32 one of the same model, each checked in its own dtype, beside the T5 of
+    test_policy_check_counts_every_rank_and_leaves_no_temporary_files (`faults_check`)."""
+    assert HALF_SCALE.endswith("layers.1.mlp.down_proj:1.2")
+    proc, report, _ = faults_check()
+    assert report["models"] == ["llama_fp32", "llama", "t5"] and report["dtypes"] == ["fp32", "bf16", "fp32"], \
+        proc.stdout[-3000:]
     fp32 = [c for c in report["checks"] if c["model"] == "llama_fp32"]
     assert len(fp32) == len(KINDS) and all(c["passed"] for c in fp32), proc.stdout[-3000:]
     assert proc.returncode == 1 and not report["ok"], proc.stdout[-3000:]
-    failed = {c["check"]: c for c in report["checks"] if not c["passed"]}
+    failed = {c["check"]: c for c in report["checks"] if not c["passed"] and c["model"] != "t5"}
     assert all(c["model"] == "llama" for c in failed.values())
     assert {"logits", "hidden_states"} <= set(failed), proc.stdout[-3000:]
     assert failed["hidden_states"]["data"]["layer"] == "model.layers.1"

@@ -312,19 +312,33 @@ def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
 
 # A checkpoint that lacks some tensors: only those are initialised, exactly as from_pretrained does ------------
 
-@pytest.mark.parametrize("name", ["llama_kv4", "gpt2"])
+ONE_RANK = ("llama_kv4", "gpt2")
+
+
+def one_rank_rows() -> list[dict]:
+    """tests/workers/one_rank_shard.py on the ONE_RANK models in bf16, in one process, once per pytest run for both
+    of the test's cases (a process each cost ~5 CPU-s more, 2026-12-06): its json lines."""
+    def make(out: Path) -> None:
+        out.mkdir()
+        dirs = [str(save_decoder(name, out)) for name in ONE_RANK]
+        proc = subprocess.run([sys.executable, str(WORKERS / "one_rank_shard.py"), "bf16", *dirs],
+                              capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2",
+                                   "TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions")})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        (out / "rows.jsonl").write_text(proc.stdout)
+
+    out = once_per_run("one-rank-shard", make)
+    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("name", ONE_RANK)
 @pytest.mark.launched
-def test_one_rank_equals_from_pretrained_bitwise(tmp_path, name):
+def test_one_rank_equals_from_pretrained_bitwise(name):
     """tp 1 (one GPU): nothing is split, so every loading mode must give from_pretrained(dtype=bf16)'s logits
     bit for bit. Two things broke that: DeepSpeed cast RoPE's fp32 `inv_freq` to bf16 (Llama), and shard-aware
     loading read GPT-2's Conv1D weights transposed although DeepSpeed had left the module a Conv1D."""
-    model_dir = save_decoder(name, tmp_path)
-    proc = subprocess.run([sys.executable, str(WORKERS / "one_rank_shard.py"), str(model_dir), "bf16"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2",
-                               "TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions")})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = [r for r in one_rank_rows() if r["model"] == name]
     assert [r["mode"] for r in rows] == ["full", "shard-aware"]
     for r in rows:
         assert r["max_abs_diff"] == 0.0, r

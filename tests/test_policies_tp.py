@@ -35,23 +35,26 @@ def model_dirs(tmp_path_factory):
     return save_model_dirs(tmp_path_factory.mktemp("arch"))
 
 
-def policy_cli(*args: str, timeout: float = 400, fault: str | None = None) -> subprocess.CompletedProcess:
-    """`ds-inference policy ARGS`; `fault`: DS_INFERENCE_FAULT with the tests' fault hooks on the path."""
-    env = None
+def policy_cli(*args: str, timeout: float = 400, fault: str | None = None,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """`ds-inference policy ARGS`; `fault`: DS_INFERENCE_FAULT with the tests' fault hooks on the path; `env`: more
+    of the environment."""
+    env = {**os.environ, **env} if env else None
     if fault:
         from conftest import FAULTS
 
-        env = {**os.environ, "DS_INFERENCE_FAULT": fault,
+        env = {**(env or os.environ), "DS_INFERENCE_FAULT": fault,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([str(BIN / "ds-inference"), "policy", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
-def policy_check(dirs, tp: int, tmp_path, *extra: str, timeout: float = 400, fault: str | None = None):
+def policy_check(dirs, tp: int, tmp_path, *extra: str, timeout: float = 400, fault: str | None = None,
+                 env: dict | None = None):
     """`ds-inference policy check --json`: the process and its structured report (None if it wrote none)."""
     out = tmp_path / f"check_tp{tp}.json"
     proc = policy_cli("check", *map(str, dirs), "--tp-size", str(tp), "--json", str(out), *extra, timeout=timeout,
-                      fault=fault)
+                      fault=fault, env=env)
     return proc, (json.loads(out.read_text()) if out.is_file() else None)
 
 
@@ -102,14 +105,17 @@ def shared_check(name: str, save, timeout: float = 600, fault: str | None = None
     """`policy_check` at tp 2 of the models `save(directory)` writes ({name: directory}), made once per pytest run
     (`conftest.once_per_run`) for every worker and test that asks for `name`: (process, report, {name: directory}).
     One launch for the checks of several tests: a launcher and two ranks' imports cost ~12 CPU-s on 2 cores
-    (2026-12-05), each time. `fault`: a fault hook (`policy_cli`); `extra(directory)`: more of the check's flags."""
+    (2026-12-05), each time. `fault`: a fault hook (`policy_cli`); `extra(directory)`: more of the check's flags.
+    The check's TMPDIR is `tmp` beside the models (empty unless the check leaves something there)."""
     from types import SimpleNamespace
 
     def make(out: Path) -> None:
         out.mkdir()
+        (out / "tmp").mkdir()
         dirs = save(out / "models")
         assert len({Path(d).name for d in dirs.values()}) == len(dirs)  # the report names a model by its directory
-        proc, _ = policy_check(dirs.values(), 2, out, *extra(out / "models"), timeout=timeout, fault=fault)
+        proc, _ = policy_check(dirs.values(), 2, out, *extra(out / "models"), timeout=timeout, fault=fault,
+                               env={"TMPDIR": str(out / "tmp")})
         (out / "run.json").write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
                                                   "stderr": proc.stderr, "dirs": {n: str(d) for n, d in dirs.items()}}))
 
@@ -195,6 +201,29 @@ def wrong_policy_check():
     proc, report, _ = shared_check("policy-check-wrong-opt", save, timeout=200,
                                    extra=lambda models: ["--policy", str(models / "opt_missing_fc2.toml")])
     return proc, report
+
+
+HALF_SCALE = "half_scale:1:layers.1.mlp.down_proj:1.2"  # rank 1's part of layer 1's down projection, x1.2
+
+
+def faults_check():
+    """One `policy check` at tp 2 of a Llama in fp32 and in bf16 under a split wrong only in half precision on rank
+    1 (HALF_SCALE), beside a T5 whose rank 1 alone sees its logits off by 1.0 (`check_logits`), made once per
+    pytest run for test_half_precision.py's test_a_split_wrong_only_in_half_precision_fails_naming_the_layer and
+    test_sync_and_failures.py's test_policy_check_counts_every_rank_and_leaves_no_temporary_files (a launch of
+    their own each cost ~14 CPU-s, 2026-12-06): (process, report, the check's TMPDIR)."""
+    from ds_inference_integration.tools.architecture_zoo import save_zoo
+
+    def save(root: Path) -> dict:
+        import shutil
+
+        model = save_zoo(root / "zoo", ["llama"], "bf16")["llama"]
+        in_fp32 = root / "llama_fp32"
+        shutil.move(save_zoo(root / "zoo32", ["llama"], "fp32")["llama"], in_fp32)
+        return {"llama_fp32": in_fp32, "llama": model, "t5": save_tiny_model("t5", root / "t5")}
+
+    proc, report, dirs = shared_check("policy-check-faults", save, timeout=300, fault=f"{HALF_SCALE};check_logits:1:t5")
+    return proc, report, dirs["t5"].parents[1] / "tmp"
 
 
 @pytest.mark.launched

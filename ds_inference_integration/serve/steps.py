@@ -759,7 +759,9 @@ def probe(model, tokenizer, device, capacity: int = 4, project_cross: bool = Tru
     # the most (limited to the model's positions: 64 and more for every model we ship)
     prompts = [[(7 * i + 3) % vocab for i in range(24)], [(5 * i + 11) % vocab for i in range(3)],
                [(3 * i + 5) % vocab for i in range(12)]]
-    engine = StepEngine(model, tokenizer, device, capacity, project_cross=project_cross)
+    # its own engine, with a slot for each of its rows whatever the served capacity (--max_batch_size 1 left the
+    # probe no slot for its second row: "KeyError: 1", and the model went to the batch engine)
+    engine = StepEngine(model, tokenizer, device, max(capacity, len(prompts)), project_cross=project_cross)
     engine.record = {}
 
     answers, key = Kept(), BatchKey()

@@ -8,7 +8,9 @@ package when that module is first imported.
                                           scheduler's kill -9, a lost node)
     DS_INFERENCE_FAULT=pace:S             every batch of every rank starts S seconds late (a long run, little CPU)
     DS_INFERENCE_FAULT=fail_write:NAME    writing the output file NAME fails halfway (nothing renamed into place)
-    DS_INFERENCE_FAULT=check_logits:RANK  that rank's `policy check` sees its sharded logits off by 1.0
+    DS_INFERENCE_FAULT=check_logits:RANK[:NAME]
+                                          that rank's `policy check` sees its sharded logits off by 1.0 (only
+                                          of the model whose directory is NAME, where given)
     DS_INFERENCE_FAULT=slow_start:RANK:S  that rank starts S seconds late (a loaded machine: its peers reach
                                           every check first)
     DS_INFERENCE_FAULT=shard_raise:TYPE   DeepSpeed's AutoTP raises the builtin exception TYPE on every rank when it
@@ -22,8 +24,12 @@ package when that module is first imported.
                                           a split wrong only in half precision: after sharding in fp16 or bf16, that
                                           rank's part of the module NAME (a path suffix) is scaled by F, as a
                                           scale applied twice on one rank would
+
+Several faults at once: separated by ";" (one launch for the checks of two tests: `policy check` of a model with
+one fault beside a model with another).
 """
 
+import functools
 import importlib.abc
 import importlib.machinery
 import os
@@ -31,7 +37,8 @@ import signal
 import sys
 
 SPEC = os.environ.get("DS_INFERENCE_FAULT", "")
-KIND, _, ARG = SPEC.partition(":")
+FAULTS = [part.partition(":")[::2] for part in SPEC.split(";") if part]
+KIND, ARG = FAULTS[0] if len(FAULTS) == 1 else ("", "")  # the faults that patch at start, one at a time
 
 
 def _kill_job():
@@ -102,21 +109,23 @@ def _patch_files(module):
     module.atomic_path = atomic_path
 
 
-def _patch_check(module):
-    rank = int(ARG)
+def _patch_check(module, arg):
+    rank, _, name = arg.partition(":")
     original = module._run_model_naming_failures
 
     def run(model, inputs, torch, *args, **kwargs):
         out = original(model, inputs, torch, *args, **kwargs)
-        if int(os.environ.get("RANK", "0")) == rank:
+        config = getattr(getattr(model, "module", model), "config", None)
+        where = os.path.basename(str(getattr(config, "name_or_path", "")).rstrip("/"))
+        if int(os.environ.get("RANK", "0")) == int(rank) and name in ("", where):
             out["logits"] = out["logits"] + 1.0
         return out
 
     module._run_model_naming_failures = run
 
 
-def _patch_half_scale(module):
-    rank, name, factor = ARG.split(":")
+def _patch_half_scale(module, arg):
+    rank, name, factor = arg.split(":")
     original = module.shard_model
 
     def shard_model(model, args, topology, groups, policy, dtype, *rest, **kwargs):
@@ -183,11 +192,17 @@ if KIND == "hide_module":
 PATCHES = {"ds_inference_integration.run.files": _patch_files} if KIND == "fail_write" else (
     {"ds_inference_integration.serve.rules": _patch_serve_raise} if KIND == "serve_raise" else
     {} if KIND == "hide_module" else
-    {"ds_inference_integration.tools.policy_check": _patch_check} if KIND == "check_logits" else
     {"ds_inference_integration.tools.policy_check": _patch_abort_at_exit} if KIND == "abort_at_exit" else
     {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else
-    {"ds_inference_integration.shard.inject": _patch_half_scale} if KIND == "half_scale" else
-    {"ds_inference_integration.predict.trainer": _patch_trainer} if KIND else {})
+    {"ds_inference_integration.predict.trainer": _patch_trainer} if KIND and KIND not in (
+        "check_logits", "half_scale") else {})
+# the faults that take their argument, any number of them at once
+for _kind, _arg in FAULTS:
+    if _kind in ("check_logits", "half_scale"):
+        _target = "ds_inference_integration." + ("tools.policy_check" if _kind == "check_logits" else "shard.inject")
+        _patch = functools.partial(_patch_check if _kind == "check_logits" else _patch_half_scale, arg=_arg)
+        PATCHES[_target] = (lambda first, then: lambda module: (first(module), then(module)))(
+            PATCHES.get(_target, lambda module: None), _patch)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
