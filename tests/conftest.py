@@ -337,7 +337,6 @@ LONGEST = {"test_a_killed_rank_sigterm_ctrl_c_and_a_killed_job_each_end_a_run_an
            "test_smoke_decode": 20,
            "test_every_architecture_matches_the_unsharded_model[2]": 35,
            "test_every_architecture_matches_the_unsharded_model[4-subset]": 34,
-           "test_presharded_predictions_equal_the_source": 31,
            "test_a_causal_lms_eval_loss_and_logits_at_dp_2_and_tp_2_are_one_process_s": 30,
            "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 26,
            "test_t5_long_rows_leaving_clients_warnings_and_ctrl_c": 24,
@@ -539,3 +538,24 @@ def save_tiny_wav2vec2_bart(path: Path) -> Path:
     tok.save_pretrained(path)
     Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, return_attention_mask=True).save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def presharded():
+    """The embedded translation model, copied (with a pytorch_model.bin beside its safetensors, which the
+    command must not copy), and pre-sharded for tp 2 by `ds-inference shard`: once per pytest run (`once_per_run`; the
+    tests only read it, or copy it), not once per worker that runs one of these tests."""
+    import torch
+    from safetensors.torch import load_file
+
+    def make(root: Path) -> None:
+        src = root / "t5"
+        shutil.copytree(DEFAULT_MODEL, src)
+        torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
+        proc = subprocess.run([str(BIN / "ds-inference"), "shard", str(src), "--tp-size", "2", str(root / "t5_tp2")],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (root / "stdout.txt").write_text(proc.stdout)
+
+    root = once_per_run("presharded-t5-tp2", make)
+    return root / "t5", root / "t5_tp2", (root / "stdout.txt").read_text()

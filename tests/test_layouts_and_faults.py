@@ -264,6 +264,7 @@ def test_a_killed_rank_sigterm_ctrl_c_and_a_killed_job_each_end_a_run_and_the_sa
     resumed = run_example(args, out, nprocs=2, timeout=200)
     assert_ok(resumed)
     assert (out / "generated_predictions.txt").read_bytes() == single_some
+    assert resumed.output.count("model loaded shard-aware: read") == 2  # the default for a safetensors checkpoint
     done, results = resumed_count(resumed.output), resumed.results("predict")
     assert 0 < done < 64 and results["predict_generated_samples"] == 64 - done and results["predict_samples"] == 64
     single = reference_run(SOME)
