@@ -427,8 +427,8 @@ def test_a_closed_terminals_sighup_drains_the_front_as_sigterm_and_ctrl_c_do():
     (make test-all's: a server of its own cost 13 CPU-s of a suite over its 10 minutes, 2026-12-06): while the server
     runs, SIGHUP (which uvicorn does not handle: it ended the front where it stood) is the handler SIGTERM and SIGINT
     get, a first one drains and a second one ends the server at once (exit 128 + 1); afterwards the previous handlers
-    are back. (The ranks ignore a group's SIGHUP with its SIGINT, `engine.main`: test_t5_long_rows_leaving_clients_
-    warnings_and_ctrl_c sends the group Ctrl-C.)"""
+    are back. (The ranks ignore a group's SIGHUP with its SIGINT, `engine.main`: test_serve.py's
+    `_long_rows_leaving_clients_warnings_and_ctrl_c` sends the group Ctrl-C.)"""
     import signal
 
     import uvicorn
