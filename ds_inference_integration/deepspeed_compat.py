@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import importlib.metadata as metadata
 import os
+import sys
 
 import torch
 from torch import nn
@@ -85,6 +86,24 @@ def cpu_all_reduce(topology: Topology, environ=os.environ) -> str:
     spans_node = (topology.world_size > 1 and topology.tp_size == topology.world_size
                   and environ.get("LOCAL_SIZE") == str(topology.world_size))
     return "shm" if wanted == "shm" and spans_node else "gloo"
+
+
+def unpin_world_group() -> None:
+    """DeepSpeed's `TorchBackend.barrier` and `monitored_barrier` default their `group` to
+    `torch.distributed.GroupMember.WORLD`, evaluated when `deepspeed.comm.torch` is first imported: imported after
+    the default process group exists (a Trainer's arguments create it before the model is sharded), the world group
+    stays pinned in those defaults for the life of the process, and its gloo threads with it, after
+    `destroy_process_group` too (the one group left at a user's script's exit, 2026-12-06). Their bodies read None
+    as the world group, so None is put back where a group was pinned; for the teardown at exit."""
+    module = sys.modules.get("deepspeed.comm.torch")
+    if module is None:
+        return
+    from torch.distributed import ProcessGroup
+
+    for function in vars(module.TorchBackend).values():
+        defaults = getattr(function, "__defaults__", None)
+        if defaults and any(isinstance(d, ProcessGroup) for d in defaults):
+            function.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d for d in defaults)
 
 
 def init_deepspeed_comm(topology: Topology) -> str:

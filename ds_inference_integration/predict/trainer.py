@@ -7,15 +7,18 @@ import datetime
 import logging
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import torch
 from transformers import Seq2SeqTrainer, Trainer
 
 from ..arguments import DeepSpeedInferenceArguments, world_size_from_env
+from ..deepspeed_compat import unpin_world_group
 from ..errors import InferenceSetupError
 from ..load.loaders import is_skeleton
 from ..policy.schema import Policy
+from ..run import lifecycle
 from ..shard.inject import ShardReport
 from ..shard.setup import setup_inference
 from ..topology import ProcessGroups, Topology
@@ -68,8 +71,19 @@ class DeepSpeedInferenceMixin:
                                 fp16=self.args.fp16, bf16=self.args.bf16, policy=policy)
         self.process_groups, self.shard_report = setup.groups, setup.report
         if setup.groups.mesh is not None:
-            # accelerate's data loader reads this mesh: ranks of one TP group get identical batches.
-            self.accelerator.state.device_mesh = setup.groups.mesh
+            # accelerate's data loader reads this mesh: ranks of one TP group get identical batches. Its state is
+            # process-wide and outlives the Trainer: the mesh (which holds its groups) is taken back at exit, and
+            # the world group DeepSpeed pinned (`unpin_world_group`), so that their threads end before the
+            # interpreter's teardown (`lifecycle.tear_down_at_exit`).
+            state, mesh = self.accelerator.state, weakref.ref(setup.groups.mesh)
+            state.device_mesh = setup.groups.mesh
+
+            def release() -> None:
+                if state.device_mesh is mesh():
+                    state.device_mesh = None
+                unpin_world_group()
+
+            lifecycle.release_at_exit(release)
         setup.model._is_accelerate_prepared = True  # keep accelerate from re-wrapping the injected module
         self.model = self.model_wrapped = setup.model
 

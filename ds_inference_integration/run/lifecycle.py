@@ -34,9 +34,15 @@ def tear_down_at_exit(timeout: float = 10.0) -> None:
     Left to the interpreter's teardown, torch's process-group objects were destroyed after Python's: a user's
     evaluation script that had written all its results aborted in 2 of 13 clean runs at dp 2 ("terminate called
     without an active exception", SIGABRT, exit -6; tests/workers/causal_lm_eval.py under torchrun, 2 CPU ranks,
-    2026-12-04), and torchrun then reports the job failed (pytorch#190489); with this, 0 of 30. After an uncaught
-    exception nothing is destroyed (a peer may be inside a collective; the rank leaves at once), and the destroy is
-    bounded by `timeout`."""
+    2026-12-04), and torchrun then reports the job failed (pytorch#190489); with the destroy, 0 of 30 alone, but it
+    still aborted now and then under the test suite's load (3 of 8 `make test` runs, 2026-12-05/06). A destroyed
+    group is only shut down: gloo's threads (two per group, and its transport's loop) end when the last Python
+    reference to the group goes, and the Trainer had handed the device mesh, which holds its groups, to accelerate's
+    process-wide state, so they lived on into the interpreter's teardown (4 `pt_gloo_runloop` threads at exit).
+    So the destroy also runs what `release_at_exit` registered (the references the library handed out) and collects
+    the garbage: the groups' threads are joined here, while the interpreter is whole (none left at exit). After an
+    uncaught exception nothing is destroyed (a peer may be inside a collective; the rank leaves at once), and the
+    destroy is bounded by `timeout`."""
     import atexit
     import threading
 
@@ -50,7 +56,7 @@ def tear_down_at_exit(timeout: float = 10.0) -> None:
             return
         sys.stdout.flush()
         sys.stderr.flush()
-        worker = threading.Thread(target=dist.destroy_process_group, daemon=True, name="ds-inference-teardown")
+        worker = threading.Thread(target=_destroy_and_release, daemon=True, name="ds-inference-teardown")
         worker.start()
         worker.join(timeout)
 
@@ -58,6 +64,22 @@ def tear_down_at_exit(timeout: float = 10.0) -> None:
 
 
 _teardown: dict = {}
+_RELEASES: list[Callable[[], None]] = []
+
+
+def release_at_exit(release: Callable[[], None]) -> None:
+    """`release()` drops, at a clean exit after the process groups are destroyed, references to them that the
+    library put where the script cannot see them (see `tear_down_at_exit`)."""
+    _RELEASES.append(release)
+
+
+def _destroy_and_release() -> None:
+    import gc
+
+    dist.destroy_process_group()
+    while _RELEASES:
+        _RELEASES.pop()()
+    gc.collect()  # the groups' last references are in cycles (a Trainer, its model): their threads are joined now
 
 
 def install_exit_rules() -> None:

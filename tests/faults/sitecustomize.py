@@ -20,6 +20,9 @@ package when that module is first imported.
     DS_INFERENCE_FAULT=hide_module:NAME   importing the package NAME fails as if it were not installed (an extra left out)
     DS_INFERENCE_FAULT=serve_raise:SEED   a served batch holding a row of that seed raises inside generate, at its
                                           second new token, on every rank (a failure no request check foresaw)
+    DS_INFERENCE_FAULT=threads_at_exit    not a fault, a probe: each rank prints, last of everything at its exit
+                                          (its first atexit handler), how many of gloo's threads are still running
+                                          ("gloo threads at exit: N")
     DS_INFERENCE_FAULT=half_scale:RANK:NAME:F
                                           a split wrong only in half precision: after sharding in fp16 or bf16, that
                                           rank's part of the module NAME (a path suffix) is scaled by F, as a
@@ -167,6 +170,22 @@ if KIND == "slow_start":
 
         time.sleep(float(_seconds))
 
+if KIND == "threads_at_exit" and "LOCAL_RANK" in os.environ:  # a rank, not its launcher
+    import atexit
+
+    def _gloo_threads_at_exit():
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:  # a thread that ended while listed
+                pass
+        print(f"gloo threads at exit: {sum('gloo' in n for n in names)} [rank {os.environ.get('RANK')}]", flush=True)
+
+    atexit.register(_gloo_threads_at_exit)  # the first registered: it runs last
+
+
 def _patch_serve_raise(module):
     """`row_end`, which both engines ask of every row at every new token (the batch engine inside generate)."""
     seed, row_end = int(ARG), module.row_end
@@ -195,7 +214,7 @@ PATCHES = {"ds_inference_integration.run.files": _patch_files} if KIND == "fail_
     {"ds_inference_integration.tools.policy_check": _patch_abort_at_exit} if KIND == "abort_at_exit" else
     {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else
     {"ds_inference_integration.predict.trainer": _patch_trainer} if KIND and KIND not in (
-        "check_logits", "half_scale") else {})
+        "check_logits", "half_scale", "threads_at_exit") else {})
 # the faults that take their argument, any number of them at once
 for _kind, _arg in FAULTS:
     if _kind in ("check_logits", "half_scale"):
