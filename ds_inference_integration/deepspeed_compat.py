@@ -95,12 +95,12 @@ def unpin_world_group() -> None:
     stays pinned in those defaults for the life of the process, and its gloo threads with it, after
     `destroy_process_group` too (the one group left at a user's script's exit, 2026-12-06). Their bodies read None
     as the world group, so None is put back where a group was pinned; for the teardown at exit."""
-    module = sys.modules.get("deepspeed.comm.torch")
-    if module is None:
+    backend = getattr(sys.modules.get("deepspeed.comm.torch"), "TorchBackend", None)
+    if backend is None:
         return
     from torch.distributed import ProcessGroup
 
-    for function in vars(module.TorchBackend).values():
+    for function in vars(backend).values():
         defaults = getattr(function, "__defaults__", None)
         if defaults and any(isinstance(d, ProcessGroup) for d in defaults):
             function.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d for d in defaults)

@@ -32,6 +32,21 @@ from .streaming import StreamJob, run_identity, streamed_predict
 logger = logging.getLogger(__name__)
 
 
+def _lend_mesh(state, mesh) -> None:
+    """`mesh` to accelerate's `state`, which is process-wide and outlives the Trainer: the mesh (which holds its
+    groups) is taken back at exit, with the world group DeepSpeed pinned (`unpin_world_group`), so that the groups'
+    threads end before the interpreter's teardown (`lifecycle.tear_down_at_exit`)."""
+    lent = weakref.ref(mesh)
+    state.device_mesh = mesh
+
+    def release() -> None:
+        if state.device_mesh is lent():
+            state.device_mesh = None
+        unpin_world_group()
+
+    lifecycle.release_at_exit(release)
+
+
 class DeepSpeedInferenceMixin:
     """Adds `--deepspeed_inference` to a `Trainer` (or `Seq2SeqTrainer`) subclass.
 
@@ -71,19 +86,8 @@ class DeepSpeedInferenceMixin:
                                 fp16=self.args.fp16, bf16=self.args.bf16, policy=policy)
         self.process_groups, self.shard_report = setup.groups, setup.report
         if setup.groups.mesh is not None:
-            # accelerate's data loader reads this mesh: ranks of one TP group get identical batches. Its state is
-            # process-wide and outlives the Trainer: the mesh (which holds its groups) is taken back at exit, and
-            # the world group DeepSpeed pinned (`unpin_world_group`), so that their threads end before the
-            # interpreter's teardown (`lifecycle.tear_down_at_exit`).
-            state, mesh = self.accelerator.state, weakref.ref(setup.groups.mesh)
-            state.device_mesh = setup.groups.mesh
-
-            def release() -> None:
-                if state.device_mesh is mesh():
-                    state.device_mesh = None
-                unpin_world_group()
-
-            lifecycle.release_at_exit(release)
+            # accelerate's data loader reads this mesh: ranks of one TP group get identical batches.
+            _lend_mesh(self.accelerator.state, setup.groups.mesh)
         setup.model._is_accelerate_prepared = True  # keep accelerate from re-wrapping the injected module
         self.model = self.model_wrapped = setup.model
 
