@@ -351,11 +351,13 @@ def test_a_script_that_returns_destroys_its_process_group_at_exit(tmp_path, end)
     assert (end == "raise") == ("error: rank 0 failed: ValueError: the script failed" in proc.stderr)
 
 
-# a_metric_package_missing is make test-all's: in make test, the other two show a user's script ending each of its 2
-# ranks in one line, and test_a_missing_package_ends_a_rank_in_the_line_naming_its_extra (in process) the line a
-# ModuleNotFoundError becomes (11 CPU-s, 2026-12-06)
+# a_metric_package_missing and setup are make test-all's: in make test, after_the_process_groups_start shows a user's
+# script ending each of its 2 ranks in one line, test_translation_tp.py's test_bad_setup_fails_fast_on_every_rank a
+# setup error as the same line on every rank (a rank 6 s late included), and
+# test_a_missing_package_ends_a_rank_in_the_line_naming_its_extra (in process) the line a ModuleNotFoundError becomes
+# (11 and 15 CPU-s of a suite over its 10 minutes, 2026-12-06)
 @pytest.mark.launched
-@pytest.mark.parametrize("when", ["setup", "after_the_process_groups_start",
+@pytest.mark.parametrize("when", [pytest.param("setup", marks=pytest.mark.slow), "after_the_process_groups_start",
                                   pytest.param("a_metric_package_missing", marks=pytest.mark.slow)])
 def test_a_script_with_the_three_changes_ends_each_rank_in_one_line(tmp_path, when):
     """A user's script with the README's three changes and no `run_main` (tests/workers/causal_lm_eval.py), at 2
