@@ -208,20 +208,25 @@ class _Hidden(importlib.abc.MetaPathFinder):
 if KIND == "hide_module":
     sys.meta_path.insert(0, _Hidden())
 
-PATCHES = {"ds_inference_integration.run.files": _patch_files} if KIND == "fail_write" else (
-    {"ds_inference_integration.serve.rules": _patch_serve_raise} if KIND == "serve_raise" else
-    {} if KIND == "hide_module" else
-    {"ds_inference_integration.tools.policy_check": _patch_abort_at_exit} if KIND == "abort_at_exit" else
-    {"deepspeed.module_inject.auto_tp": _patch_autotp} if KIND == "shard_raise" else
-    {"ds_inference_integration.predict.trainer": _patch_trainer} if KIND and KIND not in (
-        "check_logits", "half_scale", "threads_at_exit") else {})
-# the faults that take their argument, any number of them at once
-for _kind, _arg in FAULTS:
-    if _kind in ("check_logits", "half_scale"):
-        _target = "ds_inference_integration." + ("tools.policy_check" if _kind == "check_logits" else "shard.inject")
-        _patch = functools.partial(_patch_check if _kind == "check_logits" else _patch_half_scale, arg=_arg)
-        PATCHES[_target] = (lambda first, then: lambda module: (first(module), then(module)))(
-            PATCHES.get(_target, lambda module: None), _patch)
+# What each module gets when it is first imported: {module: [patch(module), ...]}, applied in order
+PATCHES: dict[str, list] = {}
+_AT_START = {  # the faults that patch at start, one at a time: the module each patches, and how
+    "fail_write": ("ds_inference_integration.run.files", _patch_files),
+    "serve_raise": ("ds_inference_integration.serve.rules", _patch_serve_raise),
+    "abort_at_exit": ("ds_inference_integration.tools.policy_check", _patch_abort_at_exit),
+    "shard_raise": ("deepspeed.module_inject.auto_tp", _patch_autotp),
+    **dict.fromkeys(("raise", "kill", "killjob", "stop", "skew", "pace"),
+                    ("ds_inference_integration.predict.trainer", _patch_trainer)),
+}
+if KIND in _AT_START:
+    PATCHES.setdefault(_AT_START[KIND][0], []).append(_AT_START[KIND][1])
+for _kind, _arg in FAULTS:  # the faults that take their argument, any number of them at once
+    if _kind == "check_logits":
+        PATCHES.setdefault("ds_inference_integration.tools.policy_check", []).append(
+            functools.partial(_patch_check, arg=_arg))
+    elif _kind == "half_scale":
+        PATCHES.setdefault("ds_inference_integration.shard.inject", []).append(
+            functools.partial(_patch_half_scale, arg=_arg))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -235,7 +240,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            PATCHES[name](module)
+            for patch in PATCHES[name]:
+                patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
