@@ -38,7 +38,8 @@ def tear_down_at_exit(timeout: float = 10.0) -> None:
     still aborted now and then under the test suite's load (3 of 8 `make test` runs, 2026-12-05/06). A destroyed
     group is only shut down: gloo's threads (two per group, and its transport's loop) end when the last Python
     reference to the group goes, and the Trainer had handed the device mesh, which holds its groups, to accelerate's
-    process-wide state, so they lived on into the interpreter's teardown (4 `pt_gloo_runloop` threads at exit).
+    process-wide state, and DeepSpeed pins the world group in `TorchBackend.barrier`'s default
+    (`deepspeed_compat.unpin_world_group`), so they lived on into the interpreter's teardown (6 gloo threads at exit).
     So the destroy also runs what `release_at_exit` registered (the references the library handed out) and collects
     the garbage: the groups' threads are joined here, while the interpreter is whole (none left at exit). After an
     uncaught exception nothing is destroyed (a peer may be inside a collective; the rank leaves at once), and the
