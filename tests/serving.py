@@ -107,6 +107,14 @@ def request(method: str, url: str, body: dict | None = None, timeout: float = 60
         return status, text, hdrs
 
 
+def post_on(client, body: dict, headers: bytes = b"") -> None:
+    """POST `body` to /v1/completions on an open socket, which the test then reads as the answer comes, or closes
+    (a client that leaves): what urllib's one call cannot do. `headers`: more header lines, each ending in CRLF."""
+    data = json.dumps(body).encode()
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+                   b"Content-Length: %d\r\n\r\n%s" % (headers, len(data), data))
+
+
 def get(url: str, timeout: float = 10):
     status, body, _ = request("GET", url, timeout=timeout)
     return status, body

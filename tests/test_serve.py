@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 import torch
-from serving import BIN, ServerProc, get, listening, post, post_all, post_arriving, request
+from serving import BIN, ServerProc, get, listening, post, post_all, post_arriving, post_on, request
 
 from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, reference_run, run_in_process
 
@@ -53,12 +53,10 @@ def gpt2(tmp_path_factory):
 def _streamed_through_sigterm(server: ServerProc, tokens: int) -> dict:
     """A stream of `tokens` tokens; SIGTERM to the server once its first token came (the row runs); the stream read
     to its end: its usage."""
-    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": tokens, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}})
     got = b""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as client:
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+        post_on(client, {"prompt": PROMPTS[0], "max_tokens": tokens, "ignore_eos": True, "stream": True,
+                         "stream_options": {"include_usage": True}})
         while b"data: {" not in got:
             chunk = client.recv(65536)
             assert chunk, got
@@ -710,10 +708,8 @@ def test_a_full_queue_gets_429_and_sigterm_drains_an_idle_replica_past_the_timeo
 
         # a client that goes away while its request waits: out of the queue, never batched
         batches = _metric(server.url, "ds_inference_batch_size_count")
-        body = json.dumps({"prompt": "five =", "max_tokens": 4}).encode()
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as client:
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Authorization: Bearer sesame\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            post_on(client, {"prompt": "five =", "max_tokens": 4}, b"Authorization: Bearer sesame\r\n")
             time.sleep(0.5)
             assert _metric(server.url, "ds_inference_queue_depth") == 1
         time.sleep(3.5)  # gone before its batch would have left
@@ -824,10 +820,8 @@ def _long_rows_leaving_clients_warnings_and_ctrl_c(server) -> None:
     assert server.output().count("seem to have been set") <= 1  # transformers' warning: once, not per batch
 
     idle = _first_token_time(server.port)
-    body = json.dumps({"prompt": PREFIX + "five", "max_tokens": 2000, "ignore_eos": True, "stream": True})
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as client:
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+        post_on(client, {"prompt": PREFIX + "five", "max_tokens": 2000, "ignore_eos": True, "stream": True})
         assert client.recv(200).startswith(b"HTTP/1.1 200")
         time.sleep(1)
     after = _first_token_time(server.port)  # the left stream's row ended at its next step

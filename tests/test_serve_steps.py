@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from serving import ServerProc, post, post_all, request
+from serving import ServerProc, post, post_all, post_on, request
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, LlamaConfig, MistralConfig
 
 from conftest import EXAMPLES, save_tiny_model
@@ -771,12 +771,10 @@ def test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_
         assert long_answer["r"][0] == 200 and long_answer["r"][1]["usage"]["completion_tokens"] == 300
 
         # every slot taken by a stream whose client leaves: the slots are free at the next step
-        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "stream": True})
         clients = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(8)]
         try:
             for client in clients:
-                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+                post_on(client, {"prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "stream": True})
             for client in clients:
                 assert client.recv(200).startswith(b"HTTP/1.1 200")
             time.sleep(0.5)
