@@ -181,7 +181,11 @@ if KIND == "threads_at_exit" and "LOCAL_RANK" in os.environ:  # a rank, not its 
                     names.append(f.read().strip())
             except OSError:  # a thread that ended while listed
                 pass
-        print(f"gloo threads at exit: {sum('gloo' in n for n in names)} [rank {os.environ.get('RANK')}]", flush=True)
+        # one write of the whole line (a pipe takes it whole): print's text and newline went as two, and two ranks'
+        # lines on one pipe came interleaved ("... [rank 1]gloo threads at exit: 0 [rank 0]")
+        line = f"gloo threads at exit: {sum('gloo' in n for n in names)} [rank {os.environ.get('RANK')}]\n"
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line.encode())
 
     atexit.register(_gloo_threads_at_exit)  # the first registered: it runs last
 
