@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InferenceSetupError  # noqa: F401  (also importable from here, as before)
 
 REDUCE_DTYPES = ("model", "fp32")  # --reduce_dtype: the row-parallel sums in the model's dtype, or in fp32
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# --inference_dtype's names -> torch's. torch itself is imported where a dtype is made, not here: the package's
+# import is what every `ds-inference` command (a server's front, a policy check's starter) and `--help` pay first,
+# and torch was 1.9 of the CLI's 2.5 s before its own work (2026-12-06)
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def __getattr__(name: str):
+    """`DTYPES` ({"fp32": torch.float32, ...}), made when first asked for: it needs torch."""
+    if name == "DTYPES":
+        import torch
+
+        return {flag: getattr(torch, dtype) for flag, dtype in DTYPE_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 POLICY_MODES = ("auto", "autotp", "derive")
 # torch.distributed keeps a deadline as now + timeout in 64-bit nanoseconds since 1970 (1.8e18 ns now, of 9.2e18):
 # two gloo ranks, init_process_group then a broadcast, 2026-12-03: a timeout of 1e9 s works; 9e9 s hangs both ranks
@@ -38,7 +52,7 @@ class DeepSpeedInferenceArguments:
         default=None,
         metadata={
             "help": "Weights dtype for inference: fp32, fp16 or bf16. Default: bf16/fp16 if --bf16/--fp16, else fp32.",
-            "choices": list(DTYPES),
+            "choices": list(DTYPE_NAMES),
         },
     )
     injection_policy: str = field(
@@ -82,9 +96,9 @@ class DeepSpeedInferenceArguments:
     def __post_init__(self) -> None:
         if self.tp_size is not None and self.tp_size < 1:
             raise InferenceSetupError(f"--tp_size {self.tp_size} is invalid: it must be a positive integer")
-        if self.inference_dtype is not None and self.inference_dtype not in DTYPES:
+        if self.inference_dtype is not None and self.inference_dtype not in DTYPE_NAMES:
             raise InferenceSetupError(
-                f"--inference_dtype {self.inference_dtype!r} is invalid; valid: {', '.join(DTYPES)}"
+                f"--inference_dtype {self.inference_dtype!r} is invalid; valid: {', '.join(DTYPE_NAMES)}"
             )
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise InferenceSetupError(
@@ -111,11 +125,15 @@ class DeepSpeedInferenceArguments:
 
     def resolve_dtype(self, fp16: bool = False, bf16: bool = False) -> torch.dtype:
         """The inference dtype: explicit `--inference_dtype`, else the training args' mixed precision, else fp32."""
+        import torch
+
         name = self.inference_dtype or ("bf16" if bf16 else "fp16" if fp16 else "fp32")
-        return DTYPES[name]
+        return getattr(torch, DTYPE_NAMES[name])
 
     def check_device(self, on_gpu: bool, dtype: torch.dtype) -> None:
         """Refuse options the device cannot run, before any heavy work."""
+        import torch
+
         if on_gpu:
             return
         if self.replace_with_kernel_inject:
@@ -193,6 +211,8 @@ def run_defaults(inference_args: DeepSpeedInferenceArguments, world: int, rank: 
     (a bad --tp_size fails here, before any process group or model): `ddp_timeout` from --inference_timeout,
     and `use_cpu` for a multi-rank run on a machine without a GPU (else accelerate makes every rank a world
     of one). The caller keeps whatever the user gave explicitly."""
+    import torch
+
     from .topology import Topology
 
     defaults: dict[str, object] = {}

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from .errors import InferenceSetupError
+
+if TYPE_CHECKING:  # torch where a group is made or asked (arguments.py says why not at import)
+    import torch.distributed as dist
 
 
 def _divisors(n: int) -> list[int]:
@@ -100,6 +102,8 @@ def init_process_groups(topology: Topology, device_type: str, timeout: float | N
 
     `timeout` (seconds) is given to the mesh's TP and DP groups too: `init_device_mesh` creates them with
     the backend's default (gloo 30 minutes, NCCL 10), not the default group's `--ddp_timeout`."""
+    import torch.distributed as dist
+
     if topology.world_size == 1 or not dist.is_initialized():
         return ProcessGroups(tp=None, dp=None, mesh=None)
     import datetime
@@ -127,16 +131,24 @@ class ModelParallelUnit:
         return self._tp
 
     def get_model_parallel_rank(self) -> int:
+        import torch.distributed as dist
+
         return dist.get_rank(self._tp)
 
     def get_model_parallel_world_size(self) -> int:
+        import torch.distributed as dist
+
         return dist.get_world_size(self._tp)
 
     def get_data_parallel_group(self):
         return self._dp
 
     def get_data_parallel_rank(self) -> int:
+        import torch.distributed as dist
+
         return dist.get_rank(self._dp)
 
     def get_data_parallel_world_size(self) -> int:
+        import torch.distributed as dist
+
         return dist.get_world_size(self._dp)

@@ -1,9 +1,12 @@
 """The package's shape, read from its source (no import): one folder per step of the flow, none importing a later
 step; the library a user's script imports never imports the tools; no two modules import each other at import
-time (a cycle, such as the one arguments <-> topology had for one exception class)."""
+time (a cycle, such as the one arguments <-> topology had for one exception class); and, in a process of its own,
+that the commands import no torch before their work."""
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ds_inference_integration"
 
@@ -157,3 +160,22 @@ def test_the_upstream_shaped_examples_take_only_the_flag_family_the_trainer_and_
         taken = {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                  and (node.module or "").startswith("ds_inference_integration") for a in node.names}
         assert taken <= FLAG_FAMILY | own, f"{name} takes {sorted(taken - FLAG_FAMILY - own)} from the library"
+
+
+@pytest.mark.launched
+def test_the_commands_import_no_torch_before_their_ranks_do():
+    """What every `ds-inference` command imports before its own work (the package, the CLI, a server's front, a
+    policy check's and a shard's starter, a node's worker) leaves torch out: torch was 1.9 of `ds-inference --help`'s
+    2.5 CPU-s, paid again by every front and starter that then starts ranks importing it themselves (a tp-2 policy
+    check of the embedded GPT-2 took 9.8-10.4 CPU-s with its ranks' own imports against 13.7-16.7 before, 2026-12-06).
+    torch is imported where a dtype, a group or a model is made (`arguments.py`)."""
+    import subprocess
+    import sys
+
+    fronts = ["ds_inference_integration.tools.cli", "ds_inference_integration.serve.app",
+              "ds_inference_integration.serve.worker", "ds_inference_integration.tools.policy_check",
+              "ds_inference_integration.tools.shard_command"]
+    out = subprocess.run([sys.executable, "-c", f"import sys\nfor m in {fronts}: __import__(m)\n"
+                          "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

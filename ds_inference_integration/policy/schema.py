@@ -30,11 +30,12 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from ..deepspeed_compat import head_grain
 from ..errors import InferenceSetupError
+
+if TYPE_CHECKING:  # torch where a model is looked at (arguments.py says why not at import)
+    from torch import nn
 
 # how a fused QKV projection orders its rows (shard/attention.py splits each)
 FUSED_LAYOUTS = ("qkv", "per_head", "grouped")
@@ -252,6 +253,8 @@ def config_value(config: object, attr: str):
 
 def check_head_counts(policy: Policy | str | None, config: object, tp_size: int) -> None:
     """Every head count the policy names (or the config's usual ones) must divide by tp."""
+    from ..deepspeed_compat import head_grain
+
     model_type = getattr(config, "model_type", "?")
     policy = policy if isinstance(policy, Policy) else None
     names = policy.head_count_attributes if policy else _GENERIC_HEAD_ATTRIBUTES
@@ -311,6 +314,8 @@ def class_source(cls: type) -> str:
 
 
 def is_linear(module: nn.Module) -> bool:
+    from torch import nn
+
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
@@ -322,6 +327,8 @@ def _deepspeed_key(path: str) -> str:
 
 def layer_classes(model: nn.Module) -> dict[str, type]:
     """Classes of modules held in a ModuleList (the repeated layers), by name."""
+    from torch import nn
+
     found: dict[str, type] = {}
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
@@ -333,6 +340,8 @@ def layer_classes(model: nn.Module) -> dict[str, type]:
 def outermost_layer_classes(model: nn.Module) -> set[str]:
     """Names of the layer classes not held inside another layer (T5Block, not the T5LayerFF in its `layer`
     list): the units DeepSpeed's AutoTP parses and a policy names."""
+    from torch import nn
+
     inner: set[int] = set()
     names: set[str] = set()
     for module in model.modules():

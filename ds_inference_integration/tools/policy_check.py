@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ..run.files import write_text_atomic
 from ..run.ranks import failure_text, start_ranks, wait_ranks
-from ..shard.weight_share import TOLERANCE
 
 LOGIT_RTOL = 1e-4
 NEW_TOKENS = 8
@@ -309,6 +308,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from ..policy.schema import check_head_counts, resolve_policy
     from ..policy.verify import main_input_name
     from ..shard.inject import shard_model
+    from ..shard.weight_share import TOLERANCE
     from .rounding import DTYPES, HALF
 
     name = Path(model_dir).name
