@@ -61,9 +61,13 @@ class ServerProc:
         raise AssertionError(f"server not ready in {timeout} s:\n{self.output()[-3000:]}")
 
     def ranks(self) -> list[int]:
-        """The pids of this server's rank processes (its children running the engine)."""
-        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        return sorted(int(p) for p in children)  # started in rank order
+        """The pids of this server's rank processes: its children running the engine, or where the ranks are forked
+        from a template (`run/template.py`: no GPU), the template's children."""
+        ranks = []
+        for pid in _children(self.proc.pid):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            ranks += _children(pid) if b"ds_inference_integration.run.template" in cmdline else [pid]
+        return sorted(ranks)  # started in rank order
 
     def group_alive(self, within: float = 5.0) -> list[int]:
         """Processes of the server's process group (its ranks included) still there after `within` s (a killed
@@ -80,6 +84,10 @@ class ServerProc:
         """SIGTERM (the server drains and ends its ranks), then SIGKILL for whatever is left of the group."""
         stop_session(self.proc, grace=30)
         self.log.close()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
 def _state(pid: int) -> str | None:

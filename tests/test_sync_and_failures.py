@@ -1,6 +1,7 @@
 """Data parallel x tensor parallel, deterministic sampling, the lock-step guard, a rank that dies or
 raises, and bad input: never a hang, never a lost or duplicated prediction."""
 
+import os
 import subprocess
 import sys
 
@@ -207,6 +208,106 @@ def test_a_rank_that_prints_a_lot_does_not_block_its_peers(tmp_path, monkeypatch
     assert codes == [0, 0], failure_text(procs, codes)
     assert time.monotonic() - start < 40
     assert (tmp_path / "rank-1.log").stat().st_size > 2_000_000
+
+
+PROBE = """
+import atexit, os, signal, sys, threading, time
+mode = sys.argv[1:][int(os.environ["RANK"])]
+if mode == "return":  # torch's threads (the template's torch was imported with the starter's environment)
+    import torch
+    print(f"threads {torch.get_num_threads()}")
+print(f"probe rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} name {__name__} argv {sys.argv[1:]} "
+      f"cwd {os.getcwd()} usr1 ignored {signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN} "
+      f"int {signal.getsignal(signal.SIGINT).__name__}", flush=True)
+atexit.register(lambda: print("probe atexit", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), print("probe thread joined", flush=True))).start()
+if mode == "exit3":
+    sys.exit(3)
+if mode == "raise":
+    raise ValueError("probe raised")
+if mode == "interrupt":
+    raise KeyboardInterrupt
+if mode == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.launched
+def test_forked_ranks_are_the_processes_python_m_starts(tmp_path, monkeypatch, capfd):
+    """Without a GPU, `start_ranks` forks the ranks from a template that imported their stack once
+    (run/template.py). Each forked rank must be what `python -m MODULE` started as its own process gives: its
+    environment, arguments, working directory, threads and the signals its starter ignores; its output in its log
+    (rank 0's in the starter's); its atexit handlers and non-daemon threads at the end; the exit code of sys.exit,
+    of an uncaught exception, of Ctrl-C's KeyboardInterrupt and of a signal. Compared with the same ranks started
+    as processes of their own (DS_INFERENCE_FORK_RANKS=0), and with a template that declines (DeepSpeed asked for
+    another accelerator: started as processes too). DS_INFERENCE_FORK_RANKS=1: the probe is not one of the package's
+    modules, whose ranks alone are forked by default."""
+    import signal
+
+    from ds_inference_integration.run import template
+    from ds_inference_integration.run.ranks import start_ranks, wait_ranks
+
+    (tmp_path / "probe_rank.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    modes = ["return", "exit3", "raise", "interrupt", "killed"]
+    runs = {}
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        for how, env, n in (("forked", {template.FORK_ENV: "1"}, 5), ("exec", {template.FORK_ENV: "0"}, 5),
+                            ("declined", {template.FORK_ENV: "1", "DS_ACCELERATOR": "cuda"}, 2)):
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+            logs = tmp_path / how
+            logs.mkdir()
+            procs = start_ranks(n, "probe_rank", modes[:n], log_dir=logs)
+            codes = wait_ranks(procs, timeout=60)
+            template.end_all()  # the templates' CPU counted in this test's
+            out = capfd.readouterr().out
+            texts = [out] + [(logs / f"rank-{r}.log").read_text() for r in range(1, n)]
+            # less DeepSpeed's line about its accelerator, which the template's import of it printed
+            texts = ["".join(ln for ln in t.splitlines(True) if "real_accelerator" not in ln) for t in texts]
+            runs[how] = (codes, [isinstance(p, template.ForkedRank) for p in procs], texts)
+            for key in env:
+                monkeypatch.delenv(key)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    codes, forked, texts = runs["forked"]
+    assert codes == [0, 3, 1, -signal.SIGINT, -signal.SIGKILL], texts
+    assert all(forked) and not any(runs["exec"][1]) and not any(runs["declined"][1])
+    assert runs["exec"][0] == codes and runs["declined"][0] == codes[:2]
+    assert "threads 1\n" in texts[0]
+    for rank, text in enumerate(texts):
+        assert (f"probe rank {rank} of 5 name __main__ argv {modes} cwd {tmp_path} usr1 ignored True "
+                "int default_int_handler") in text, text
+        if modes[rank] != "killed":
+            assert "probe thread joined" in text and "probe atexit" in text, text
+    assert "ValueError: probe raised" in texts[2] and "KeyboardInterrupt" in texts[3]
+    # line for line what the processes of their own printed (the order of two threads' lines aside), less the two
+    # frames of runpy that `python -m` puts in a traceback
+    def lines(text):
+        return sorted(ln for ln in text.splitlines() if "<frozen runpy>" not in ln)
+
+    assert [lines(t) for t in runs["exec"][2]] == [lines(t) for t in texts]
+    assert [lines(t) for t in runs["declined"][2]] == [lines(t.replace("of 5", "of 2").replace(
+        str(modes), str(modes[:2]))) for t in texts[:2]]
+
+
+def test_the_template_declines_where_a_gpu_is_in_view(monkeypatch):
+    """A process that asked CUDA about its GPUs cannot hand CUDA to a fork: the template asks NVML only and
+    declines where a GPU answers (the ranks are then processes of their own)."""
+    import torch
+
+    from ds_inference_integration.run import template
+
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "0")  # given back after the test: the check sets it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert template._why_not() == "a GPU is in view"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert template._why_not() is None
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
 
 
 @pytest.mark.launched

@@ -7,8 +7,10 @@ runs): at the first rank that fails, its SubprocessContext SIGTERMs every other 
 (`SubprocessContext._poll` -> `close()`, torch 2.13), so peers that were about to write their own report
 (`policy check` merges every rank's result file, and names every failing rank) are cut off. Here a failed
 rank's peers get 5 s to finish and report, then the rest are killed; every rank's exit code is returned, and
-ranks other than 0 write to log files, as torchrun's `--redirects` would. The command-line examples are started
-with the real launchers (deepspeed, torchrun) by the tests and the benchmarks, as a user starts them."""
+ranks other than 0 write to log files, as torchrun's `--redirects` would. Without a GPU the ranks are forked from
+one process that imported their stack once (`template.py`: a start of N ranks imports it once, not N times). The
+command-line examples are started with the real launchers (deepspeed, torchrun) by the tests and the benchmarks,
+as a user starts them."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 
 from ..topology import threads_per_rank
+from .template import DS_PARENT_ENV, template
 
 
 def free_port() -> int:
@@ -40,7 +43,7 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, ex
     on 127.0.0.1 at a free port. `threads`: each rank's CPU threads where the environment does not set
     OMP_NUM_THREADS (default: the cores shared out among the n ranks)."""
     world_size, first, host, port = world or (n, 0, "127.0.0.1", free_port())
-    procs = []
+    procs, forks = [], template(n, module)  # forked from one process that imported their stack, where no GPU is in view
     for local in range(n):
         rank = first + local
         env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),  # one JIT build per venv
@@ -54,19 +57,18 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, ex
         if first_device:
             env["DS_INFERENCE_FIRST_DEVICE"] = str(first_device)
         env.setdefault("OMP_NUM_THREADS", str(threads or threads_per_rank(n)))
-        log = None
-        if rank:
-            log = open(Path(log_dir) / f"rank-{rank}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
-                                stderr=subprocess.STDOUT if log else None, text=True)
-        proc.log_path = Path(log.name) if log else None
-        if log:
-            log.close()  # the child holds its own descriptor
+        log_path = Path(log_dir) / f"rank-{rank}.log" if rank else None
+        if forks is not None:
+            proc = forks.start(module, args, env, log_path)
+        else:
+            log = open(log_path, "w") if log_path else None
+            proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT if log else None, text=True)
+            if log:
+                log.close()  # the child holds its own descriptor
+        proc.log_path = log_path
         procs.append(proc)
     return procs
-
-
-DS_PARENT_ENV = "DS_INFERENCE_PARENT_PID"  # the process that started this rank (start_ranks)
 
 
 def end_with_parent() -> None:
