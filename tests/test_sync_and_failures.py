@@ -294,6 +294,25 @@ def test_forked_ranks_are_the_processes_python_m_starts(tmp_path, monkeypatch, c
         str(modes), str(modes[:2]))) for t in texts[:2]]
 
 
+@pytest.mark.launched
+def test_ranks_a_template_cannot_fork_are_started_as_processes(tmp_path, monkeypatch):
+    """A template that cannot fork (out of memory or processes) or is gone: the ranks are started as processes of
+    their own, not refused."""
+    from ds_inference_integration.run import ranks
+
+    class CannotFork:
+        def start(self, *args):
+            raise OSError("the rank template is declined: fork failed: [Errno 12] Cannot allocate memory")
+
+    (tmp_path / "probe_rank.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(ranks, "template", lambda n, module: CannotFork())
+    procs = ranks.start_ranks(2, "probe_rank", ["exit3", "exit3"], log_dir=tmp_path)
+    assert ranks.wait_ranks(procs, timeout=60) == [3, 3]
+    assert all(isinstance(p, subprocess.Popen) for p in procs)
+    assert "probe rank 1 of 2" in (tmp_path / "rank-1.log").read_text()
+
+
 def test_the_template_declines_where_a_gpu_is_in_view(monkeypatch):
     """A process that asked CUDA about its GPUs cannot hand CUDA to a fork: the template asks NVML only and
     declines where a GPU answers (the ranks are then processes of their own)."""

@@ -58,9 +58,13 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, ex
             env["DS_INFERENCE_FIRST_DEVICE"] = str(first_device)
         env.setdefault("OMP_NUM_THREADS", str(threads or threads_per_rank(n)))
         log_path = Path(log_dir) / f"rank-{rank}.log" if rank else None
+        proc = None
         if forks is not None:
-            proc = forks.start(module, args, env, log_path)
-        else:
+            try:
+                proc = forks.start(module, args, env, log_path)
+            except OSError:  # the template could not fork (or is gone): this rank and the rest as processes
+                forks = None
+        if proc is None:
             log = open(log_path, "w") if log_path else None
             proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
                                     stderr=subprocess.STDOUT if log else None, text=True)

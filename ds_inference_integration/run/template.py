@@ -297,7 +297,12 @@ def _serve(request_fd: int, reply_fd: int) -> None:
                 if request == "close":
                     closing = True
                     continue
-                pid = _fork(request, (request_fd, reply_fd, wake_r, wake_w))
+                try:
+                    pid = _fork(request, (request_fd, reply_fd, wake_r, wake_w))
+                except OSError as e:  # no fork (out of memory, of processes): the starter starts its ranks itself
+                    reply(f"declined fork failed: {e}")
+                    closing = True
+                    continue
                 children.add(pid)
                 reply(f"started {pid}")
         if closing and not children:
