@@ -172,6 +172,25 @@ def test_help_returns_zero(capsys):
     assert "Traceback" not in err
 
 
+def test_a_command_whose_reader_leaves_ends_quietly(monkeypatch):
+    """`ds-inference policy list | head -2`: the pipe closes under the listing; the command ends with exit 1 and
+    nothing on stderr (it printed a traceback of BrokenPipeError, and Python another at its exit flush)."""
+    import os
+    import sys
+
+    from ds_inference_integration.tools import cli
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    stdout = os.fdopen(write, "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    try:
+        assert cli.main(["policy", "list"]) == 1
+        print("after", flush=True)  # the descriptor now leads nowhere: no second BrokenPipeError at exit's flush
+    finally:
+        stdout.close()
+
+
 @pytest.mark.launched
 def test_a_bad_argument_is_one_line_and_exit_2(tmp_path):
     import subprocess

@@ -376,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     except InferenceSetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`ds-inference policy list | head`): end quietly, as a shell tool does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise it again
+        return 1
 
 
 if __name__ == "__main__":
