@@ -214,8 +214,14 @@ PROBE = """
 import atexit, os, signal, sys, threading, time
 mode = sys.argv[1:][int(os.environ["RANK"])]
 if mode == "return":  # torch's threads (the template's torch was imported with the starter's environment)
+    atexit.register(lambda: open(os.environ["PROBE_RANK_0_DONE"], "w").close())  # the last thing rank 0 does
     import torch
     print(f"threads {torch.get_num_threads()}")
+else:  # the others end once rank 0 has: wait_ranks kills what still runs 5 s after a rank fails
+    for _ in range(1200):
+        if os.path.exists(os.environ["PROBE_RANK_0_DONE"]):
+            break
+        time.sleep(0.05)
 print(f"probe rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} name {__name__} argv {sys.argv[1:]} "
       f"cwd {os.getcwd()} usr1 ignored {signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN} "
       f"int {signal.getsignal(signal.SIGINT).__name__}", flush=True)
@@ -261,6 +267,9 @@ def test_forked_ranks_are_the_processes_python_m_starts(tmp_path, monkeypatch, c
                 monkeypatch.setenv(key, value)
             logs = tmp_path / how
             logs.mkdir()
+            # rank 0 ends first in every mode: as a process of its own it imports torch, which took more than the
+            # 5 s wait_ranks gives the peers of a failed rank under three workers' load (killed, -9; 2026-12-06)
+            monkeypatch.setenv("PROBE_RANK_0_DONE", str(logs / "rank-0-done"))
             procs = start_ranks(n, "probe_rank", modes[:n], log_dir=logs)
             codes = wait_ranks(procs, timeout=60)
             template.end_all()  # the templates' CPU counted in this test's
