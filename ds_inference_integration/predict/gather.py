@@ -132,3 +132,12 @@ def row_counts(rows) -> list[int]:
     if isinstance(rows, (list, tuple)):
         return [c for v in rows for c in row_counts(v)]
     return [len(rows)] if hasattr(rows, "shape") and rows.ndim else []
+
+
+def rows_per_example(args, model, gen_kwargs: dict | None) -> int:
+    """Rows of predictions per example: `num_return_sequences` when generating (the call's kwargs, else the model's
+    generation config), else 1."""
+    if not getattr(args, "predict_with_generate", False):
+        return 1
+    config = getattr(model, "generation_config", None)
+    return int((gen_kwargs or {}).get("num_return_sequences") or getattr(config, "num_return_sequences", None) or 1)

@@ -77,3 +77,16 @@ def unsort_batches(batches: list, order: list[int], pad: int = -100) -> list:
                      if r.shape[0] < width else r for r in chunk]
         out.append(np.stack(chunk) if chunk else np.empty((0,)))
     return out
+
+
+def length_grouped(args, dataset, prefix: str):
+    """With --group_by_length: the data in length order, that order, and the padding-fraction metrics before and
+    after; else (dataset, None, {})."""
+    order = length_order(args, dataset)
+    if order is None:
+        return dataset, None, {}
+    unsorted = padding_fraction(input_lengths(dataset), args.eval_batch_size)
+    dataset = dataset.select(order)
+    return dataset, order, {f"{prefix}_padding_fraction": round(padding_fraction(input_lengths(dataset),
+                                                                                 args.eval_batch_size), 4),
+                            f"{prefix}_padding_fraction_unsorted": round(unsorted, 4)}

@@ -90,3 +90,15 @@ def check_inputs_fit(config, dataset, gen_kwargs: dict, generation_max_length: i
     if value + start > decoder:
         raise InferenceSetupError(f"{name} {value} is longer than the model's {decoder} decoder positions; "
                                   f"valid: at most {decoder - start}")
+
+
+def check_trainer_inputs_fit(args, model, dataset, gen_kwargs: dict) -> None:
+    """`check_inputs_fit` for a Trainer's predict or evaluate: the sources and the generation length the caller set,
+    one line before any batch runs (on every rank alike: the same data and arguments), not an IndexError in a
+    rank's forward. With the flag or without: it is what the examples rely on for their sources (upstream's
+    run_translation.py defaults to --max_source_length 1024, more than many models' positions)."""
+    if dataset is None or isinstance(dataset, dict):
+        return
+    generate = getattr(args, "predict_with_generate", False)
+    check_inputs_fit(getattr(model, "config", None), dataset, gen_kwargs if generate else {},
+                     getattr(args, "generation_max_length", None) if generate else None)

@@ -22,10 +22,10 @@ from ..run import lifecycle
 from ..shard.inject import ShardReport
 from ..shard.setup import setup_inference
 from ..topology import ProcessGroups, Topology
-from . import gather, results
-from .length_grouping import input_lengths, length_order, padding_fraction, unsort
+from . import gather, replicas, results
+from .length_grouping import length_grouped, unsort
 from .lockstep import check_lockstep
-from .positions import check_inputs_fit
+from .positions import check_trainer_inputs_fit
 from .sampling import batch_seed, samples
 from .streaming import StreamJob, run_identity, streamed_predict
 
@@ -124,35 +124,10 @@ class DeepSpeedInferenceMixin:
         return self._replica_loader(super().get_test_dataloader, test_dataset, "test_dataset")
 
     def _replica_loader(self, make, dataset, name: str):
-        """The data loader, prepared by accelerate without batch dispatching under our mesh.
-
-        accelerate's dispatcher (`dispatch_batches`, also its default for an IterableDataset) does not split
-        data between the replicas of a (dp_shard, tp) mesh: it hands every rank, every replica included, the
-        same batch (it refuses TP only for mesh dimensions named dp/fsdp). Without dispatching, each replica
-        fetches its own batches (`split_batches` included), and every rank of a TP group the same ones. An
-        IterableDataset cannot be split between replicas that way (the last batches would be padded with
-        repeated examples nobody can tell apart), so it is refused when there is more than one replica."""
-        from torch.utils.data import IterableDataset
-
-        if self.process_groups.mesh is None:
-            return make(dataset)
-        data = dataset if dataset is not None else getattr(self, "eval_dataset", None)
-        if isinstance(data, str):  # the name of one of several eval datasets
-            data = self.eval_dataset[data]
-        if isinstance(data, IterableDataset) and self.topology.dp_size > 1:
-            raise InferenceSetupError(
-                f"{name} is an IterableDataset ({type(data).__name__}), which cannot be split between "
-                f"{self.topology.dp_size} data-parallel replicas; valid: a map-style dataset (datasets.Dataset, "
-                f"e.g. from `Dataset.from_generator`), or --tp_size {self.topology.world_size} (one replica)"
-            )
-        drops_last(self.args, self.topology)
-        config = self.accelerator.dataloader_config
-        dispatch = config.dispatch_batches
-        config.dispatch_batches = False
-        try:
-            return make(dataset)
-        finally:
-            config.dispatch_batches = dispatch
+        """accelerate's loader without batch dispatching under our mesh (`replicas.replica_loader`)."""
+        return replicas.replica_loader(make, dataset, name, self.process_groups.mesh,
+                                       getattr(self, "eval_dataset", None), self.topology, self.args,
+                                       self.accelerator.dataloader_config)
 
     # Lock step: same inputs, same random numbers, on every rank of a TP group ---------------------
 
@@ -213,7 +188,7 @@ class DeepSpeedInferenceMixin:
         finally:
             self._loop_examples = None
             self.args.average_tokens_across_devices, self._evaluating = averaged, False
-        n, k = output.num_samples, self._rows_per_example()
+        n, k = output.num_samples, gather.rows_per_example(self.args, self.model, getattr(self, "_gen_kwargs", None))
         if getattr(self.args, "dataloader_drop_last", False):  # upstream's loop drops a short last batch of each
             n -= n % (self.args.eval_batch_size * self.topology.dp_size)  # process, and counts it in num_samples
         gather.check_row_counts(output, n, k)
@@ -235,14 +210,6 @@ class DeepSpeedInferenceMixin:
             count = count * (self.get_tp_size() * self.get_cp_size() * self.get_sp_size())
         return count
 
-    def _rows_per_example(self) -> int:
-        """Rows of predictions per example: `num_return_sequences` when generating, else 1."""
-        if not getattr(self.args, "predict_with_generate", False):
-            return 1
-        kwargs = getattr(self, "_gen_kwargs", None) or {}
-        config = getattr(self.model, "generation_config", None)
-        return int(kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", None) or 1)
-
     # Results files and speed metrics (`results`) ---------------------------------------------------------------
 
     def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
@@ -253,43 +220,24 @@ class DeepSpeedInferenceMixin:
 
     def _fix_speed_metrics(self, metrics: dict, prefix: str, num_samples: int | None) -> dict:
         """Steps per second per replica (`results.speed_metrics`), and the lock-step guard's time at tp > 1."""
+        self._lockstep_metric(metrics, prefix)
+        return results.speed_metrics(metrics, prefix, num_samples, self.args.eval_batch_size, self.topology.dp_size)
+
+    def _lockstep_metric(self, metrics: dict, prefix: str) -> None:
         if self.topology.tp_size > 1:
             metrics[f"{prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
             self.lockstep_seconds = 0.0
-        return results.speed_metrics(metrics, prefix, num_samples, self.args.eval_batch_size, self.topology.dp_size)
-
-    def _check_inputs_fit(self, dataset, gen_kwargs: dict) -> None:
-        """Sources and the generation length the caller set within an encoder-decoder's positions, one line before
-        any batch runs (on every rank alike: the same data and arguments), not an IndexError in a rank's forward
-        (`positions.check_inputs_fit`). With the flag or without: it is what the examples rely on for their sources
-        (upstream's run_translation.py defaults to --max_source_length 1024, more than many models' positions)."""
-        if dataset is None or isinstance(dataset, dict):
-            return
-        generate = getattr(self.args, "predict_with_generate", False)
-        check_inputs_fit(getattr(self.model, "config", None), dataset, gen_kwargs if generate else {},
-                         getattr(self.args, "generation_max_length", None) if generate else None)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
-        self._check_inputs_fit(eval_dataset if eval_dataset is not None else self.eval_dataset, kwargs)
+        check_trainer_inputs_fit(self.args, self.model, eval_dataset if eval_dataset is not None else self.eval_dataset,
+                                 kwargs)
         metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         return self._fix_speed_metrics(metrics, metric_key_prefix, len(dataset) if hasattr(dataset, "__len__") else None)
 
-    def _length_grouped(self, dataset, prefix: str):
-        """With --group_by_length: the data in length order, that order, and the padding-fraction metrics
-        before and after; else (dataset, None, {})."""
-        order = length_order(self.args, dataset)
-        if order is None:
-            return dataset, None, {}
-        unsorted = padding_fraction(input_lengths(dataset), self.args.eval_batch_size)
-        dataset = dataset.select(order)
-        return dataset, order, {f"{prefix}_padding_fraction": round(padding_fraction(input_lengths(dataset),
-                                                                                     self.args.eval_batch_size), 4),
-                                f"{prefix}_padding_fraction_unsorted": round(unsorted, 4)}
-
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
-        self._check_inputs_fit(test_dataset, kwargs)
-        test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
+        check_trainer_inputs_fit(self.args, self.model, test_dataset, kwargs)
+        test_dataset, order, padding = length_grouped(self.args, test_dataset, metric_key_prefix)
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         count = len(test_dataset) if hasattr(test_dataset, "__len__") else None
         self._fix_speed_metrics(output.metrics, metric_key_prefix, count)
@@ -314,7 +262,7 @@ class DeepSpeedInferenceMixin:
             raise InferenceSetupError("predict_to_file writes generated text: pass --predict_with_generate")
         if self.processing_class is None or not hasattr(self.processing_class, "batch_decode"):
             raise InferenceSetupError("predict_to_file decodes with the Trainer's processing_class: pass the tokenizer")
-        self._check_inputs_fit(test_dataset, gen_kwargs)
+        check_trainer_inputs_fit(self.args, self.model, test_dataset, gen_kwargs)
         gen_kwargs = dict(gen_kwargs)
         if gen_kwargs.get("max_length") is None and gen_kwargs.get("max_new_tokens") is None \
                 and self.args.generation_max_length is not None:
@@ -324,10 +272,8 @@ class DeepSpeedInferenceMixin:
         self._gen_kwargs = gen_kwargs
         if self.args.remove_unused_columns and hasattr(test_dataset, "column_names"):
             test_dataset = self._remove_unused_columns(test_dataset, description="test")
-        if drops_last(self.args, self.topology):  # as predict (upstream's loop): the rows of the full batches only
-            full = len(test_dataset) - len(test_dataset) % self.args.eval_batch_size
-            test_dataset = test_dataset.select(range(full)) if full < len(test_dataset) else test_dataset
-        test_dataset, order, padding = self._length_grouped(test_dataset, metric_key_prefix)
+        test_dataset = replicas.full_batches(test_dataset, self.args, self.topology)  # as predict (upstream's loop)
+        test_dataset, order, padding = length_grouped(self.args, test_dataset, metric_key_prefix)
         self.model.eval()
         job = StreamJob(dataset=test_dataset, order=order, topology=self.topology, output_dir=Path(self.args.output_dir),
                         batch_size=self.args.eval_batch_size, identity=lambda: run_identity(
@@ -339,9 +285,7 @@ class DeepSpeedInferenceMixin:
         metrics = streamed_predict(job, metric=metric, metric_key_prefix=metric_key_prefix,
                                    predictions_file=predictions_file, fresh=fresh)
         metrics.update(padding)
-        if self.topology.tp_size > 1:
-            metrics[f"{metric_key_prefix}_lockstep_guard_seconds"] = round(self.lockstep_seconds, 4)
-            self.lockstep_seconds = 0.0
+        self._lockstep_metric(metrics, metric_key_prefix)
         return metrics
 
     def _generate_batch(self, k: int, inputs: dict):
@@ -354,19 +298,6 @@ class DeepSpeedInferenceMixin:
     def _get_eval_sampler(self, eval_dataset):
         # Prediction order is ours (sorted above, restored after); never a randomised length sampler here.
         return None if self.args.world_size > 1 else torch.utils.data.SequentialSampler(eval_dataset)
-
-
-def drops_last(args, topology) -> bool:
-    """Whether --dataloader_drop_last is set; refused where it would not drop one process's rows."""
-    if not getattr(args, "dataloader_drop_last", False):
-        return False
-    if topology.dp_size > 1:
-        raise InferenceSetupError(
-            f"--dataloader_drop_last drops a short last batch of each of {topology.dp_size} data-parallel replicas, "
-            "not one process's last batch, so the rows predicted would not be one process's; valid: without "
-            f"--dataloader_drop_last, or --tp_size {topology.world_size} (one replica)"
-        )
-    return True
 
 
 class DeepSpeedInferenceSeq2SeqTrainer(DeepSpeedInferenceMixin, Seq2SeqTrainer):
