@@ -213,13 +213,15 @@ def test_a_rank_that_prints_a_lot_does_not_block_its_peers(tmp_path, monkeypatch
 PROBE = """
 import atexit, os, signal, sys, threading, time
 mode = sys.argv[1:][int(os.environ["RANK"])]
-if mode == "return":  # torch's threads (the template's torch was imported with the starter's environment)
-    atexit.register(lambda: open(os.environ["PROBE_RANK_0_DONE"], "w").close())  # the last thing rank 0 does
-    import torch
+done = os.environ.get("PROBE_RANK_0_DONE")  # where set, the others end once rank 0 has: wait_ranks kills what
+if mode == "return":                        # still runs 5 s after a rank fails
+    if done:
+        atexit.register(lambda: open(done, "w").close())  # the last thing rank 0 does
+    import torch  # torch's threads (the template's torch was imported with the starter's environment)
     print(f"threads {torch.get_num_threads()}")
-else:  # the others end once rank 0 has: wait_ranks kills what still runs 5 s after a rank fails
+elif done:
     for _ in range(1200):
-        if os.path.exists(os.environ["PROBE_RANK_0_DONE"]):
+        if os.path.exists(done):
             break
         time.sleep(0.05)
 print(f"probe rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} name {__name__} argv {sys.argv[1:]} "
