@@ -20,12 +20,17 @@ if TYPE_CHECKING:
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
+def torch_dtype(flag: str) -> torch.dtype:
+    """torch's dtype for an --inference_dtype name (fp32, fp16, bf16)."""
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[flag])
+
+
 def __getattr__(name: str):
     """`DTYPES` ({"fp32": torch.float32, ...}), made when first asked for: it needs torch."""
     if name == "DTYPES":
-        import torch
-
-        return {flag: getattr(torch, dtype) for flag, dtype in DTYPE_NAMES.items()}
+        return {flag: torch_dtype(flag) for flag in DTYPE_NAMES}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 POLICY_MODES = ("auto", "autotp", "derive")
 # torch.distributed keeps a deadline as now + timeout in 64-bit nanoseconds since 1970 (1.8e18 ns now, of 9.2e18):
@@ -125,10 +130,7 @@ class DeepSpeedInferenceArguments:
 
     def resolve_dtype(self, fp16: bool = False, bf16: bool = False) -> torch.dtype:
         """The inference dtype: explicit `--inference_dtype`, else the training args' mixed precision, else fp32."""
-        import torch
-
-        name = self.inference_dtype or ("bf16" if bf16 else "fp16" if fp16 else "fp32")
-        return getattr(torch, DTYPE_NAMES[name])
+        return torch_dtype(self.inference_dtype or ("bf16" if bf16 else "fp16" if fp16 else "fp32"))
 
     def check_device(self, on_gpu: bool, dtype: torch.dtype) -> None:
         """Refuse options the device cannot run, before any heavy work."""
