@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,12 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALL
 # the record of data files that passed their checks (predict/data_files.py): one per pytest process, removed at its
 # end, not the user's ~/.cache (the processes the tests start inherit it)
 os.environ["DS_INFERENCE_CACHE"] = tempfile.mkdtemp(prefix="ds-inference-tests-cache-")
+# Every process the tests start reads tests/interpreter/sitecustomize.py first (the collector runs a tenth as often:
+# why, and what it saves, there); this process runs it too.
+INTERPRETER = REPO / "tests" / "interpreter"
+if str(INTERPRETER) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # xdist's workers inherit it
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INTERPRETER), os.environ.get("PYTHONPATH")]))
+runpy.run_path(str(INTERPRETER / "sitecustomize.py"))
 # The suite's share of the cores: xdist's N workers run side by side, so each worker, and every process a test of it
 # starts, gets cpu_count // N cores (`make test`: 2 workers on 2 cores, one each). Left to their defaults, the
 # workers' torch took both cores and so did a tp-1 process a test started: two OpenMP threads on a core that the
@@ -329,13 +336,15 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 # The longest tests (seconds, `--durations` of a warm run with two workers, 2026-12-06) start first, then the other
 # launched ones, then the in-process ones: the two workers (`make test`, --dist worksteal) then finish together
 # instead of one running a 50 s test alone at the end. A test that uses a module's server is not listed: sorted
-# away from the module's other tests, it went to the other worker, which started a second server for it.
+# away from the module's other tests, it went to the other worker, which started a second server for it. The tp-2
+# policy check, which three more tests read (`once_per_run`), goes first of all: started 219 s into a run, it kept
+# a reader on the other worker waiting 25 s with nothing to do (2026-12-06).
 LONGEST = {"test_a_killed_rank_sigterm_ctrl_c_and_a_killed_job_each_end_a_run_and_the_same_command_resumes": 80,
            "test_two_nodes_give_the_one_process_file_whatever_the_disks_and_resume_after_a_kill[own_disks]": 55,
            "test_translation_sources_come_back_as_run_translation_predicts_them_then_long_rows_and_ctrl_c": 65,
            "test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_wait": 43,
            "test_smoke_decode": 20,
-           "test_every_architecture_matches_the_unsharded_model[2]": 35,
+           "test_every_architecture_matches_the_unsharded_model[2]": 1000,
            "test_every_architecture_matches_the_unsharded_model[4-subset]": 34,
            "test_a_causal_lms_eval_loss_and_logits_at_dp_2_and_tp_2_are_one_process_s": 30,
            "test_proposal_command_eval_and_beam_search_predict_equal_single_process": 26,
