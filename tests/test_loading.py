@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import BIN, DEFAULT_MODEL, TRANSLATE_ARGS, WORKERS, once_per_run, run_example
 from ds_inference_integration.arguments import DeepSpeedInferenceArguments, InferenceSetupError
-from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files, ranges_of
+from ds_inference_integration.load.checkpoint import SafetensorsCheckpoint, checkpoint_files
 from ds_inference_integration.load.loaders import is_skeleton, load_model, pending_load
+from ds_inference_integration.load.slices import ranges_of
 from ds_inference_integration.run.ranks import free_port
 from tiny_models import save_decoder
 
@@ -55,6 +56,50 @@ def test_reader_returns_exactly_the_selected_rows_and_columns(tmp_path, dtype, m
     assert torch.equal(ck.read("w", dtype=torch.float32), w.float())
     assert torch.equal(ck.read("e", rows=[(1, 2)]), load_file(tmp_path / "model.safetensors")["e"][1:2])
     assert ranges_of([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 7), (9, 10)]
+
+
+def test_deepspeeds_record_of_a_split_becomes_the_one_record_the_loaders_read():
+    """DeepSpeed records its splits as an affine map on each parameter; `slices.from_deepspeed` turns it into the
+    record every other split leaves (`TensorSlices`), which is what the loaders read. For DeepSpeed's own maps
+    (column- and row-parallel, uneven, fused QKV, blocks gathered from two runs), every rank's record cuts from the
+    full tensor exactly what DeepSpeed's own `extract` gives that rank; a layout it cannot read is one line naming the
+    parameter and --loading full."""
+    from deepspeed.checkpoint.affine import block_gather_map, contiguous_split_map, sub_param_map
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    from ds_inference_integration.load.slices import from_deepspeed, take
+
+    def held(amap, rank):
+        entry = amap.to_dict()
+        p = torch.empty(tuple(entry["ranks"][rank]["shard_shape"]), device="meta")
+        setattr(p, DS_AUTOTP_UC_META, {"conversion": {"affine_map": entry}})
+        return p
+
+    maps = {"column": contiguous_split_map((12, 5), [6, 6], 0), "row": contiguous_split_map((4, 10), [5, 5], 1),
+            "uneven": contiguous_split_map((10, 3), [4, 3, 3], 0), "bias": contiguous_split_map((8,), [4, 4], 0),
+            "fused_qkv": sub_param_map(shape=(12, 4), sub_dim_sizes=[4, 4, 4], shard_widths=[[2, 2]] * 3,
+                                       partition_dim=0),
+            "gathered": block_gather_map((8, 2), {0: [0, 3], 1: [1, 2]}, 2, 0)}
+    for kind, amap in maps.items():
+        full = torch.arange(torch.Size(amap.logical_shape).numel(), dtype=torch.float32).reshape(amap.logical_shape)
+        for rank in amap.shard_shapes:
+            slices = from_deepspeed(f"{kind}.weight", held(amap, rank), tuple(amap.logical_shape), rank)
+            assert torch.equal(take(full, slices.dim, slices.ranges), amap.extract(full, rank)), (kind, rank, slices)
+    assert from_deepspeed("w", held(maps["fused_qkv"], 1), (12, 4), 1).ranges == ((2, 4), (6, 8), (10, 12))
+
+    def refused(p, full, rank, says):
+        with pytest.raises(InferenceSetupError) as e:
+            from_deepspeed("layers.0.w", p, full, rank)
+        assert "layers.0.w" in str(e.value) and says in str(e.value) and "--loading full" in str(e.value), e.value
+
+    refused(torch.empty(6, 5, device="meta"), (12, 5), 0, "recorded no layout")
+    refused(held(maps["column"], 0), (12, 6), 0, "recorded no layout")  # a map of another tensor
+    corner = held(maps["column"], 0)  # a block cut along both dimensions
+    getattr(corner, DS_AUTOTP_UC_META)["conversion"]["affine_map"]["ranks"][0]["pieces"][0]["shape"] = [6, 4]
+    refused(corner, (12, 5), 0, "not a run of blocks along one dimension")
+    scaled = held(maps["column"], 1)
+    getattr(scaled, DS_AUTOTP_UC_META)["conversion"]["affine_map"]["ranks"][1]["pieces"][0]["scale"] = 0.5
+    refused(scaled, (12, 5), 1, "scaled by 0.5")
 
 
 def test_skeleton_is_on_meta_with_real_buffers_and_index_checkpoints_work(tmp_path):

@@ -437,7 +437,7 @@ def test_grouped_fused_qkv_keeps_each_ranks_query_heads_with_their_groups_k_and_
     with torch.no_grad():
         linear.weight.copy_(torch.arange(12.0)[:, None].expand(12, 4))
     shard, head_dim = split_fused_qkv(linear, "grouped", HeadLayout(8, 2, 4, 1))
-    assert head_dim == 1 and shard.weight[:, 0].tolist() == [2, 3, 4, 5] and shard.source_rows == [2, 3, 4, 5]
+    assert head_dim == 1 and shard.weight[:, 0].tolist() == [2, 3, 4, 5] and shard.weight.tensor_slices.ranges == ((2, 6),)
     shard, _ = split_fused_qkv(linear, "grouped", HeadLayout(8, 2, 2, 1))
     assert shard.weight[:, 0].tolist() == [6, 7, 8, 9, 10, 11]
     shard, _ = split_fused_qkv(linear, "grouped", HeadLayout(8, 2, 4, 3))

@@ -313,14 +313,3 @@ class _File:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable in place."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def ranges_of(indices: list[int]) -> Ranges:
-    """[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]."""
-    out: Ranges = []
-    for i in indices:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return out

@@ -16,9 +16,8 @@ fills it in two steps around `deepspeed.init_inference`, which splits meta tenso
 1. before: parameters that no linear layer owns (embeddings, norms, relative position biases) are
    read whole; they are replicated, and DeepSpeed slices the few it splits itself;
 2. after: each linear's parameter, now of its shard's shape, is read from the checkpoint. Where its
-   rows/columns come from is taken from what the splitting recorded: DeepSpeed's per-parameter
-   partition metadata (dimension, sizes, this rank's index), and our own `ColumnShard.source_rows`
-   for attention heads split here. Every read is checked against the shape DeepSpeed produced.
+   rows/columns come from is the one record every split leaves on the parameter (`slices.py`: ours where we
+   split, DeepSpeed's own converted into it). Every read is checked against the shape DeepSpeed produced.
 
 Here: `load_model`, and the skeleton's hand-over to step 3 (`PendingLoad`, carried on the skeleton it returns as
 `PENDING_ATTRIBUTE`). Beside it, by role: `skeleton.py` (the model built on meta), `keys.py` (which checkpoint

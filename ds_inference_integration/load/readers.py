@@ -1,8 +1,8 @@
 """The loaders: they fill a skeleton's meta parameters in two steps around `deepspeed.init_inference` (see
 `loaders.py`), reading from the original safetensors checkpoint only the rows or columns this rank keeps
 (`ShardAwareLoader`) or this rank's own file of a pre-sharded directory (`PreShardedLoader`). Where a split
-parameter's rows come from is read from what the split recorded: DeepSpeed's partition metadata
-(`_deepspeed_pieces`), `ColumnShard.source_rows`, `head_rows` and `tensor_slices` (`slices.py`)."""
+parameter's part comes from is read from the one record every split leaves on it, `TensorSlices` (`slices.py`,
+where DeepSpeed's own record is converted into it)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..errors import InferenceSetupError
-from .checkpoint import SafetensorsCheckpoint, ranges_of
+from .checkpoint import SafetensorsCheckpoint
 from .keys import KeyPlan, PackedSource
 from .skeleton import initialise_missing, names_by_param, not_deferred, replace_meta
-from .slices import take
+from .slices import from_deepspeed, recorded, take
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Loader:
         before = self.ckpt.bytes_read
         t = self.ckpt.read(key, dtype=buf.dtype)
         self.bytes_read += self.ckpt.bytes_read - before
-        slices = getattr(buf, "tensor_slices", None)  # a per-head buffer split here (MiniMax's decays: shard/mixers.py)
+        slices = recorded(buf)  # a per-head buffer split here (MiniMax's decays: shard/mixers.py)
         if slices is not None and tuple(t.shape) == slices.full_shape:
             t = take(t, slices.dim, slices.ranges)
         return t
@@ -114,7 +114,7 @@ class ShardAwareLoader(Loader):
     def _read_whole(self, names, p) -> torch.Tensor:
         before = self.ckpt.bytes_read
         key = self._key(names)
-        slices = getattr(p, "tensor_slices", None)
+        slices = recorded(p)
         if slices is not None and not slices.ranges:  # a down bias this rank adds nothing of (shard/experts.py)
             t = torch.zeros(tuple(p.shape), dtype=self.dtype)
         elif key in self.packed:
@@ -123,13 +123,7 @@ class ShardAwareLoader(Loader):
             # a checkpoint that stores the experts packed already (GraniteMoE's `input_linear`, saved by transformers
             # 5 as one [experts, 2 x inner, hidden] tensor): this rank's slices of it, from the mapped file's view
             # (only the pages of those slices become resident)
-            whole = self.ckpt.read(key, dtype=self.dtype, view=True)
-            index = [slice(None)] * whole.ndim
-            parts = []
-            for a, b in slices.ranges:
-                index[slices.dim] = slice(a, b)
-                parts.append(whole[tuple(index)])
-            t = torch.cat(parts, dim=slices.dim).contiguous()
+            t = take(self.ckpt.read(key, dtype=self.dtype, view=True), slices.dim, slices.ranges)
         else:
             t = self.ckpt.read(key, dtype=self.dtype, view=True)
         self.bytes_read += self.ckpt.bytes_read - before
@@ -167,19 +161,16 @@ class ShardAwareLoader(Loader):
         want = tuple(p.shape)
         if p.numel() == 0:  # DeepSpeed's 64-grain split can leave trailing ranks nothing of a narrow tensor
             return torch.empty(want, dtype=self.dtype)
-        rows = getattr(module, "source_rows", None)
-        head_rows = getattr(p, "head_rows", None)
-        if head_rows is not None:  # a per-head parameter of an attention (inject.split_per_head_parameters)
-            pieces = [((head_rows[0],), (0,), (head_rows[1] - head_rows[0],))]
-        elif rows is not None:  # a ColumnShard: our own head split recorded its rows
-            pieces, at = [], 0
-            for a, b in ranges_of(rows):
-                pieces.append(((a,) + (0,) * (len(full) - 1), (at,) + (0,) * (len(full) - 1), (b - a,) + full[1:]))
-                at += b - a
-        elif want == full:
+        slices = recorded(p)  # our split's record; DeepSpeed's split records its own, converted here
+        if slices is None and want != full:
+            slices = from_deepspeed(name, p, full, getattr(module, "tp_index", tp_rank))
+        if slices is None:  # not split
             pieces = [((0,) * len(full), (0,) * len(full), full)]
+        elif slices.full_shape != full:
+            raise InferenceSetupError(f"{name}: its split was recorded on a tensor of shape {list(slices.full_shape)}, "
+                                      f"the checkpoint's is {list(full)}; use --loading full")
         else:
-            pieces = _deepspeed_pieces(name, module, p, full, tp_rank)
+            pieces = slices.pieces()
         before = self.ckpt.bytes_read
         if len(pieces) == 1 and tuple(pieces[0][2]) == want and not transposed:  # one block: read it in place
             s_at, _, shape = pieces[0]
@@ -199,50 +190,6 @@ class ShardAwareLoader(Loader):
             out[region] = part.reshape(shape)
         self.bytes_read += self.ckpt.bytes_read - before
         return out
-
-
-def _unravel(offset: int, shape: tuple) -> tuple:
-    at = []
-    for n in reversed(shape):
-        at.append(offset % n)
-        offset //= n
-    return tuple(reversed(at))
-
-
-def _row_major(shape) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return list(reversed(strides))
-
-
-def _deepspeed_pieces(name: str, module: nn.Module, p: torch.Tensor, full: tuple, tp_rank: int) -> list:
-    """Which blocks of the full tensor (shape `full`) DeepSpeed put where in this rank's shard, read from the
-    layout it records on each parameter it splits (its universal-checkpoint affine map): a list of
-    (start in the full tensor, start in the shard, block shape)."""
-    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
-
-    want = tuple(p.shape)
-    meta = getattr(p, DS_AUTOTP_UC_META, None) or {}
-    rank = getattr(module, "tp_index", tp_rank)
-    amap = (meta.get("conversion") or {}).get("affine_map") or {}
-    info = (amap.get("ranks") or {}).get(rank) or (amap.get("ranks") or {}).get(str(rank))
-    if not info or tuple(amap.get("logical_shape", ())) != full or tuple(info["shard_shape"]) != want:
-        raise InferenceSetupError(f"cannot tell which part of {name} ({list(full)} -> {list(want)}) this rank "
-                                  "holds (DeepSpeed recorded no layout for it); use --loading full")
-    pieces = []
-    for piece in info["pieces"]:
-        shape = tuple(piece["shape"])
-        (s_off, s_strides), (d_off, d_strides) = piece["source"], piece["dest"]
-        if list(s_strides) != _row_major(full) or list(d_strides) != _row_major(want):
-            raise InferenceSetupError(f"{name}: DeepSpeed's layout for this rank is strided in a way this loader "
-                                      "does not read; use --loading full")
-        pieces.append((_unravel(s_off, full), _unravel(d_off, want), shape))
-    covered = sum(int(torch.Size(shape).numel()) for _, _, shape in pieces)
-    if covered != p.numel():
-        raise InferenceSetupError(f"{name}: DeepSpeed's layout covers {covered} of {p.numel()} elements; use --loading full")
-    return pieces
 
 
 class PreShardedLoader(Loader):

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InferenceSetupError
+from ..load.slices import ranges_of, record
 from ..policy.schema import FUSED_LAYOUTS
 
 
@@ -98,7 +99,9 @@ def take_rows(linear: nn.Module, rows: list[int]) -> ColumnShard:
     index = torch.tensor(rows, dtype=torch.long, device=linear.weight.device)
     bias = None if getattr(linear, "bias", None) is None else linear.bias.detach()[index]
     shard = ColumnShard(linear.weight.detach()[index], bias)
-    shard.source_rows = rows  # which rows of the full projection it holds (read by shard-aware loading)
+    for part, source in ((shard.weight, linear.weight), (shard.bias, getattr(linear, "bias", None))):
+        if part is not None:  # which rows of the full projection it holds (read by shard-aware loading)
+            record(part, 0, ranges_of(rows), source.shape)
     return shard
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import InferenceSetupError
-from ..load.slices import TensorSlices, take
+from ..load.slices import record, take
 from ..policy.kinds import is_packed_experts
 
 
@@ -69,18 +69,18 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
         local_gate_up, local_down = take(gate_up, up_dim, rows), take(down, down_dim, ((a, b),))
     module.gate_up_proj = nn.Parameter(local_gate_up, requires_grad=False)
     module.down_proj = nn.Parameter(local_down, requires_grad=False)
-    module.gate_up_proj.tensor_slices = TensorSlices(up_dim, rows, tuple(gate_up.shape))
-    module.down_proj.tensor_slices = TensorSlices(down_dim, ((a, b),), tuple(down.shape))
+    record(module.gate_up_proj, up_dim, rows, tuple(gate_up.shape))
+    record(module.down_proj, down_dim, ((a, b),), tuple(down.shape))
     bias = module._parameters.get("gate_up_proj_bias")
     if isinstance(bias, torch.Tensor):
         with torch.no_grad():
             module.gate_up_proj_bias = nn.Parameter(take(bias, 1, rows), requires_grad=False)
-        module.gate_up_proj_bias.tensor_slices = TensorSlices(1, rows, tuple(bias.shape))
+        record(module.gate_up_proj_bias, 1, rows, tuple(bias.shape))
     bias = module._parameters.get("down_proj_bias")
     if isinstance(bias, torch.Tensor) and tp_rank > 0:
         with torch.no_grad():
             module.down_proj_bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
-        module.down_proj_bias.tensor_slices = TensorSlices(1, (), tuple(bias.shape))  # no part: zeros
+        record(module.down_proj_bias, 1, (), tuple(bias.shape))  # no part: zeros
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
             setattr(module, attr, part)

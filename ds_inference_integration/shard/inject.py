@@ -35,6 +35,7 @@ from ..deepspeed_compat import (
 from ..errors import first_line, sharding_failure
 from ..load.loaders import PendingLoad, is_skeleton, loaded, policy_id
 from ..load.readers import PreShardedLoader
+from ..load.slices import record
 from ..policy.derive import derive_policy, derived_summary
 from ..policy.schema import AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
 from ..run.collector import collector_paused
@@ -222,14 +223,14 @@ def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayou
 
 def split_per_head_parameters(attention: nn.Module, heads: HeadLayout) -> None:
     """A parameter of the attention itself with one value per query head (GPT-OSS's attention `sinks`): this
-    rank's heads of it, the ones its query rows hold (DeepSpeed gives each rank a contiguous run of heads). Its
-    `head_rows` tell shard-aware loading which part to read."""
+    rank's heads of it, the ones its query rows hold (DeepSpeed gives each rank a contiguous run of heads), recorded
+    for shard-aware loading (`load/slices.py`)."""
     mine = heads.q_heads()
     for name, p in list(attention._parameters.items()):
         if isinstance(p, torch.Tensor) and p.ndim == 1 and p.shape[0] == heads.query_heads and heads.tp_size > 1:
             with torch.no_grad():
                 part = nn.Parameter(p[mine.start:mine.stop].clone(), requires_grad=False)
-            part.head_rows = (mine.start, mine.stop)
+            record(part, 0, ((mine.start, mine.stop),), p.shape)
             attention._parameters[name] = part
 
 

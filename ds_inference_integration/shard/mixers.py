@@ -63,7 +63,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InferenceSetupError
-from ..load.slices import TensorSlices, take
+from ..load.slices import record, take
 from ..policy.kinds import LIGHTNING_DECAYS, PER_HEAD, delta_net_sizes, is_ssm_mixer, packed_mlp_names, ssm_layout, ssm_sizes
 from .attention import take_rows
 
@@ -150,13 +150,13 @@ def _slice_param(owner: nn.Module, name: str, dim: int, ranges) -> None:
     p = owner._parameters[name]
     with torch.no_grad():
         part = nn.Parameter(take(p.detach(), dim, ranges), requires_grad=False)
-    part.tensor_slices = TensorSlices(dim, tuple(ranges), tuple(p.shape))
+    record(part, dim, tuple(ranges), tuple(p.shape))
     owner._parameters[name] = part
 
 
 def _row_shard(linear: nn.Module, columns, group) -> RowShard:
     row = RowShard(take(linear.weight.detach(), 1, columns), linear.bias, group)
-    row.weight.tensor_slices = TensorSlices(1, tuple(columns), tuple(linear.weight.shape))
+    record(row.weight, 1, tuple(columns), tuple(linear.weight.shape))
     return row
 
 
@@ -264,7 +264,7 @@ def _split_lightning(module: nn.Module, tp_size: int, tp_rank: int, group) -> No
     for name, axis in LIGHTNING_DECAYS.items():
         buf = module._buffers[name]
         local = take(buf, axis, ((h0, h1),))
-        local.tensor_slices = TensorSlices(axis, ((h0, h1),), tuple(buf.shape))  # persistent: loading reads this part
+        record(local, axis, ((h0, h1),), tuple(buf.shape))  # persistent: loading reads this part
         module._buffers[name] = local
     norm = module.norm
     eps = getattr(norm, "variance_epsilon", None)
@@ -272,7 +272,7 @@ def _split_lightning(module: nn.Module, tp_size: int, tp_rank: int, group) -> No
         raise InferenceSetupError(f"{type(module).__name__}: its norm {type(norm).__name__} has no variance_epsilon; "
                                   "keep the mixer whole (`replicated`)")
     ranks = RanksGatedRMSNorm(take(norm.weight.detach(), 0, mine), eps, heads * dim, 0, 1, group)
-    ranks.weight.tensor_slices = TensorSlices(0, mine, tuple(norm.weight.shape))
+    record(ranks.weight, 0, mine, tuple(norm.weight.shape))
     module.norm = ranks
     module.out_proj = _row_shard(module.out_proj, mine, group)
     module.num_attention_heads = part
@@ -313,7 +313,7 @@ def _split_norm(module: nn.Module, groups: int, local_groups: int, g0: int, inne
     ranks = RanksGatedRMSNorm(take(norm.weight.detach(), 0, x), eps, inner // groups, g0, groups, group,
                               norm_before_gate=bool(getattr(norm, "norm_before_gate", False)),
                               weight_in_fp32=hasattr(norm, "norm_before_gate"))
-    ranks.weight.tensor_slices = TensorSlices(0, x, tuple(norm.weight.shape))
+    record(ranks.weight, 0, x, tuple(norm.weight.shape))
     module.norm = ranks
 
 

@@ -103,11 +103,11 @@ def measure(model: nn.Module, patterns, before: dict[str, int], tp_size: int, po
                     expected, why = whole, "kept whole by DeepSpeed AutoTP (a router or low-rank projection)"
                 elif is_router(module_path, module):
                     expected, why = whole, "a router: every rank routes every token"
+                elif type(module).__name__ == "ColumnShard":
+                    expected, why = now, ("a copy of its KV heads" if now < whole else "kept whole by the split")
                 elif getattr(p, "tensor_slices", None) is not None:  # what experts.split_experts chose
                     expected, why = now, ("a per-expert bias added after the all-reduce's partial sums: whole on "
                                           "the group's first rank, zeros on the others" if now == whole else None)
-                elif type(module).__name__ == "ColumnShard":
-                    expected, why = now, ("a copy of its KV heads" if now < whole else "kept whole by the split")
                 else:
                     expected, why = whole / tp_size, None
                 target += expected
