@@ -97,9 +97,9 @@ def _rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:
 
 def take_rows(linear: nn.Module, rows: list[int]) -> ColumnShard:
     index = torch.tensor(rows, dtype=torch.long, device=linear.weight.device)
-    bias = None if getattr(linear, "bias", None) is None else linear.bias.detach()[index]
-    shard = ColumnShard(linear.weight.detach()[index], bias)
-    for part, source in ((shard.weight, linear.weight), (shard.bias, getattr(linear, "bias", None))):
+    bias = getattr(linear, "bias", None)
+    shard = ColumnShard(linear.weight.detach()[index], None if bias is None else bias.detach()[index])
+    for part, source in ((shard.weight, linear.weight), (shard.bias, bias)):
         if part is not None:  # which rows of the full projection it holds (read by shard-aware loading)
             record(part, 0, ranges_of(rows), source.shape)
     return shard

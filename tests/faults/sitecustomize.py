@@ -36,16 +36,13 @@ import functools
 import importlib.abc
 import importlib.machinery
 import os
+import runpy
 import signal
 import sys
 
 # This file shadows the suite's own sitecustomize (tests/interpreter: the collector's thresholds), so it runs that one
-_SUITE_SITECUSTOMIZE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "interpreter",
-                                    "sitecustomize.py")
-if os.path.exists(_SUITE_SITECUSTOMIZE):
-    import runpy
-
-    runpy.run_path(_SUITE_SITECUSTOMIZE)
+runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "interpreter",
+                            "sitecustomize.py"))
 
 SPEC = os.environ.get("DS_INFERENCE_FAULT", "")
 FAULTS = [part.partition(":")[::2] for part in SPEC.split(";") if part]
