@@ -152,7 +152,7 @@ def test_a_crash_is_resumed_without_generating_anything_twice(tiny_t5, tmp_path,
     calls = []
 
     def crash_at_third_batch(self, *args, **kwargs):
-        calls.append(self._batch_index + 1)
+        calls.append(self.loop.batch_index + 1)
         if len(calls) == 3:
             raise RuntimeError("killed")
         return original(self, *args, **kwargs)

@@ -4,8 +4,10 @@ mixin's overrides (`trainer.DeepSpeedInferenceMixin.save_metrics`, `evaluate`, `
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import uuid
 from pathlib import Path
 
 from ..run.files import write_text_atomic
@@ -38,3 +40,9 @@ def speed_metrics(metrics: dict, prefix: str, num_samples: int | None, eval_batc
         steps = math.ceil(num_samples / (eval_batch_size * dp_size))
         metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
     return metrics
+
+
+def new_run_id() -> str:
+    """This run's identity, stamped into every results file: a later run into the same --output_dir never merges
+    its results with an earlier run's, and `ds-inference summary` shows one run's files only."""
+    return f"{datetime.datetime.now():%Y%m%dT%H%M%S.%f}-{uuid.uuid4().hex[:6]}"

@@ -83,7 +83,7 @@ def _patch_trainer(module):
     rank, batch = (int(x) for x in ARG.split(":"))
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        if self.topology.rank == rank and self._batch_index + 1 == batch:
+        if self.topology.rank == rank and self.loop.batch_index + 1 == batch:
             if KIND == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif KIND == "killjob":
