@@ -6,6 +6,7 @@ import json
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,12 @@ INTERPRETER = REPO / "tests" / "interpreter"
 if str(INTERPRETER) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # xdist's workers inherit it
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INTERPRETER), os.environ.get("PYTHONPATH")]))
 runpy.run_path(str(INTERPRETER / "sitecustomize.py"))
+# Ctrl-C as a terminal delivers it, whatever started pytest: a background job of a non-interactive shell starts with
+# SIGINT ignored, which every process the tests start inherits (and Python then installs no KeyboardInterrupt
+# handler). Started so, a fresh clone's `make test` failed the two tests that compare the ranks' SIGINT handlers, and
+# took 9:54 in pytest against ~7:40 (2026-12-06).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # The suite's share of the cores: xdist's N workers run side by side, so each worker, and every process a test of it
 # starts, gets cpu_count // N cores (`make test`: 2 workers on 2 cores, one each). Left to their defaults, the
 # workers' torch took both cores and so did a tp-1 process a test started: two OpenMP threads on a core that the
