@@ -8,6 +8,7 @@ DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review 
 * it casts every floating buffer to the inference dtype (`buffers_kept_apart`, `restore_buffers`);
 * its head-aware split reads the KV-head count for the query side too (`kv_heads_seen_by_deepspeed`);
 * it splits CodeGen's fused qkv_proj in 4 blocks per rank (`head_grain`: refused up front, not by its assert);
+* it splits MLPs in blocks of 64 rows, unevenly where the width is not a multiple of 64 x tp (`even_grain`);
 * its AutoTP parser refuses some models by class name before parsing them, and parses only the first layer of
   each class (`autotp_row_parallel`);
 * it routes any module whose printed name holds "Yuan" (HunYuan) to Yuan-specific code (`yuan_named_apart`);
@@ -414,6 +415,24 @@ _HEAD_GRAIN = {"codegen": 4}
 def head_grain(model_type: str) -> int:
     """How many heads each rank's share must be a multiple of, in DeepSpeed's split of this model type (1: any)."""
     return _HEAD_GRAIN.get(model_type, 1)
+
+
+# DeepSpeed's inference config splits every linear it has no head count for (MLPs, experts' `gate_proj`/`down_proj`
+# by name, lm_head) in blocks of `tensor_parallel.tp_grain_size` = 64 rows, for its GPU kernels' alignment, the
+# blocks spread over the ranks first to last: a 128-wide shared expert at tp 4 lands 64/64/0/0 (MiniCPM5-MoE and
+# Kimi-Linear: 29.4% / 24.2% and 41.9% / 36.8% of a layer per rank, 2026-12-06), a 1408-wide MLP 384/384/320/320, a
+# 2880-wide one 768/704/704/704. `even_grain` gives the largest block (64 at most) that splits every such width evenly.
+DEEPSPEED_GRAIN = 64
+
+
+def even_grain(model: nn.Module, tp_size: int) -> int:
+    """The largest `tp_grain_size` (a power of two, DeepSpeed's 64 at most) with which every width of the model's
+    linears that `tp_size` divides is split into equal shares; a width no split makes equal is left out."""
+    widths = {w for m in model.modules() if isinstance(m, nn.Linear) for w in m.weight.shape if w % tp_size == 0}
+    grain = DEEPSPEED_GRAIN
+    while grain > 1 and any(w % (grain * tp_size) for w in widths):
+        grain //= 2
+    return grain
 
 
 def autotp_row_parallel(model: nn.Module) -> list[tuple[type, list[str]]]:

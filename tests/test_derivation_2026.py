@@ -295,3 +295,27 @@ def test_a_per_head_output_gate_keeps_the_query_heads_where_the_table_splits_the
     assert layer.self_attn.gate_proj.weight.tensor_slices.ranges == ((32, 64),)  # recorded for shard-aware loading
     assert torch.equal(layer.self_attn.gate_proj.weight, gate[32:64])  # a copy of those rows
     assert isinstance(layer.self_attn.o_proj, nn.Linear)
+
+
+@pytest.mark.parametrize("widths, tp, grain", [
+    ((128, 256, 96), 4, 8),  # the zoo's: a 128-wide shared expert, vocabulary 96
+    ((4096, 11008, 32000), 2, 64),  # Llama-2-7B's widths: DeepSpeed's own blocks are already even
+    ((2048, 1408, 151936), 4, 32),  # a 1408-wide expert (DeepSeek-V2-Lite's): 384/384/320/320 in 64-row blocks
+    ((2880, 151936), 4, 16),  # GPT-OSS's 2880: 768/704/704/704 in 64-row blocks
+    ((100, 384), 3, 64),  # 100 is split unevenly by any grain: only 384 counts
+])
+def test_the_grain_deepspeed_splits_mlps_by_gives_every_rank_the_same_rows(widths, tp, grain):
+    """`tp_grain_size` for DeepSpeed (`deepspeed_compat.even_grain`): the largest block, 64 at most, that splits
+    every width of the model's linears that tp divides into equal shares (DeepSpeed's 64-row blocks gave a 128-wide
+    shared expert 64/64/0/0 at tp 4)."""
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
+    from ds_inference_integration.deepspeed_compat import even_grain
+
+    model = nn.Sequential(*(nn.Linear(widths[0], w, device="meta") for w in widths))  # the first: the hidden size
+    assert even_grain(model, tp) == grain
+    meta = AutoTPMeta(tp_grain_size=grain)
+    for w in widths:
+        sizes = get_shard_size_list(w, tp, meta, "mlp.down_proj")
+        assert sizes == [w // tp] * tp if w % tp == 0 else max(sizes) - min(sizes) <= grain + w % grain, (w, sizes)
+    assert get_shard_size_list(128, 4, AutoTPMeta(tp_grain_size=64), "mlp.down_proj") == [64, 64, 0, 0]

@@ -79,6 +79,9 @@ def assert_all_pass(proc, report, names, tp) -> dict:
 FAMILIES_2026 = ["deepseek_v3", "lfm2", "mamba2", "mamba", "qwen3_5_text", "hunyuan_v1_dense", "granitemoe", "gpt_oss",
                  "prophetnet"]
 UNLISTED = ("phi3", "gemma", "mixtral")
+# issue #44's mechanisms, a zoo model each (`architecture_zoo.ZOO` says what each has), checked at tp 2 (in the shared
+# check) and at tp 4
+MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text", "gemma4_text_kv", "kimi_linear"]
 
 
 def save_unlisted(root) -> dict:
@@ -131,7 +134,8 @@ def save_tp2_models(root: Path) -> dict:
     read, each its own models, from one check (`tp2_check`)."""
     from ds_inference_integration.tools.architecture_zoo import save_zoo
 
-    return {**save_model_dirs(root / "arch"), **save_zoo(root / "zoo", FAMILIES_2026), **save_unlisted(root / "unlisted")}
+    return {**save_model_dirs(root / "arch"), **save_zoo(root / "zoo", FAMILIES_2026 + MECHANISMS_44),
+            **save_unlisted(root / "unlisted")}
 
 
 # The tp-2 check runs with rank 0's worker set to abort in the interpreter's teardown after its results are written
@@ -268,6 +272,40 @@ def test_the_2026_families_match_the_unsharded_model(tp2_check):
     for name in ("granitemoe", "gpt_oss"):  # the experts split (only routers, and GPT-OSS's down bias, whole)
         assert share[name]["target"] < 0.52 and all("router" in p or "experts" in p for p in share[name]["by_design"])
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.launched
+def test_the_mechanisms_of_2026_12_match_the_unsharded_model_at_tp_2_and_4(tp2_check, tmp_path):
+    """Issue #44, one model per mechanism, every check passing at tp 2 and 4. Before (2026-12-06, `policy check`):
+    Zaya's router, an MLP of its own, was split (its forward failed, 30x16 against 32x16); MiniCPM5-MoE's
+    `q_gate_proj` was not seen as a query, its attention kept whole (64% of a layer per rank at tp 2); MiMo-V2-Flash's
+    value heads, narrower than its query heads, were read as a packed gate, its attention kept whole (66%), and its
+    sliding layers' twice-as-many KV heads then failed the forward; Gemma 4's per-layer input gate was split (its
+    forward failed, "(8) must match ... (16)"), and with the full-attention layers' own KV count its heterogeneous
+    config raised in the derivation (a traceback on every rank); Kimi-Linear's shard-aware reading refused its
+    converted convolutions (FAIL), and at tp 4 its and MiniCPM5-MoE's 128-wide shared experts landed in DeepSpeed's
+    64-row blocks (41.9/41.9/36.8/36.8% and 29.4/29.4/24.2/24.2%)."""
+    from ds_inference_integration.tools.architecture_zoo import save_zoo
+
+    proc, report, _ = tp2_check
+    at = {2: assert_all_pass(proc, report, MECHANISMS_44, 2)}
+    dirs = save_zoo(tmp_path / "zoo", MECHANISMS_44)
+    proc4, report4 = policy_check(dirs.values(), 4, tmp_path)
+    at[4] = assert_all_pass(proc4, report4, MECHANISMS_44, 4)
+    for tp, checks in at.items():
+        share = {n: checks[n]["weights_per_rank"]["data"] for n in MECHANISMS_44}
+        for name, data in share.items():  # every rank the same share (no 64-row blocks left to one of them)
+            assert max(data["shares"]) - min(data["shares"]) < 0.002 and max(data["shares"]) <= data["target"] * 1.01, (
+                tp, name, data)
+        assert list(share["zaya"]["by_design"]).count("ZayaDecoderLayer.mlp.gate") == 1  # the router whole
+        for name in ("minicpm5_moe", "mimo_v2_flash"):  # the attention split: only the router whole
+            assert [p for p in share[name]["by_design"] if "self_attn" in p] == [], (tp, name, share[name])
+            assert share[name]["target"] < 1 / tp + 0.01, (tp, name, share[name])
+        assert set(share["gemma4_text"]["by_design"]) == {"Gemma4TextDecoderLayer.per_layer_input_gate",
+                                                          "Gemma4TextDecoderLayer.per_layer_projection"}
+        line = checks["kimi_linear"]["loading_shard-aware"]["line"]
+        assert "needs conversion" in line and "--loading auto loads it full" in line, line
+    assert "Traceback" not in proc4.stdout + proc4.stderr
 
 
 @pytest.mark.launched

@@ -224,4 +224,10 @@ class PreShardedLoader(Loader):
         return stored is None or tuple(stored) == tuple(p.shape)
 
     def _read_shard(self, names, module, p, tp_rank) -> torch.Tensor:
-        return self._get(names)
+        t = self._get(names)
+        if tuple(t.shape) != tuple(p.shape):  # written by a version that split it otherwise (DeepSpeed's 64-row
+            # blocks before `deepspeed_compat.even_grain`)
+            raise InferenceSetupError(f"pre-sharded file {self.ckpt.files[0].name} holds {names[0]} as "
+                                      f"{list(t.shape)}, this run splits it to {list(p.shape)}: re-run `ds-inference "
+                                      "shard` with this version")
+        return t

@@ -40,6 +40,7 @@ from .schema import (
     layer_classes,
     names_module,
     outermost_layer_classes,
+    reading_configured_values,
     under_replicated,
 )
 
@@ -191,16 +192,29 @@ def _attention_modules(layer: nn.Module) -> list[tuple[str, nn.Module, str | Non
     for path, module in layer.named_modules():
         children = {n: c for n, c in module.named_children()}
         fused = next((n for n in FUSED_QKV if n in children and is_linear(children[n])), None)
-        separate = next((names for names in SEPARATE_QKV if all(n in children and is_linear(children[n])
-                                                              for n in names)), None)
+        separate = _separate_qkv(module, children)
         if fused or separate:
             found.append((path, module, fused, separate))
     return found
 
 
 # An attention whose query projection holds [query | gate] per head, as its forward views it (Qwen3-Next:
-# `q_proj(x).view(..., -1, self.head_dim * 2)`): a split by whole heads keeps each head's gate with it.
-_PER_HEAD_GATE = re.compile(r"view\([^)]*-1,\s*self\.head_dim\s*\*\s*2\s*\)")
+# `q_proj(x).view(..., -1, self.head_dim * 2)`; MiniCPM5-MoE: `(*input_shape, -1, 2 * self.head_dim)` of its
+# `q_gate_proj`): a split by whole heads keeps each head's gate with it.
+_PER_HEAD_GATE = re.compile(r"-1,\s*(self\.head_dim\s*\*\s*2|2\s*\*\s*self\.head_dim)\s*\)")
+_GATED_QUERY = re.compile(r"q_\w+_proj")  # a query projection named for what it packs besides (`q_gate_proj`)
+
+
+def _separate_qkv(module: nn.Module, children: dict[str, nn.Module]) -> tuple[str, str, str] | None:
+    """The names of a module's separate query, key and value projections, or None: one of `SEPARATE_QKV`, or k_proj
+    and v_proj beside a query that packs a per-head gate under another name (MiniCPM5-MoE's `q_gate_proj`: not
+    recognised, its attention was kept whole on every rank, 64% of the layer per rank at tp 2, 2026-12-06)."""
+    names = next((names for names in SEPARATE_QKV if all(n in children and is_linear(children[n]) for n in names)),
+                 None)
+    if names or not all(n in children and is_linear(children[n]) for n in ("k_proj", "v_proj")):
+        return names
+    queries = [n for n, c in children.items() if _GATED_QUERY.fullmatch(n) and is_linear(c)]
+    return (queries[0], "k_proj", "v_proj") if len(queries) == 1 and _gated_per_head(module) else None
 
 
 def _gated_per_head(attention: nn.Module) -> bool:
@@ -376,6 +390,52 @@ def _expert_count(module: nn.Module) -> int | None:
     return len(unpacked[1]) if unpacked else None
 
 
+def _narrow_value_heads(attention: nn.Module, separate: tuple[str, str, str], width: int,
+                        heads: tuple[int, int] | None) -> bool:
+    """Whether an attention's value heads are narrower than its query and key heads, every projection holding whole
+    heads (MiMo-V2-Flash: query and key heads of 192, value heads of 128, the output projection reading query heads
+    x 128): a split by heads is right. Read as a gate packed with the query, such an attention was kept whole on
+    every rank (66% of the layer per rank at tp 2, 2026-12-06). The key's head count is the layer's own (its
+    sliding layers have twice the configured KV heads)."""
+    head_dim = getattr(attention, "head_dim", None)
+    if heads is None or not isinstance(head_dim, int) or head_dim <= 0:
+        return False
+    query, key, value = (attention.get_submodule(n).weight.shape[0] for n in separate)
+    q_heads = heads[0]
+    kv_layer, rem = divmod(key, head_dim)
+    return (query == q_heads * head_dim and width % q_heads == 0 and not rem and kv_layer > 0
+            and value == kv_layer * (width // q_heads))
+
+
+def _narrowing_pairs(layer: nn.Module, hidden: int | None) -> list[str]:
+    """The layer's own linears (outside its attention and MLP) that narrow the hidden state and widen it back: a
+    per-layer input's gate and projection (Gemma 4's `per_layer_input_gate`, hidden -> 256, multiplied by the
+    per-layer input the model gives each layer whole, then `per_layer_projection` back to hidden). Split as an MLP,
+    each rank's half of the gate met the whole input ("The size of tensor a (8) must match the size of tensor b
+    (16)" at tp 2, 2026-12-06). A layer's own MLP linears widen first (BART's fc1 and fc2), and are split."""
+    own = {n: c for n, c in layer.named_children() if is_linear(c)}
+    found: list[str] = []
+    for n, c in own.items():
+        out, inp = c.weight.shape
+        back = [m for m, d in own.items() if tuple(d.weight.shape) == (inp, out)]
+        if hidden and inp == hidden and out < hidden and back:
+            found += [n, *back]
+    return list(dict.fromkeys(found))
+
+
+def _router_modules(block: nn.Module) -> list[str]:
+    """Paths (in a mixture-of-experts block) of the outermost routers that are modules of several linears, not one
+    linear: Zaya's `gate` (a `down_proj` to the router's width, then `router_mlp.fc1/fc2/out_proj`). Split, its
+    `down_proj` was made row-parallel and its MLP cut by rows ("mat1 and mat2 shapes cannot be multiplied (30x16
+    and 32x16)" at tp 2, 2026-12-06); each rank must route every token alike, so the whole router stays whole."""
+    found: list[str] = []
+    for q, m in block.named_modules():
+        if (q and not is_linear(m) and "expert" not in q and len(_linears(m)) > 1 and _expert_count(m) is None
+                and is_router(q, m) and not any(q.startswith(f"{r}.") for r in found)):
+            found.append(q)
+    return found
+
+
 def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths: set[str],
                   heads: tuple[int, int] | None) -> str | None:
     """Why a child module of a layer (at `path` in it) must be kept whole on every rank, or None where AutoTP's
@@ -403,10 +463,12 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
         if not row:
             return None  # the attention table's, or DeepSpeed's head-aware split
         fused = next((m for q, m in columns.items() if q.rpartition(".")[2] in FUSED_QKV), None)
-        query = next((m for q, m in columns.items() if q.rpartition(".")[2] in ("q_proj", "query", "q")), None)
+        separate = _separate_qkv(module, dict(module.named_children()))
+        query = module.get_submodule(separate[0]) if separate else None
         width = next(iter(row.values())).weight.shape[1]  # what the output projection reads
-        if query is not None:
-            if query.weight.shape[0] != width and not (_gated_per_head(module) and query.weight.shape[0] == 2 * width):
+        if query is not None and query.weight.shape[0] != width:
+            gated = _gated_per_head(module) and query.weight.shape[0] == 2 * width
+            if not gated and not _narrow_value_heads(module, separate, width, heads):
                 return (f"its query projection ({query.weight.shape[0]} outputs) is not the {width} features its "
                         "output projection reads (a gate packed with it)")
         if fused is None or heads is None:
@@ -476,11 +538,19 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
         rows = set(layers.get(name, ()))
         for layer in kinds:
             attention_paths = {a[0] for a in _attention_modules(layer)}
+            for path in _narrowing_pairs(layer, hidden):
+                found.setdefault(name, {}).setdefault(path, "a per-layer input's gate or projection: its narrow "
+                                                            "output meets an input the layer is given whole")
             for path, child in layer.named_children():
                 count = _expert_count(child)
                 if count is not None:
+                    routers = _router_modules(child)
+                    for q in routers:
+                        found.setdefault(name, {}).setdefault(f"{path}.{q}", "a router: every rank routes every token")
                     for q, m in _linears(child).items():  # by shape, or by name where it scores more than the
                         # experts (LongCat-Flash's `router.classifier`: its zero-computation experts too)
+                        if any(q.startswith(f"{r}.") for r in routers):
+                            continue
                         if "expert" not in q.rpartition(".")[0] and (m.weight.shape[0] in (count, 1) or (
                                 m.weight.shape[0] > count and is_router(q, m))):
                             found.setdefault(name, {}).setdefault(f"{path}.{q}", "a router: every rank routes "
@@ -511,6 +581,7 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
     return found, {name: tuple(paths) for name, paths in mixers.items()}
 
 
+@reading_configured_values
 def derive_policy(model: nn.Module) -> Policy:
     """A complete policy for a model with no policy file: row-parallel linears, the attention table, the packed
     experts, and the modules kept whole."""

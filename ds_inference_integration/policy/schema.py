@@ -22,10 +22,12 @@ input's width; OLMo-2 normalises the whole query projection), while the rest of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
 import inspect
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -242,6 +244,45 @@ def resolve_policy(spec: str, config: object) -> Policy | str | None:
     return load_policy(spec)
 
 
+@contextlib.contextmanager
+def configured_values(config: object):
+    """While it runs, a heterogeneous config's per-layer attributes read as their configured value (the one every
+    layer without an override has), not as transformers 5's `AmbiguousGlobalPerLayerAttributeError`; each layer's
+    own counts are read from its modules where they are split (`shard.inject.layer_heads`). Gemma 4 with its own
+    key/value head count in the full-attention layers raised it from the policy's derivation, and would from
+    DeepSpeed's own read of `num_key_value_heads` (2026-12-06)."""
+    configs = {id(c): c for c in (config, *([config.get_text_config()] if hasattr(config, "get_text_config") else []))
+               if getattr(c, "is_heterogeneous", False)}
+    before = {i: c.__dict__.get(ALLOW_GLOBAL) for i, c in configs.items()}
+    quiet = logging.getLogger("transformers.integrations.heterogeneity.configuration_utils")
+    level = quiet.level
+    for c in configs.values():
+        c.__dict__[ALLOW_GLOBAL] = True  # what the flag's setter does
+    if configs:
+        quiet.setLevel(logging.ERROR)  # its "Reading global config value" warning: this is the configured value
+    try:
+        yield
+    finally:
+        for i, c in configs.items():
+            if before[i] is None:
+                c.__dict__.pop(ALLOW_GLOBAL, None)
+            else:
+                c.__dict__[ALLOW_GLOBAL] = before[i]
+        quiet.setLevel(level)
+
+
+ALLOW_GLOBAL = "allow_global_per_layer_attribute_access"
+
+
+def reading_configured_values(func):
+    """`func(model_or_config, ...)` run under `configured_values` of its first argument's config."""
+    @functools.wraps(func)
+    def run(first, *args, **kwargs):
+        with configured_values(getattr(first, "config", first)):
+            return func(first, *args, **kwargs)
+    return run
+
+
 def config_value(config: object, attr: str):
     """A head count from the config, or from its text config where the top one has none (T5Gemma keeps its
     counts in its encoder and decoder configs; `get_text_config()` is the decoder's)."""
@@ -259,7 +300,8 @@ def check_head_counts(policy: Policy | str | None, config: object, tp_size: int)
     policy = policy if isinstance(policy, Policy) else None
     names = policy.head_count_attributes if policy else _GENERIC_HEAD_ATTRIBUTES
     for attr in names:
-        value = config_value(config, attr)
+        with configured_values(config):
+            value = config_value(config, attr)
         if value is None:
             if policy:
                 raise InferenceSetupError(

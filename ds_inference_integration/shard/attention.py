@@ -52,6 +52,7 @@ class HeadLayout:
     kv_heads: int
     tp_size: int
     tp_rank: int
+    own: bool = False  # a layer's own KV head count, not the configured one (`inject.layer_heads`)
 
     def __post_init__(self):
         q, kv, tp = self.query_heads, self.kv_heads, self.tp_size

@@ -21,6 +21,7 @@ from ..arguments import DeepSpeedInferenceArguments, InferenceSetupError
 from ..deepspeed_compat import (
     autotp_replacements,
     buffers_kept_apart,
+    even_grain,
     kv_heads_seen_by_deepspeed,
     lm_head_not_copied,
     lm_head_reads_any_rank,
@@ -37,7 +38,15 @@ from ..load.loaders import PendingLoad, is_skeleton, loaded, policy_id
 from ..load.readers import PreShardedLoader
 from ..load.slices import record
 from ..policy.derive import derive_policy, derived_summary
-from ..policy.schema import AttentionSpec, Policy, build_injection_policy, config_value, names_module, replicated_match
+from ..policy.schema import (
+    AttentionSpec,
+    Policy,
+    build_injection_policy,
+    config_value,
+    names_module,
+    reading_configured_values,
+    replicated_match,
+)
 from ..run.collector import collector_paused
 from ..topology import ModelParallelUnit, ProcessGroups, Topology
 from .attention import HeadLayout, split_fused_qkv, split_heads, whole
@@ -167,12 +176,12 @@ def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, ro
         if not _has(layer, spec.fused_qkv):
             return None  # e.g. a cross-attention-free variant of the layer
         shard, head_dim = split_fused_qkv(layer.get_submodule(spec.fused_qkv), spec.layout, heads)
-        return _replace(layer, spec.fused_qkv, shard), head_dim
+        return _replace(layer, spec.fused_qkv, shard), head_dim, heads
     if not _has(layer, spec.key):
         return None
-    head_dim = layer.get_submodule(spec.key).weight.shape[0] // heads.kv_heads
-    if not heads.replicated:
-        return layer.get_submodule(spec.key.rpartition(".")[0]) if "." in spec.key else layer, head_dim
+    heads, head_dim = layer_heads(layer, spec, heads)
+    if not heads.replicated and not heads.own:
+        return layer.get_submodule(spec.key.rpartition(".")[0]) if "." in spec.key else layer, head_dim, heads
     query = layer.get_submodule(spec.query)
     q, _ = split_heads(query, heads.q_heads(), heads.query_heads)
     k, _ = split_heads(layer.get_submodule(spec.key), heads.kv_heads_of_rank(), heads.kv_heads)
@@ -188,7 +197,21 @@ def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, ro
         if (isinstance(child, nn.Linear) and child.weight.shape[0] == query.weight.shape[0]
                 and child.weight.shape[1] == query.weight.shape[1] and not any(names_module(r, path) for r in rows)):
             _replace(layer, path, split_heads(child, heads.q_heads(), heads.query_heads)[0])
-    return attention, head_dim
+    return attention, head_dim, heads
+
+
+def layer_heads(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout) -> tuple[HeadLayout, int]:
+    """This layer's head layout and head dim: the configured one, or, where the layer's key projection holds
+    another number of the attention's own `head_dim`-wide heads, one with the layer's own key/value head count
+    (`own`, split here rather than by DeepSpeed, which reads the config's). MiMo-V2-Flash's sliding layers have
+    twice the configured KV heads: split and sized by the config's count, the sharded forward failed ("The size of
+    tensor a (2) must match the size of tensor b (4)" at tp 2, 2026-12-06)."""
+    key = layer.get_submodule(spec.key).weight.shape[0]
+    attention = layer.get_submodule(spec.key.rpartition(".")[0]) if "." in spec.key else layer
+    own = getattr(attention, "head_dim", None)
+    if not isinstance(own, int) or own <= 0 or key % own or key // own == heads.kv_heads:
+        return heads, key // heads.kv_heads
+    return HeadLayout(heads.query_heads, key // own, heads.tp_size, heads.tp_rank, own=True), own
 
 
 def _rows_of(policy: Policy, layer: nn.Module) -> tuple[str, ...]:
@@ -261,6 +284,7 @@ def _layer_patterns(policy: Policy | None, model: nn.Module) -> list[str]:
 # The whole step ------------------------------------------------------------------------------------
 
 @collector_paused()  # DeepSpeed builds a module per split linear: no full collection among them
+@reading_configured_values  # a heterogeneous config's counts, as DeepSpeed and the policy read them
 def shard_model(
     model: nn.Module,
     args: DeepSpeedInferenceArguments,
@@ -295,7 +319,8 @@ def shard_model(
     kwargs: dict = {"dtype": dtype, "replace_with_kernel_inject": args.replace_with_kernel_inject}
     heads, attentions, copies, unchecked, apart = None, [], {}, None, []
     if topology.tp_size > 1:
-        kwargs["tensor_parallel"] = {"tp_size": topology.tp_size, "mpu": ModelParallelUnit(groups), "tp_group": groups.tp}
+        kwargs["tensor_parallel"] = {"tp_size": topology.tp_size, "mpu": ModelParallelUnit(groups), "tp_group": groups.tp,
+                                     "tp_grain_size": even_grain(model, topology.tp_size)}
         unchecked = _unchecked(policy, model) if not args.replace_with_kernel_inject else None
         share_patterns = _layer_patterns(policy, model)
         before = full_sizes(model, share_patterns)
@@ -355,9 +380,9 @@ def shard_model(
                        "this model in %s and tells rounding from a wrong split", half, topology.tp_size,
                        "fp32" if args.reduce_dtype == "fp32" else half, topology.tp_size, half)
     lm_head_reads_any_rank(engine.module)
-    for attention, head_dim in attentions:
-        _set_local_attributes(attention, policy, heads, head_dim)
-        split_per_head_parameters(attention, heads)
+    for attention, head_dim, own_heads in attentions:
+        _set_local_attributes(attention, policy, own_heads, head_dim)
+        split_per_head_parameters(attention, own_heads)
     sharded = engine.module
     loading = ""
     if loader is not None:

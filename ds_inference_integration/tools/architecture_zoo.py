@@ -28,11 +28,9 @@ NOT_IN_ZOO = {  # tried, and why each is not in the table yet
               "FAIL line naming model.layers.1.mamba_decoder)",
     "bitnet": "a norm over the MLP's and the attention's inner width (`ffn_sub_norm`, `attn_sub_norm`) inside a "
               "split module (one FAIL line naming mlp.ffn_sub_norm)",
-    "kimi_linear, olmo_hybrid": "their delta attention keeps separate q/k/v convolutions (kept whole), and their "
-                                "checkpoints store those convolutions in a layout transformers converts at load "
-                                "(shard-aware loading refuses them in one line; the other checks pass)",
-    "gemma3n_text": "its AltUp and per-layer inputs mix predictions across the split (one FAIL line naming "
-                    "model.layers.0)",
+    "ergo": "its checkpoint stores the embedding once (`tok_embeddings`) and its lm_head is not tied to it on load, "
+            "so a pre-sharded directory's lm_head is not the loaded model's (one FAIL line naming lm_head.weight; the "
+            "other checks pass, shard-aware reading refused for its `gate_kernel` conversion and loaded full)",
     "gpt2 (derived)": "AutoTP's parser does not see Conv1D layers as linears (GPT-2 ships a policy)",
 }
 
@@ -219,6 +217,42 @@ ZOO = {
     "falcon_mamba": lambda: _decoder("FalconMambaConfig", state_size=16, expand=2),
     # a per-head output gate in its attention, split with the query heads where the table splits them (tp 4)
     "afmoe": lambda: _decoder("AfmoeConfig", **GQA, **SMALL_MOE, num_dense_layers=1, head_dim=32),
+    # tried on 2026-12-06 (issue #44): a router that is an MLP of its own, kept whole (Zaya); a query projection
+    # packing a per-head gate under another name (MiniCPM5-MoE's `q_gate_proj`); value heads narrower than the
+    # query's and sliding layers with twice the KV heads (MiMo-V2-Flash); per-layer inputs and per-layer head sizes
+    # and KV counts in a heterogeneous config (Gemma 4, and Gemma 3n with its AltUp); checkpoints transformers
+    # converts at load (Kimi-Linear, OLMo-Hybrid: read full, said in the loading check); 128-wide shared experts,
+    # split evenly at tp 4 (`deepspeed_compat.even_grain`); gated and sliding attention MoEs (Beam, A.X K2)
+    "zaya": lambda: _decoder("ZayaConfig", **GQA, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=128,
+                             head_dim=32, router_hidden_size=32),
+    "minicpm5_moe": lambda: _decoder("MiniCPM5MoeConfig", **GQA, n_routed_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=128, n_shared_experts=1, head_dim=32),
+    "mimo_v2_flash": lambda: _decoder("MiMoV2FlashConfig", num_key_value_heads=2, n_routed_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=128, head_dim=48, v_head_dim=32,
+                                      sliding_window=16),
+    "gemma4_text": lambda: _decoder("Gemma4TextConfig", **GQA, head_dim=32, global_head_dim=64,
+                                    hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
+                                    layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+    "gemma4_text_kv": lambda: _decoder("Gemma4TextConfig", num_key_value_heads=4, head_dim=32, global_head_dim=64,
+                                       hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
+                                       attention_k_eq_v=True, num_global_key_value_heads=2, sliding_window=16,
+                                       layer_types=["sliding_attention", "full_attention"]),
+    "gemma3n_text": lambda: _decoder("Gemma3nTextConfig", **GQA, head_dim=32, hidden_size_per_layer_input=16,
+                                     vocab_size_per_layer_input=96, layer_types=["sliding_attention", "full_attention"],
+                                     sliding_window=16, num_kv_shared_layers=0, laurel_rank=8, altup_num_inputs=2,
+                                     intermediate_size=[256, 256], activation_sparsity_pattern=[0.0, 0.0]),
+    "kimi_linear": lambda: _decoder("KimiLinearConfig", num_key_value_heads=4, num_local_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=128, kv_lora_rank=32,
+                                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, linear_head_dim=32,
+                                    linear_num_heads=4, layer_types=["linear_attention", "full_attention"],
+                                    mlp_layer_types=["dense", "sparse"]),
+    "olmo_hybrid": lambda: _decoder("OlmoHybridConfig", **GQA, layer_types=["linear_attention", "full_attention"]),
+    "beam": lambda: _decoder("BeamConfig", **GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                             head_dim=32, sliding_window=16, n_group=1, topk_group=1),
+    "axk2": lambda: _decoder("AXK2Config", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                             head_dim=32, index_topk=8, index_head_dim=32, index_n_heads=4, num_key_value_heads=4,
+                             n_group=1, topk_group=1, gated_norm_rank=8),
     # derived policies: hybrids (state-space, convolution and linear-attention mixers kept whole) and pure SSMs
     "falcon_h1": lambda: _decoder("FalconH1Config", **GQA, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32,
                                   mamba_d_state=16, mamba_n_groups=1, head_dim=32),
