@@ -14,6 +14,7 @@ DeepSpeed behaviour and the evidence, so that a DeepSpeed upgrade is the review 
 * it routes any module whose printed name holds "Yuan" (HunYuan) to Yuan-specific code (`yuan_named_apart`);
 * it prints whole layers again for every linear it replaces (`modules_printed_once`);
 * it splits every subclass of nn.Linear, a router with its own forward too (`modules_kept_apart`);
+* it splits a module shared by several layers once in each (`shared_modules_split_once`);
 * an exception inside its sharding names no module (`autotp_replacements`: the last linear it was replacing);
 * its `deepspeed` command dies alone on SIGTERM, leaving every rank running (`end_ranks_with_the_runner`).
 
@@ -263,6 +264,49 @@ def modules_kept_apart(model: nn.Module, modules: list[nn.Module]):
         for name, module in places:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+@contextlib.contextmanager
+def shared_modules_split_once(model: nn.Module):
+    """While DeepSpeed splits, a module that appears in several places of the model, as one object or as modules of
+    one class whose parameters are all the same tensors (Zamba's `shared_transf`, one attention-and-MLP block tied
+    into every hybrid layer), is in its first place only (an nn.Identity in the others); afterwards each other place
+    has its own module back, holding the first place's split linears (its weights stay tied, its other state its
+    own). AutoTP walks every place and split the tied weights again at each (a [256, 256] q_proj left [64, 256] at
+    tp 2, logits 10 off, 2026-12-06)."""
+    first: dict[tuple, str] = {}
+    later: list[tuple[str, str]] = []  # (place, the first place of the same module or weights)
+    for name, m in model.named_modules(remove_duplicate=False):
+        if not name or any(name.startswith(f"{n}.") for n, _ in later):
+            continue
+        if isinstance(m, nn.Linear) or not any(isinstance(c, nn.Linear) for c in m.modules()):
+            continue  # a linear tied to an embedding (an lm_head) is DeepSpeed's own business; nothing to split
+        key = (type(m), *(id(p) for p in m.parameters(recurse=True)))  # of one class: T5Gemma's lm_head module
+        # holds the weight its embeddings hold
+        if key in first and not name.startswith(f"{first[key]}."):
+            later.append((name, first[key]))
+        else:
+            first.setdefault(key, name)
+
+    def put(owner: nn.Module, name: str, module: nn.Module) -> None:
+        parent, _, attr = name.rpartition(".")
+        setattr(owner.get_submodule(parent) if parent else owner, attr, module)
+
+    originals = [(name, model.get_submodule(name)) for name, _ in later]
+    for name, _ in later:
+        put(model, name, nn.Identity())
+    try:
+        yield
+    finally:
+        for name, module in originals:
+            put(model, name, module)
+    for (name, source), (_, module) in zip(later, originals):
+        split = model.get_submodule(source)
+        if split is module:
+            continue  # one object in several places: split once, already everywhere
+        for path, child in list(module.named_modules()):
+            if path and isinstance(child, nn.Linear):
+                put(module, path, split.get_submodule(path))
 
 
 @contextlib.contextmanager

@@ -319,3 +319,33 @@ def test_the_grain_deepspeed_splits_mlps_by_gives_every_rank_the_same_rows(width
         sizes = get_shard_size_list(w, tp, meta, "mlp.down_proj")
         assert sizes == [w // tp] * tp if w % tp == 0 else max(sizes) - min(sizes) <= grain + w % grain, (w, sizes)
     assert get_shard_size_list(128, 4, AutoTPMeta(tp_grain_size=64), "mlp.down_proj") == [64, 64, 0, 0]
+
+
+def test_a_block_tied_into_several_layers_is_split_once_and_shared_after():
+    """While DeepSpeed splits, a block whose weights are tied into several layers (Zamba's `shared_transf`) is in its
+    first place only, and afterwards every place holds that (split) block: DeepSpeed split the tied weights again in
+    each layer (a [256, 256] q_proj left [64, 256] at tp 2). A module of another class holding the same weight (an
+    lm_head module tied to the embedding, T5Gemma's) is not such a place, nor is a lone linear."""
+    from ds_inference_integration.deepspeed_compat import shared_modules_split_once
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(4, 4)
+
+    class Head(nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.out_proj = nn.Linear(4, 4, bias=False)
+            self.out_proj.weight = weight
+
+    first, tied = Block(), Block()
+    tied.q_proj.weight, tied.q_proj.bias = first.q_proj.weight, first.q_proj.bias  # as transformers ties them
+    layers = nn.ModuleList([nn.ModuleDict({"shared": first}), nn.ModuleDict({"shared": tied}), nn.ModuleDict()])
+    model = nn.ModuleDict({"layers": layers, "embed": nn.Embedding(4, 4)})
+    model["head"] = Head(model["embed"].weight)
+    with shared_modules_split_once(model):
+        assert isinstance(model["layers"][1], nn.Identity) and model["layers"][0]["shared"] is first
+        assert isinstance(model["head"], Head) and model["head"].out_proj.weight is model["embed"].weight
+        first.q_proj = nn.Linear(4, 2)  # what DeepSpeed's split puts there
+    assert model["layers"][1]["shared"] is tied and tied.q_proj is first.q_proj  # its own block, the split linear

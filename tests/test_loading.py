@@ -629,3 +629,41 @@ def test_load_model_names_a_model_its_auto_class_does_not_build_in_one_line(tmp_
     with pytest.raises(InferenceSetupError, match=r"llama holds a 'llama' model, which AutoModelForSeq2SeqLM does "
                                                   r"not build; valid: one of its \d+ types, such as t5, bart"):
         load_model(AutoModelForSeq2SeqLM, tmp_path / "llama")
+
+
+def test_a_pre_sharded_tensor_of_another_split_is_refused_naming_it(tmp_path):
+    """A pre-sharded directory written by a version that split a tensor otherwise (DeepSpeed's 64-row blocks, before
+    the run passed an even `tp_grain_size`: a 128-wide expert at tp 4 was 64/64/0/0, now 32 each) holds this rank's
+    part in another shape: refused in one line naming the tensor, not read into the model."""
+    from ds_inference_integration import InferenceSetupError
+    from ds_inference_integration.load.readers import PreShardedLoader
+
+    stored = {"layers.0.mlp.shared_experts.up_proj.weight": torch.ones(64, 16)}  # the rank's file, as read
+    ckpt = type("Ckpt", (), {"__contains__": lambda self, n: n in stored, "read": lambda self, n, dtype, view: stored[n],
+                             "files": [tmp_path / "rank-0-of-4.safetensors"], "bytes_read": 0})()
+    loader = PreShardedLoader(tmp_path, torch.float32, ckpt)
+    name = "layers.0.mlp.shared_experts.up_proj.weight"
+    assert loader._read_shard([name], None, torch.empty(64, 16, device="meta"), 0).shape == (64, 16)
+    with pytest.raises(InferenceSetupError, match=r"rank-0-of-4.safetensors holds layers.0.mlp.shared_experts.up_proj"
+                                                  r".weight as \[64, 16\], this run splits it to \[32, 16\]: re-run "
+                                                  r"`ds-inference shard`"):
+        loader._read_shard([name], None, torch.empty(32, 16, device="meta"), 0)
+
+
+def test_the_model_class_is_the_checkpoints_own_where_its_type_has_several():
+    """A text-to-text SeamlessM4T shares its model_type with the speech-to-text one: the class comes from the
+    checkpoint's `architectures` first (the speech class was built and refused for want of audio, "no probe input is
+    known for its 'input_features'"), from the type where the checkpoint names none of its type's classes."""
+    import transformers as tr
+
+    from ds_inference_integration.load.skeleton import model_class_for
+
+    text = tr.SeamlessM4TConfig(architectures=["SeamlessM4TForTextToText"])
+    assert model_class_for(text) is tr.AutoModelForSeq2SeqLM
+    assert tr.AutoModelForSeq2SeqLM._model_mapping[type(text)].__name__ == "SeamlessM4TForTextToText"
+    assert model_class_for(tr.SeamlessM4TConfig()) is tr.AutoModelForSpeechSeq2Seq
+    assert model_class_for(tr.SeamlessM4TConfig(architectures=["SomethingElse"])) is tr.AutoModelForSpeechSeq2Seq
+    assert model_class_for(tr.WhisperConfig(architectures=["WhisperForConditionalGeneration"])) is \
+        tr.AutoModelForSpeechSeq2Seq
+    assert model_class_for(tr.LlamaConfig(architectures=["LlamaForCausalLM"])) is tr.AutoModelForCausalLM
+    assert model_class_for(tr.T5Config()) is tr.AutoModelForSeq2SeqLM

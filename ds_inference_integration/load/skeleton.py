@@ -108,9 +108,19 @@ def model_class_for(config):
     """The Auto class that builds a model of this config for generation: speech-to-text (Whisper), other
     encoder-decoders, or decoder-only."""
     import transformers as tr
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto as auto
 
-    if getattr(config, "model_type", None) in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+    model_type = getattr(config, "model_type", None)
+    kinds = ((tr.AutoModelForSpeechSeq2Seq, auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
+             (tr.AutoModelForSeq2SeqLM, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+             (tr.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    # the checkpoint's own class first: a text-to-text SeamlessM4T shares its model_type with the speech one, whose
+    # class was built from it and refused for want of audio ("no probe input is known for its 'input_features'")
+    for architecture in getattr(config, "architectures", None) or ():
+        for auto_class, names in kinds:
+            if names.get(model_type) == architecture:
+                return auto_class
+    if model_type in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
         return tr.AutoModelForSpeechSeq2Seq
     return tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
 

@@ -407,20 +407,17 @@ def _narrow_value_heads(attention: nn.Module, separate: tuple[str, str, str], wi
             and value == kv_layer * (width // q_heads))
 
 
-def _narrowing_pairs(layer: nn.Module, hidden: int | None) -> list[str]:
-    """The layer's own linears (outside its attention and MLP) that narrow the hidden state and widen it back: a
-    per-layer input's gate and projection (Gemma 4's `per_layer_input_gate`, hidden -> 256, multiplied by the
-    per-layer input the model gives each layer whole, then `per_layer_projection` back to hidden). Split as an MLP,
-    each rank's half of the gate met the whole input ("The size of tensor a (8) must match the size of tensor b
-    (16)" at tp 2, 2026-12-06). A layer's own MLP linears widen first (BART's fc1 and fc2), and are split."""
+def _unread_own_linears(layer: nn.Module, rows: set[str]) -> list[str]:
+    """The layer's own linears (its direct children, not inside its attention or MLP) that DeepSpeed would split by
+    output rows although no row-parallel linear of the layer reads that output back: each rank would keep part of
+    what the layer uses whole. Gemma 4's per-layer input gate (hidden -> 256, multiplied by the per-layer input the
+    model gives each layer whole; then `per_layer_projection` back to hidden): "The size of tensor a (8) must match
+    the size of tensor b (16)" at tp 2; Zamba's hybrid layer's `linear` into its whole Mamba layer: "(128) must match
+    ... (64)" (2026-12-06). A layer's own MLP (BART's fc1, read by the row-parallel fc2) is split."""
     own = {n: c for n, c in layer.named_children() if is_linear(c)}
-    found: list[str] = []
-    for n, c in own.items():
-        out, inp = c.weight.shape
-        back = [m for m, d in own.items() if tuple(d.weight.shape) == (inp, out)]
-        if hidden and inp == hidden and out < hidden and back:
-            found += [n, *back]
-    return list(dict.fromkeys(found))
+    row = {n for n in own if "down_proj" in n or any(names_module(r, n) for r in rows)}
+    read = {own[n].weight.shape[1] for n in row}
+    return [n for n, c in own.items() if n not in row and c.weight.shape[0] not in read]
 
 
 def _router_modules(block: nn.Module) -> list[str]:
@@ -538,9 +535,9 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
         rows = set(layers.get(name, ()))
         for layer in kinds:
             attention_paths = {a[0] for a in _attention_modules(layer)}
-            for path in _narrowing_pairs(layer, hidden):
-                found.setdefault(name, {}).setdefault(path, "a per-layer input's gate or projection: its narrow "
-                                                            "output meets an input the layer is given whole")
+            for path in _unread_own_linears(layer, rows):
+                found.setdefault(name, {}).setdefault(path, "a linear of the layer itself whose output no row-parallel "
+                                                            "linear reads: the layer uses it whole")
             for path, child in layer.named_children():
                 count = _expert_count(child)
                 if count is not None:

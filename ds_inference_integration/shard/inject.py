@@ -31,6 +31,7 @@ from ..deepspeed_compat import (
     plain_subclass,
     restore_buffers,
     restore_parameter_dtypes,
+    shared_modules_split_once,
     yuan_named_apart,
 )
 from ..errors import first_line, sharding_failure
@@ -356,8 +357,8 @@ def shard_model(
     kept = buffers_kept_apart(model, dtype)
     dtypes = parameter_dtypes(model)
     with kv_heads_seen_by_deepspeed(model.config, heads), yuan_named_apart(model), modules_kept_apart(model, apart), \
-            modules_printed_once(), lm_head_not_copied(isinstance(loader, PreShardedLoader)), \
-            autotp_replacements() as seen:
+            shared_modules_split_once(model), modules_printed_once(), \
+            lm_head_not_copied(isinstance(loader, PreShardedLoader)), autotp_replacements() as seen:
         try:
             engine = deepspeed.init_inference(model, **kwargs)
         except Exception as e:

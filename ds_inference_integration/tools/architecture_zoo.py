@@ -28,6 +28,14 @@ NOT_IN_ZOO = {  # tried, and why each is not in the table yet
               "FAIL line naming model.layers.1.mamba_decoder)",
     "bitnet": "a norm over the MLP's and the attention's inner width (`ffn_sub_norm`, `attn_sub_norm`) inside a "
               "split module (one FAIL line naming mlp.ffn_sub_norm)",
+    "dbrx": "its fused `Wqkv` sits in `norm_attn_norm.attn` beside the norms and its packed experts are `w1`/`v1`/`w2`: "
+            "nothing is split (100% per rank; the other checks pass)",
+    "zamba2": "its shared block, kept whole, is read shard-aware into tensors that share memory between its places, "
+              "which the pre-sharded writer refuses (the other checks pass)",
+    "seamless_m4t (text to text)": "its text class is now built from the checkpoint's `architectures`, and its "
+                                   "sharded logits are 5e-2 off from the embeddings on (hidden_states[0])",
+    "rwkv, xlstm": "the unsharded `generate` cannot do beam search with their cache: the checker's reference fails "
+                   "and no other check runs",
     "ergo": "its checkpoint stores the embedding once (`tok_embeddings`) and its lm_head is not tied to it on load, "
             "so a pre-sharded directory's lm_head is not the loaded model's (one FAIL line naming lm_head.weight; the "
             "other checks pass, shard-aware reading refused for its `gate_kernel` conversion and loaded full)",
@@ -247,6 +255,9 @@ ZOO = {
                                     linear_num_heads=4, layer_types=["linear_attention", "full_attention"],
                                     mlp_layer_types=["dense", "sparse"]),
     "olmo_hybrid": lambda: _decoder("OlmoHybridConfig", **GQA, layer_types=["linear_attention", "full_attention"]),
+    # a Mamba-1 hybrid whose attention-and-MLP block is tied into every hybrid layer (split once, shared again)
+    "zamba": lambda: _decoder("ZambaConfig", num_key_value_heads=4, attn_layer_period=3, attn_layer_offset=2,
+                              n_mamba_heads=2, mamba_d_state=16, num_hidden_layers=6),
     "beam": lambda: _decoder("BeamConfig", **GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                              head_dim=32, sliding_window=16, n_group=1, topk_group=1),
     "axk2": lambda: _decoder("AXK2Config", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
