@@ -24,8 +24,6 @@ TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
     "deepseek_v4": "its grouped output projection (`o_a_proj`, not a linear) stays whole while `o_b_proj` is split "
                    "(one FAIL line naming self_attn.o_b_proj)",
-    "zamba2": "its hybrid layer's own `linear` is split by output rows before the whole mamba layer it feeds (one "
-              "FAIL line naming model.layers.1.mamba_decoder)",
     "bitnet": "a norm over the MLP's and the attention's inner width (`ffn_sub_norm`, `attn_sub_norm`) inside a "
               "split module (one FAIL line naming mlp.ffn_sub_norm)",
     "dbrx": "its fused `Wqkv` sits in `norm_attn_norm.attn` beside the norms and its packed experts are `w1`/`v1`/`w2`: "
