@@ -256,14 +256,12 @@ def modules_kept_apart(model: nn.Module, modules: list[nn.Module]):
     wanted = {id(m) for m in modules}
     places = [(name, m) for name, m in model.named_modules() if id(m) in wanted]
     for name, _ in places:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, nn.Identity())
+        model.set_submodule(name, nn.Identity())
     try:
         yield
     finally:
         for name, module in places:
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, module)
+            model.set_submodule(name, module)
 
 
 @contextlib.contextmanager
@@ -288,25 +286,21 @@ def shared_modules_split_once(model: nn.Module):
         else:
             first.setdefault(key, name)
 
-    def put(owner: nn.Module, name: str, module: nn.Module) -> None:
-        parent, _, attr = name.rpartition(".")
-        setattr(owner.get_submodule(parent) if parent else owner, attr, module)
-
     originals = [(name, model.get_submodule(name)) for name, _ in later]
     for name, _ in later:
-        put(model, name, nn.Identity())
+        model.set_submodule(name, nn.Identity())
     try:
         yield
     finally:
         for name, module in originals:
-            put(model, name, module)
+            model.set_submodule(name, module)
     for (name, source), (_, module) in zip(later, originals):
         split = model.get_submodule(source)
         if split is module:
             continue  # one object in several places: split once, already everywhere
         for path, child in list(module.named_modules()):
             if path and isinstance(child, nn.Linear):
-                put(module, path, split.get_submodule(path))
+                module.set_submodule(path, split.get_submodule(path))
 
 
 @contextlib.contextmanager

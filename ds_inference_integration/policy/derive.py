@@ -390,6 +390,13 @@ def _expert_count(module: nn.Module) -> int | None:
     return len(unpacked[1]) if unpacked else None
 
 
+def _row_parallel(where: str, q: str, rows: set[str]) -> bool:
+    """Whether the linear at `q` inside the layer's module at `where` ("" for the layer itself) is row-parallel:
+    named by the layer's rows, or a `down_proj`, which DeepSpeed makes row-parallel whatever the policy says
+    (deepspeed_compat's note)."""
+    return "down_proj" in q or any(names_module(r, f"{where}.{q}" if where else q) for r in rows)
+
+
 def _narrow_value_heads(attention: nn.Module, separate: tuple[str, str, str], width: int,
                         heads: tuple[int, int] | None) -> bool:
     """Whether an attention's value heads are narrower than its query and key heads, every projection holding whole
@@ -415,7 +422,7 @@ def _unread_own_linears(layer: nn.Module, rows: set[str]) -> list[str]:
     the size of tensor b (16)" at tp 2; Zamba's hybrid layer's `linear` into its whole Mamba layer: "(128) must match
     ... (64)" (2026-12-06). A layer's own MLP (BART's fc1, read by the row-parallel fc2) is split."""
     own = {n: c for n, c in layer.named_children() if is_linear(c)}
-    row = {n for n in own if "down_proj" in n or any(names_module(r, n) for r in rows)}
+    row = {n for n in own if _row_parallel("", n, rows)}
     read = {own[n].weight.shape[1] for n in row}
     return [n for n, c in own.items() if n not in row and c.weight.shape[0] not in read]
 
@@ -453,8 +460,7 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
     if any(autotp_keeps_whole(f"{path}.{q}") for q in linears):
         return None
     # DeepSpeed makes any `down_proj` row-parallel whatever the policy says (deepspeed_compat's note)
-    row = {q: m for q, m in linears.items()
-           if "down_proj" in q or any(names_module(r, f"{path}.{q}") for r in rows)}
+    row = {q: m for q, m in linears.items() if _row_parallel(path, q, rows)}
     columns = {q: m for q, m in linears.items() if q not in row}
     if path in attention_paths:
         if not row:
@@ -505,8 +511,7 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
         where = f"{path}.{name}"
         # a row-parallel linear gathers the module when it writes the model's width back (AutoTP names the
         # indexer's `wk`, the linear before its norm, row-parallel, though it writes one head's features)
-        gathered = any(("down_proj" in q or any(names_module(r, f"{where}.{q}") for r in rows))
-                       and m.weight.shape[0] == hidden or autotp_keeps_whole(f"{where}.{q}")
+        gathered = any(_row_parallel(where, q, rows) and m.weight.shape[0] == hidden or autotp_keeps_whole(f"{where}.{q}")
                        for q, m in linears.items())
         if not gathered:
             found[where] = ("a module inside a split one whose linears no row-parallel linear gathers: each rank "

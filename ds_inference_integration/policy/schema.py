@@ -244,6 +244,9 @@ def resolve_policy(spec: str, config: object) -> Policy | str | None:
     return load_policy(spec)
 
 
+ALLOW_GLOBAL = "allow_global_per_layer_attribute_access"
+
+
 @contextlib.contextmanager
 def configured_values(config: object):
     """While it runs, a heterogeneous config's per-layer attributes read as their configured value (the one every
@@ -271,8 +274,6 @@ def configured_values(config: object):
         quiet.setLevel(level)
 
 
-ALLOW_GLOBAL = "allow_global_per_layer_attribute_access"
-
 
 def reading_configured_values(func):
     """`func(model_or_config, ...)` run under `configured_values` of its first argument's config."""
@@ -299,9 +300,10 @@ def check_head_counts(policy: Policy | str | None, config: object, tp_size: int)
     model_type = getattr(config, "model_type", "?")
     policy = policy if isinstance(policy, Policy) else None
     names = policy.head_count_attributes if policy else _GENERIC_HEAD_ATTRIBUTES
+    with configured_values(config):
+        values = {attr: config_value(config, attr) for attr in names}
     for attr in names:
-        with configured_values(config):
-            value = config_value(config, attr)
+        value = values[attr]
         if value is None:
             if policy:
                 raise InferenceSetupError(
