@@ -54,18 +54,20 @@ def run_check(model_dirs: list[str], tp_size: int, policy: str = "auto", timeout
         failure = None if all(c == 0 for c in codes) else failure_text(procs, codes)
     checks = merge_rank_results(reports)
     passed, total = sum(c["passed"] for c in checks), len(checks)
+    skipped = sum(c["skipped"] for c in checks)
     for c in checks:
-        print(("PASS " if c["passed"] else "FAIL ") + c["line"])
-    ok = passed == total and failure is None and all(r is not None for r in reports)
+        print(("PASS " if c["passed"] else "SKIP " if c["skipped"] else "FAIL ") + c["line"])
+    ok = passed + skipped == total and failure is None and all(r is not None for r in reports)
     if failure is not None:
         print(f"FAIL rank processes ({failure})")
     shown = ", ".join(sorted(set(dtypes)))
-    print(f"{'PASS' if ok else 'FAIL'}: {passed} of {total} checks passed ({len(model_dirs)} model(s), tp {tp_size}, "
-          f"{shown})")
+    said = f", {skipped} skipped (the unsharded model cannot do them)" if skipped else ""
+    print(f"{'PASS' if ok else 'FAIL'}: {passed} of {total} checks passed{said} ({len(model_dirs)} model(s), "
+          f"tp {tp_size}, {shown})")
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(
             {"ok": ok, "tp_size": tp_size, "dtypes": dtypes, "models": [Path(d).name for d in model_dirs], "passed": passed,
-             "total": total, "rank_failure": failure, "checks": checks}, indent=1) + "\n")
+             "skipped": skipped, "total": total, "rank_failure": failure, "checks": checks}, indent=1) + "\n")
     return 0 if ok else 1
 
 
@@ -80,24 +82,26 @@ def merge_rank_results(reports: list[dict | None]) -> list[dict]:
     check's line is the first failing rank's, and `failed_ranks` names them; a rank with no results, or
     fewer, fails the check. Each record: model, tp, check (its kind: logits, hidden_states, greedy, beam,
     sample, weights_per_rank, loading_shard-aware, loading_pre-sharded, setup, error), passed, line (the
-    human-readable text), failed_ranks, data (the check's figures, from the first failing rank or rank 0)."""
+    human-readable text), failed_ranks, data (the check's figures, from the first failing rank or rank 0), skipped
+    (every rank skipped it: the unsharded model cannot do it; neither passed nor failed)."""
     longest = max((len(r["checks"]) for r in reports if r), default=0)
     merged = []
     for i in range(longest):
         seen = [(rank, r["checks"][i] if r and i < len(r["checks"]) else None) for rank, r in enumerate(reports)]
-        failing = [rank for rank, c in seen if c is None or not c["passed"]]
+        failing = [rank for rank, c in seen if c is None or not (c["passed"] or c.get("skipped"))]
         shown = next((c for _, c in seen if c is not None and (not failing or not c["passed"])), None)
         record = dict(shown) if shown else {"model": None, "tp": len(reports), "check": "missing", "passed": False,
                                             "line": "(no result)", "data": {}}
-        record["passed"] = not failing
+        record["skipped"] = not failing and all(c.get("skipped") for _, c in seen)
+        record["passed"] = not failing and not record["skipped"]
         record["failed_ranks"] = failing
         if failing and len(reports) > 1:
             record["line"] += f" [on rank {', '.join(map(str, failing))} of {len(reports)}]"
         merged.append(record)
     missing = [rank for rank, r in enumerate(reports) if r is None]
     if missing:
-        merged.append({"model": None, "tp": len(reports), "check": "results", "passed": False, "failed_ranks": missing,
-                       "line": f"ranks {missing} wrote no results", "data": {}})
+        merged.append({"model": None, "tp": len(reports), "check": "results", "passed": False, "skipped": False,
+                       "failed_ranks": missing, "line": f"ranks {missing} wrote no results", "data": {}})
     return merged
 
 
@@ -175,15 +179,34 @@ def _generate(model, inputs, torch, steps: bool, **settings):
     return {"ids": out.sequences, "steps": logits}
 
 
-def _run_model(model, inputs, torch, steps: bool = False) -> dict:
+MODES = ("greedy", "beam", "sample")
+SKIPPABLE = ("beam", "sample")  # greedy is not: the loading checks compare greedy ids
+
+
+def _run_model(model, inputs, torch, steps: bool = False, reference: bool = False, skip=()) -> dict:
+    """Logits, hidden states and the three generations. The unsharded model (`reference`) may be unable to beam
+    search or sample (RWKV's and xLSTM's cache cannot be reordered): the mode is recorded in `unable` with the
+    model's reason, and the sharded model is not asked it (`skip`)."""
     pad = _pad_id(model.config)
     gen = dict(max_new_tokens=NEW_TOKENS, pad_token_id=pad)
+    settings = {"greedy": dict(do_sample=False, num_beams=1), "beam": dict(do_sample=False, num_beams=3),
+                "sample": dict(do_sample=True, top_k=0, top_p=1.0)}
     found = _forward(model, inputs, torch)
+    found["unable"] = {}
     with torch.no_grad():
-        found["greedy"] = _generate(model, inputs, torch, steps, do_sample=False, num_beams=1, **gen)
-        found["beam"] = _generate(model, inputs, torch, steps, do_sample=False, num_beams=3, **gen)
-        torch.manual_seed(1234)
-        found["sample"] = _generate(model, inputs, torch, steps, do_sample=True, top_k=0, top_p=1.0, **gen)
+        for mode in MODES:
+            if mode in skip:
+                continue
+            if mode == "sample":
+                torch.manual_seed(1234)
+            try:
+                found[mode] = _generate(model, inputs, torch, steps, **settings[mode], **gen)
+            except Exception as e:
+                if not reference or mode not in SKIPPABLE:
+                    raise
+                from ..errors import first_line
+
+                found["unable"][mode] = f"{type(e).__name__}: {first_line(e)}"
     return found
 
 
@@ -203,7 +226,7 @@ def _generation_noise(model, wide_model, inputs, wide_inputs, want: dict, torch)
     half-precision model's own generated sequences (greedy, beam, sample), at the positions that chose a new token;
     0 where a model does not take such a pass (the check's own logits then set the bound)."""
     worst = 0.0
-    for mode in ("greedy", "beam", "sample"):
+    for mode in [m for m in MODES if m in want]:
         ids = want[mode]["ids"]
         new = want[mode]["steps"].shape[1]
         try:
@@ -236,7 +259,7 @@ def _reference(cls, model_dir, inputs, topology, groups, torch, dtype=None) -> d
             dtype = dtype or torch.float32
             half = dtype != torch.float32
             model = cls.from_pretrained(model_dir, dtype=dtype).eval()
-            box[0] = _run_model(model, inputs, torch, steps=half)
+            box[0] = _run_model(model, inputs, torch, steps=half, reference=True)
             if half:
                 wide = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
                 wide_model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -266,7 +289,7 @@ class ReferenceFailed(Exception):
     next model."""
 
 
-def _run_model_naming_failures(model, inputs, torch, steps: bool = False) -> dict:
+def _run_model_naming_failures(model, inputs, torch, steps: bool = False, skip=()) -> dict:
     """`_run_model`, but an exception of any type the model raises names the module it happened in (the
     innermost one, `verify_policy.track_modules`)."""
     from ..errors import first_line, sharding_failure
@@ -275,7 +298,7 @@ def _run_model_naming_failures(model, inputs, torch, steps: bool = False) -> dic
     inside = track_modules(model)
     try:
         with inside:
-            return _run_model(model, inputs, torch, steps)
+            return _run_model(model, inputs, torch, steps, skip=skip)
     except Exception as e:
         if not sharding_failure(e):
             raise
@@ -328,7 +351,8 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     policy = policy_for_model(policy, model, topology.tp_size)
     model, report = shard_model(model, args, topology, groups, policy, dtype, verify=False)
     policy = report.policy_object
-    got = _run_model_naming_failures(model, inputs, torch, steps=half)
+    unable = want["unable"]
+    got = _run_model_naming_failures(model, inputs, torch, steps=half, skip=unable)
 
     passed = total = 0
 
@@ -339,13 +363,20 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
         records.append(check_record(name, topology.tp_size, kind, ok, text, **data))
 
     agree = {}  # every rank of the group generated the same ids (a split can be right on one rank only)
-    for mode in ("greedy", "beam", "sample"):
+    for mode in [m for m in MODES if m not in unable]:
         a = got[mode]["ids"] if half else got[mode]
         peers = [torch.empty_like(a) for _ in range(topology.tp_size)]
         dist.all_gather(peers, a.contiguous(), group=groups.tp)
         agree[mode] = all(torch.equal(p, a) for p in peers)
 
     def check_tokens(ok: bool, mode: str, text: str, **data) -> None:
+        nonlocal total
+        if mode in unable:  # said, neither passed nor failed: the unsharded model cannot do it
+            total += 1
+            records.append(check_record(name, topology.tp_size, mode, False, f"{mode} token ids: skipped, the "
+                                        f"unsharded model cannot do it ({unable[mode]})", reason=unable[mode])
+                           | {"skipped": True})
+            return
         check(ok and agree[mode], mode, text + ("" if agree[mode] else "; ranks of the TP group disagree"),
               ranks_agree=agree[mode], **data)
 
@@ -387,7 +418,10 @@ def _fp32_checks(got: dict, want: dict, check, check_tokens, torch) -> None:
     check(first_bad is None, "hidden_states", "hidden states: every layer within tolerance" if first_bad is None
           else f"hidden states: first diverging layer is hidden_states[{first_bad}] of {len(want['hidden'])}",
           first_diverging=first_bad, layers=len(want["hidden"]))
-    for mode in ("greedy", "beam", "sample"):
+    for mode in MODES:
+        if mode not in want:
+            check_tokens(False, mode, "")
+            continue
         a, b = got[mode], want[mode]
         same_shape = a.shape == b.shape
         mism = None if same_shape and torch.equal(a, b) else (
@@ -419,7 +453,10 @@ def _half_precision_checks(got: dict, want: dict, dtype, check, check_tokens) ->
           first_diverging=None if beyond is None else beyond[0], layer=None if beyond is None else names[beyond[0]],
           layers=len(names))
     steps = step_bound(floor["logits_max"], exact["logits"], dtype)
-    for mode in ("greedy", "beam", "sample"):
+    for mode in MODES:
+        if mode not in want:
+            check_tokens(False, mode, "")
+            continue
         ok, text, data = token_verdict(mode, got[mode], want[mode], steps)
         check_tokens(ok, mode, text + ("" if ok else where), **data)
 
