@@ -135,25 +135,28 @@ def test_a_rank_holding_what_should_be_split_is_warned_naming_the_modules():
     assert "held whole and not placed: MixtralDecoderLayer.mlp.experts" in warning and "\n" not in warning
 
 
-@pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "llama4_text", "granitemoe"])
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "llama4_text", "granitemoe", "dbrx"])
 def test_each_packed_expert_layout_splits_into_partial_sums_that_add_up_to_the_whole(name, monkeypatch):
     """[experts, 2 x inner, hidden] (Mixtral), transposed and interleaved with per-expert biases (GPT-OSS, from
-    transformers' `is_transposed` / `is_concatenated` record), transposed in halves (Llama 4), and GraniteMoE's:
-    two ranks' experts modules, each split by `split_experts`, sum to the unsharded module's output (what the
-    all-reduce does; here without one). GPT-OSS and Llama 4 were refused before ("not [experts, 2 x inner,
-    hidden]")."""
+    transformers' `is_transposed` / `is_concatenated` record), transposed in halves (Llama 4), GraniteMoE's, and
+    DBRX's 2-D [experts x inner, hidden] w1, v1 and w2 (found by the derivation: before, not recognised and held
+    whole on every rank): two ranks' experts modules, each split by `split_experts`, sum to the unsharded module's
+    output (what the all-reduce does; here without one). GPT-OSS and Llama 4 were refused before ("not [experts,
+    2 x inner, hidden]")."""
     import copy
 
-    from ds_inference_integration.policy.kinds import is_packed_experts
     from ds_inference_integration.shard import experts as experts_module
     from ds_inference_integration.shard.experts import split_experts
 
     monkeypatch.setattr(experts_module, "_all_reduce_output", lambda group: lambda m, a, out: None)  # no group
     model = zoo_model(name)
-    layer = model.model.layers[0]
-    path, experts = next((p, m) for p, m in layer.named_modules() if is_packed_experts(m))
+    policy = derive_policy(model)
+    (layer_class, (path,)), = policy.experts.items()
+    layer = next(m for m in model.modules() if type(m).__name__ == layer_class)
+    experts = layer.get_submodule(path)
     block = layer.get_submodule(path.rpartition(".")[0])
-    x = torch.randn(1, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    width = experts.hidden_size if name == "dbrx" else model.config.hidden_size  # DBRX's config: d_model
+    x = torch.randn(1, 6, width, generator=torch.Generator().manual_seed(1))
     captured = {}
     def keep(module, args, kwargs, out):
         captured.setdefault("call", (args, kwargs))
@@ -169,7 +172,8 @@ def test_each_packed_expert_layout_splits_into_partial_sums_that_add_up_to_the_w
             mine = copy.deepcopy(experts)
             mine._forward_hooks.clear()
             split_experts(mine, 2, rank, None)
-            assert mine.gate_up_proj.numel() * 2 == experts.gate_up_proj.numel()
+            weights = [sum(p.numel() for n, p in m.named_parameters() if n != "down_proj_bias") for m in (mine, experts)]
+            assert weights[0] * 2 == weights[1], weights  # (GPT-OSS's down bias kept whole: added once)
             parts.append(mine(*args, **kwargs))
     assert_close_up_to_rounding(parts[0] + parts[1], want, scale=parts)
 
@@ -349,3 +353,15 @@ def test_a_block_tied_into_several_layers_is_split_once_and_shared_after():
         assert isinstance(model["head"], Head) and model["head"].out_proj.weight is model["embed"].weight
         first.q_proj = nn.Linear(4, 2)  # what DeepSpeed's split puts there
     assert model["layers"][1]["shared"] is tied and tied.q_proj is first.q_proj  # its own block, the split linear
+
+
+def test_an_attention_inside_a_module_beside_the_norms_is_split_by_its_table():
+    """DBRX's layer holds its attention in `norm_attn_norm` beside two norms. Judged as one module, its fused `Wqkv`
+    (256 outputs) was taken for an MLP's first linear feeding no row-parallel linear, the module was kept whole, and
+    with its `out_proj` inside, nothing of the layer was split (100% per rank, 2026-12-06). Now the module is judged
+    by its children: the attention gets the fused table, the experts are split, the router alone kept whole."""
+    policy = derive_policy(zoo_model("dbrx"))
+    assert policy.attention.fused_qkv == "norm_attn_norm.attn.Wqkv" and policy.attention.layout == "qkv"
+    assert policy.layers == {"DbrxBlock": ("attn.out_proj",)}
+    assert policy.replicated == {"DbrxBlock": ("ffn.router.layer",)}
+    assert policy.experts == {"DbrxBlock": ("ffn.experts",)}

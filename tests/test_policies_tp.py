@@ -88,7 +88,7 @@ FAMILIES_2026 = ["deepseek_v3", "lfm2", "mamba2", "mamba", "qwen3_5_text", "huny
 UNLISTED = ("phi3", "gemma", "mixtral")
 # issue #44's mechanisms, a zoo model each (`architecture_zoo.ZOO` says what each has), checked at tp 2 (in the shared
 # check) and at tp 4
-MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv"]
+MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv", "dbrx"]
 # the checks the unsharded model cannot do (RWKV's and xLSTM's cache cannot be reordered for beam search): skipped
 # and said; any other skipped check fails `assert_all_pass`
 SKIPS = {("rwkv", "beam"), ("xlstm", "beam")}
@@ -324,6 +324,10 @@ def test_the_mechanisms_of_2026_12_match_the_unsharded_model(tp, tmp_path, reque
     assert not [p for p in share["zamba"]["by_design"] if "shared_transf" in p], share["zamba"]
     line = checks["kimi_linear"]["loading_shard-aware"]["line"]
     assert "needs conversion" in line and "--loading auto loads it full" in line, line
+    # DBRX: the attention inside `norm_attn_norm` split by the table, the 2-D packed experts split, the router alone
+    # whole (before: nothing split, 100% per rank)
+    assert list(share["dbrx"]["by_design"]) == ["DbrxBlock.ffn.router.layer"] and not share["dbrx"]["not_placed"]
+    assert share["dbrx"]["target"] < (0.51 if tp == 2 else 0.27), share["dbrx"]
     # RWKV's beam search, which its unsharded model cannot do, skipped and said with the model's reason; its other
     # checks run (before: the reference failed, "0 of 1 checks passed")
     line = checks["rwkv"]["beam"]["line"]

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
 from ..errors import InferenceSetupError
-from .kinds import is_packed_experts, is_router, is_ssm_mixer
+from .kinds import is_experts, is_packed_experts, is_router, is_ssm_mixer, row_packed_experts
 from .layers import layer_kinds
 from .schema import (
     DERIVE,
@@ -386,6 +386,9 @@ def _expert_count(module: nn.Module) -> int | None:
     for _, m in module.named_modules():
         if is_packed_experts(m):
             return m.gate_up_proj.shape[0]
+        row_packed = row_packed_experts(m)
+        if row_packed:
+            return row_packed[0]
     unpacked = _unpacked_experts(module)
     return len(unpacked[1]) if unpacked else None
 
@@ -519,6 +522,19 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
     return found
 
 
+def _units(module: nn.Module, attention_paths: set[str], prefix: str = ""):
+    """(path, module) of what is judged whole or split as one: the layer's children, except that a child holding an
+    attention below it beside other modules is judged by its own children, down to the attention (DBRX's
+    `norm_attn_norm`: two norms and `attn`; judged as one module, its fused `Wqkv` was taken for an MLP's first
+    linear that feeds no row-parallel linear, and nothing of the layer was split, 2026-12-06)."""
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if path not in attention_paths and any(a.startswith(f"{path}.") for a in attention_paths):
+            yield from _units(child, attention_paths, f"{path}.")
+        else:
+            yield path, child
+
+
 def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], experts: dict[str, tuple[str, ...]]
                          ) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
     """{layer class: {path: why}} of the modules to keep whole on every rank: mixers AutoTP cannot split
@@ -543,7 +559,7 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
             for path in _unread_own_linears(layer, rows):
                 found.setdefault(name, {}).setdefault(path, "a linear of the layer itself whose output no row-parallel "
                                                             "linear reads: the layer uses it whole")
-            for path, child in layer.named_children():
+            for path, child in _units(layer, attention_paths):
                 count = _expert_count(child)
                 if count is not None:
                     routers = _router_modules(child)
@@ -619,11 +635,13 @@ def derive_policy(model: nn.Module) -> Policy:
 
 
 def derive_experts(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """{layer class: paths of its packed mixture-of-experts modules} (3-D gate_up_proj and down_proj)."""
+    """{layer class: paths of its packed mixture-of-experts modules} (3-D gate_up_proj and down_proj, or 2-D
+    [experts x inner, hidden] parameters: `kinds.row_packed_experts`)."""
     found: dict[str, tuple[str, ...]] = {}
     for name, layers in layer_kinds(model).items():  # every kind: DeepSeek-V3's first layers are dense
-        paths = tuple(dict.fromkeys(p for layer in layers for p, m in layer.named_modules()
-                                    if p and is_packed_experts(m)))
+        found_paths = [p for layer in layers for p, m in layer.named_modules() if p and is_experts(m)]
+        # the outermost: DBRX's `ffn.experts` reads the inner size its `mlp`, which holds the parameters, records too
+        paths = tuple(dict.fromkeys(p for p in found_paths if not any(p.startswith(f"{o}.") for o in found_paths)))
         if paths:
             found[name] = paths
     return found

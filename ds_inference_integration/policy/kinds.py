@@ -20,6 +20,35 @@ def is_packed_experts(module: nn.Module) -> bool:
     return all(isinstance(params.get(n), torch.Tensor) and params[n].ndim == 3 for n in PACKED)
 
 
+EXPERT_COUNTS = ("num_experts", "moe_num_experts", "num_local_experts")
+EXPERT_INNER = ("ffn_hidden_size", "expert_dim", "moe_intermediate_size", "intermediate_size")
+
+
+def row_packed_experts(module: nn.Module) -> tuple[int, int, list[str]] | None:
+    """(experts, inner size, parameter paths) of experts packed as 2-D parameters that are all [experts x inner,
+    hidden], each expert's rows one block (DBRX's `w1`, `v1` and `w2`, the last stored transposed: its forward views
+    each as [experts, inner, hidden]), where the module records both counts and holds no linear; else None. Every
+    such parameter splits alike, by each expert's inner rows (`shard.experts.split_row_packed_experts`)."""
+    def count(names: tuple[str, ...]) -> int | None:
+        return next((v for a in names if isinstance(v := getattr(module, a, None), int) and not isinstance(v, bool)
+                     and v > 0), None)
+
+    experts, inner = count(EXPERT_COUNTS), count(EXPERT_INNER)
+    if experts is None or inner is None or any(isinstance(m, nn.Linear) for m in module.modules()):
+        return None
+    params = list(module.named_parameters())
+    if len(params) < 2 or any(p.ndim != 2 or p.shape[0] != experts * inner for _, p in params):
+        return None
+    if len({p.shape[1] for _, p in params}) != 1:
+        return None
+    return experts, inner, [n for n, _ in params]
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Packed experts of either form: 3-D gate_up_proj and down_proj, or 2-D row-packed (`row_packed_experts`)."""
+    return is_packed_experts(module) or row_packed_experts(module) is not None
+
+
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate", "shared_experts_gate", "expert_bias")
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import InferenceSetupError
 from ..load.slices import record, take
-from ..policy.kinds import is_packed_experts
+from ..policy.kinds import is_experts, is_packed_experts
 
 
 def expert_layout(module: nn.Module) -> tuple[bool, bool]:
@@ -52,6 +52,8 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     """Keep this rank's 1/tp of every expert's inner dimension (in place; meta tensors stay meta) and all-reduce
     the module's output over `group`. Per-expert biases: gate_up's split with it; down's (added after the
     partial product, so once per rank) kept on the first rank of the group and zero on the others."""
+    if not is_packed_experts(module):
+        return split_row_packed_experts(module, tp_size, tp_rank, group)
     transposed, interleaved = expert_layout(module)
     gate_up, down = module.gate_up_proj, module.down_proj
     inner = down.shape[1] if transposed else down.shape[2]
@@ -89,6 +91,38 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
         module.register_forward_hook(_all_reduce_output(group))
 
 
+def split_row_packed_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
+    """Experts packed as 2-D [experts x inner, hidden] parameters (`kinds.row_packed_experts`: DBRX's w1, v1, w2):
+    each rank keeps, of every expert, the same 1/tp of its inner rows in each of them (gate and up rows pair, and
+    the transposed down's rows are the inner columns it reads), so each rank's output is a partial sum over the
+    inner dimension, all-reduced as `split_experts`'s. Every `inner` size recorded in the module becomes this
+    rank's (DBRX views each parameter as [-1, ffn_hidden_size, hidden]: with the full size it read half the
+    experts)."""
+    from ..policy.kinds import EXPERT_INNER, row_packed_experts
+
+    experts, inner, names = row_packed_experts(module)
+    if inner % tp_size:
+        valid = [d for d in range(1, inner + 1) if inner % d == 0 and d <= 64]
+        raise InferenceSetupError(f"{type(module).__name__}: the experts' inner size {inner} is not divisible by "
+                                  f"--tp_size {tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
+    part = inner // tp_size
+    rows = tuple((e * inner + tp_rank * part, e * inner + (tp_rank + 1) * part) for e in range(experts))
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        holder = module.get_submodule(owner) if owner else module
+        full = getattr(holder, attr)
+        with torch.no_grad():
+            setattr(holder, attr, nn.Parameter(take(full, 0, rows), requires_grad=False))
+        record(getattr(holder, attr), 0, rows, tuple(full.shape))
+    for sub in module.modules():
+        for attr in EXPERT_INNER:
+            if getattr(sub, attr, None) == inner and not isinstance(getattr(sub, attr), bool):
+                setattr(sub, attr, part)
+    if tp_size > 1:
+        module.all_reduce_dtype = None
+        module.register_forward_hook(_all_reduce_output(group))
+
+
 def _all_reduce_output(group):
     def hook(module, args, output):
         from deepspeed import comm as dist
@@ -109,8 +143,8 @@ def experts_modules(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]
     found = []
     for name, module in layer.named_modules():
         if name and any(names_module(p, name) for p in paths):
-            if not is_packed_experts(module):
+            if not is_experts(module):
                 raise InferenceSetupError(f"experts {name!r} in {type(layer).__name__} holds no packed gate_up_proj "
-                                          "and down_proj parameters")
+                                          "and down_proj parameters, nor 2-D [experts x inner, hidden] ones")
             found.append(module)
     return found

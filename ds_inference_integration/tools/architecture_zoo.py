@@ -26,8 +26,6 @@ NOT_IN_ZOO = {  # tried, and why each is not in the table yet
                    "(one FAIL line naming self_attn.o_b_proj)",
     "bitnet": "a norm over the MLP's and the attention's inner width (`ffn_sub_norm`, `attn_sub_norm`) inside a "
               "split module (one FAIL line naming mlp.ffn_sub_norm)",
-    "dbrx": "its fused `Wqkv` sits in `norm_attn_norm.attn` beside the norms and its packed experts are `w1`/`v1`/`w2`: "
-            "nothing is split (100% per rank; the other checks pass)",
     "zamba2": "its shared block, kept whole, is read shard-aware into tensors that share memory between its places, "
               "which the pre-sharded writer refuses (the other checks pass)",
     "seamless_m4t (text to text)": "its text class is now built from the checkpoint's `architectures`, and its "
@@ -283,6 +281,13 @@ ZOO = {
     "minimax": lambda: _decoder("MiniMaxConfig", **GQA, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                                 layer_types=["linear_attention", "full_attention"]),
     "mamba": lambda: _decoder("MambaConfig", state_size=16, expand=2),
+    # an attention inside a module beside the layer's norms (`norm_attn_norm.attn`), its fused Wqkv; experts packed
+    # as 2-D [experts x inner, hidden] parameters (w1, v1, w2)
+    "dbrx": lambda: _decoder("DbrxConfig", d_model=128, n_heads=4, n_layers=2, max_seq_len=64, hidden_size=None,
+                             intermediate_size=None, num_hidden_layers=None, num_attention_heads=None,
+                             max_position_embeddings=None, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0,
+                                                                        "clip_qkv": 8.0},
+                             ffn_config={"ffn_hidden_size": 256, "moe_num_experts": 4, "moe_top_k": 2}),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
     "rwkv": lambda: _decoder("RwkvConfig", attention_hidden_size=128, num_hidden_layers=2),
     "xlstm": lambda: _decoder("xLSTMConfig", num_heads=4, num_blocks=2, embedding_dim=128),

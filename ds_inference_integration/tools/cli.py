@@ -94,6 +94,16 @@ def _policy_check(ns: argparse.Namespace) -> int:
                      reduce_dtype=ns.reduce_dtype)
 
 
+def _policy_sweep(ns: argparse.Namespace) -> int:
+    from .sweep import run_sweep
+
+    tp_sizes = _int_list(ns.tp_sizes, "--tp-sizes")
+    if not tp_sizes or any(tp < 2 for tp in tp_sizes):
+        raise InferenceSetupError(f"--tp-sizes {ns.tp_sizes!r} is invalid: tp sizes of 2 or more, e.g. 2,4")
+    only = [n for n in (ns.only or "").split(",") if n]
+    return run_sweep(tp_sizes, ns.out, only or None, ns.timeout, ns.json_dir)
+
+
 def _policy_matrix(ns: argparse.Namespace) -> int:
     from .architecture_zoo import run_matrix
 
@@ -262,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
                         help="save the tiny checkpoints in this dtype and check in it (the architecture table: fp32)")
     matrix.set_defaults(func=_policy_matrix)
+    sweep = psub.add_parser("sweep", help="policy check on a tiny model of every model type transformers generates "
+                                         "with that the architecture table does not hold (docs/sweep.md)")
+    sweep.add_argument("--tp-sizes", default="2,4")
+    sweep.add_argument("--only", default=None, help="comma-separated model types (default: every one)")
+    sweep.add_argument("--out", default=None, help="write the table to this file")
+    sweep.add_argument("--json-dir", default=None, help="keep the `policy check --json` reports here")
+    sweep.add_argument("--timeout", type=float, default=900, help="seconds per launch before the ranks are killed")
+    sweep.set_defaults(func=_policy_sweep)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     parting = bsub.add_parser("parting", help="bf16: how often tp 2 parts from one process, with bf16 and fp32 sums")

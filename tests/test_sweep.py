@@ -1,0 +1,87 @@
+"""`ds-inference policy sweep` (tools/sweep.py), in this process: the small configs it builds, the verdict of each
+type, and its launches going on past a type the ranks stopped in. Its full run (every type, tp 2 and 4, ~20 min)
+writes docs/sweep.md; `test_the_sweep_table_names_every_type` reads that file."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_inference_integration.tools import sweep
+
+SWEEP = Path(__file__).resolve().parents[1] / "docs" / "sweep.md"
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "jetmoe", "bert"])
+def test_a_default_config_is_made_small_and_builds(model_type, tmp_path):
+    """Widths 128, 2 layers, 4 heads, a vocabulary of 96, whatever the default's sizes (Gemma 3's 262k vocabulary,
+    JetMoE's experts, BERT as a decoder); the `layer_types` the config derives match its two layers."""
+    from transformers import AutoConfig
+
+    config = sweep.shrink(AutoConfig.for_model(model_type))
+    assert config.vocab_size == 96 and config.num_hidden_layers == 2 and config.num_attention_heads == 4
+    assert len(getattr(config, "layer_types", None) or [0, 0]) == 2
+    directory, why = sweep.build(model_type, tmp_path)
+    assert directory is not None and why == "" and (directory / "config.json").is_file()
+
+
+def test_a_type_that_cannot_be_built_is_said_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "MAX_PARAMETERS", 1000)
+    directory, why = sweep.build("llama", tmp_path)
+    assert directory is None and "parameters after shrinking" in why, why
+
+
+def _check(model, kind, passed=True, skipped=False, line="x", **data):
+    return {"model": model, "check": kind, "passed": passed, "skipped": skipped, "line": f"{model} tp2 {line}",
+            "data": data}
+
+
+def test_each_verdict_says_what_happened():
+    kinds = ["logits", "hidden_states", "greedy", "beam", "sample", "loading_shard-aware", "loading_pre-sharded"]
+    share = _check("a", "weights_per_rank", shares=[0.5, 0.5])
+    assert sweep.verdict([_check("a", k) for k in kinds] + [share]) == "pass (50% per rank)"
+    skipped = [_check("a", k, passed=k != "beam", skipped=k == "beam") for k in kinds] + [share]
+    assert sweep.verdict(skipped) == "pass (50% per rank; beam skipped)"
+    failed = [_check("a", k, passed=k != "sample", line=f"{k} bad") for k in kinds] + [share]
+    assert sweep.verdict(failed) == "FAIL (7/8): sample bad"
+    assert sweep.verdict([_check("a", "setup", False, line="setup: no")]) == "refused: setup: no"
+    assert sweep.verdict([_check("a", "error", False, line="ValueError: boom")]) == "CRASH: ValueError: boom"
+    assert sweep.verdict([]) == "no result"
+
+
+def test_the_launches_go_on_past_a_type_the_ranks_stopped_in(tmp_path, monkeypatch):
+    """Ranks that raise in a type end the launch after its "error" record; ranks killed in one (a hang) leave it no
+    record: either way the next launch starts after it, and every type gets a verdict."""
+    launches = []
+
+    def fake_run_check(dirs, tp, policy, timeout, json_path):
+        names = [Path(d).name for d in dirs]
+        launches.append(names)
+        checks, failure = [], None
+        for name in names:
+            if name == "raises":
+                checks.append(_check(name, "error", False, line="RuntimeError: boom"))
+                failure = "rank 0 exited 1"
+                break
+            if name == "hangs":
+                failure = "killed after 900 s"
+                break
+            checks += [_check(name, "logits"), _check(name, "weights_per_rank", shares=[0.5, 0.5])]
+        Path(json_path).write_text(json.dumps({"checks": checks, "rank_failure": failure}))
+
+    import ds_inference_integration.tools.policy_check as policy_check
+
+    monkeypatch.setattr(policy_check, "run_check", fake_run_check)
+    dirs = {n: tmp_path / n for n in ("a", "raises", "b", "hangs", "c")}
+    cells = sweep.check_all(dirs, 2, 900, tmp_path)
+    assert launches == [["a", "raises", "b", "hangs", "c"], ["b", "hangs", "c"], ["c"]]
+    assert cells["raises"] == "CRASH: RuntimeError: boom" and cells["hangs"].startswith("CRASH: the ranks stopped in it")
+    assert all(cells[n].startswith("pass (50%") for n in ("a", "b", "c")), cells
+
+
+def test_the_sweep_table_names_every_type():
+    """docs/sweep.md, written by `ds-inference policy sweep --out docs/sweep.md`, has a row for every model type
+    transformers generates with (a new transformers adds types: run the sweep again)."""
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in SWEEP.read_text().splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
+    assert rows == list(sweep.generating_types()), "run `ds-inference policy sweep --out docs/sweep.md` again"
