@@ -136,6 +136,26 @@ def test_checkpoint_without_safetensors_falls_back_or_fails_clearly(tmp_path, ca
         load_model(AutoModelForCausalLM, path, inference_args=ON, mode="shard-aware")
 
 
+def test_a_checkpoint_that_needs_a_conversion_is_refused_shard_aware_with_the_reason_typed(tmp_path, caplog):
+    """Kimi-Linear's convolutions are converted at load: shard-aware reading refuses them, and the refusal says so by
+    its type (`needs_conversion`, what `policy check` falls back to a full load on, as `--loading auto` does),
+    not only in its words; a refusal for another reason (no safetensors) is not one."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_inference_integration.tools.architecture_zoo import save_zoo
+
+    path = save_zoo(tmp_path, ["kimi_linear"])["kimi_linear"]
+    with pytest.raises(InferenceSetupError, match="needs conversion") as refused:
+        load_model(AutoModelForCausalLM, path, inference_args=ON, mode="shard-aware")
+    assert refused.value.needs_conversion is True
+    model = load_model(AutoModelForCausalLM, path, inference_args=ON)  # auto: loaded full, and said
+    assert not is_skeleton(model) and "needs conversion" in caplog.text
+    (path / "model.safetensors").rename(path / "elsewhere.bin")
+    with pytest.raises(InferenceSetupError, match="no safetensors weights") as refused:
+        load_model(AutoModelForCausalLM, path, inference_args=ON, mode="shard-aware")
+    assert refused.value.needs_conversion is False
+
+
 @pytest.mark.launched
 def test_shard_command_writes_one_file_per_rank_and_a_manifest(presharded):
     from ds_inference_integration.load.presharded import read_manifest

@@ -35,6 +35,12 @@ def _packing(converter) -> bool:
     return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
 
 
+class NeedsConversion(str):
+    """A reason a checkpoint does not fit shard-aware reading: a tensor transformers converts at load (Ergo's
+    `gate_kernel`, Kimi-Linear's convolutions), not only slices. `--loading auto` loads such a checkpoint full, and
+    `policy check` does as it does, by this type rather than the reason's words."""
+
+
 def _checkpoint_names(model: nn.Module, ckpt: SafetensorsCheckpoint
                       ) -> tuple[dict[str, str], dict[str, PackedSource], str | None]:
     """Model name -> checkpoint key, renamed the way `from_pretrained` renames them (transformers' own
@@ -58,7 +64,7 @@ def _checkpoint_names(model: nn.Module, ckpt: SafetensorsCheckpoint
             converter = next((c for c in converters if pattern in getattr(c, "source_patterns", ())), None)
             expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
             if converter is None or not _packing(converter) or expert is None:
-                return {}, {}, f"checkpoint tensor {key} needs conversion ({pattern}), not only slicing"
+                return {}, {}, NeedsConversion(f"checkpoint tensor {key} needs conversion ({pattern}), not only slicing")
             parts.setdefault(name, {})[(converter.source_patterns.index(pattern), int(expert.group(1)))] = key
             continue
         out.setdefault(name, key)

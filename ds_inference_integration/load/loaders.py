@@ -38,7 +38,7 @@ from ..errors import InferenceSetupError
 from ..policy.schema import Policy, policy_identity
 from ..run.collector import collector_paused
 from .checkpoint import SafetensorsCheckpoint
-from .keys import plan_keys
+from .keys import NeedsConversion, plan_keys
 from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
 from .readers import Loader, PreShardedLoader, ShardAwareLoader
 from .skeleton import build_skeleton, check_model_kind
@@ -146,7 +146,9 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
             if reason is None:
                 return _skeleton(model, PendingLoad(start, loader=ShardAwareLoader(model_dir, dtype, ckpt, plan)))
         if mode == "shard-aware":
-            raise InferenceSetupError(f"--loading shard-aware: {model_dir}: {reason}; valid here: --loading full")
+            refusal = InferenceSetupError(f"--loading shard-aware: {model_dir}: {reason}; valid here: --loading full")
+            refusal.needs_conversion = isinstance(reason, NeedsConversion)  # what `--loading auto` loads full
+            raise refusal
     if enabled:  # in the run's dtype, as a one-device `from_pretrained(dtype=...)`: buffers made as it makes them
         from_pretrained_kwargs.setdefault("dtype", dtype)
     model = model_cls.from_pretrained(model_dir, config=config, **from_pretrained_kwargs)

@@ -486,7 +486,7 @@ def _check_loading(model_dir, cls, config, naive, naive_greedy, inputs, args, to
         try:
             model = load_model(cls, source, mode=mode, inference_args=args, dtype=dtype)
         except InferenceSetupError as e:
-            if mode != "shard-aware" or "needs conversion" not in str(e):
+            if mode != "shard-aware" or not getattr(e, "needs_conversion", False):
                 raise
             # a checkpoint whose tensors transformers converts at load (Ergo's `gate_kernel`, Kimi-Linear's
             # convolutions): what a run's default `--loading auto` does with it, said in the verdict
