@@ -365,3 +365,23 @@ def test_an_attention_inside_a_module_beside_the_norms_is_split_by_its_table():
     assert policy.layers == {"DbrxBlock": ("attn.out_proj",)}
     assert policy.replicated == {"DbrxBlock": ("ffn.router.layer",)}
     assert policy.experts == {"DbrxBlock": ("ffn.experts",)}
+
+
+def test_an_attention_whose_key_is_its_value_is_split_by_each_layers_own_heads():
+    """Gemma 4 with `attention_k_eq_v`: the full-attention layers have no `v_proj` (None: the key's states are the
+    values) and 2 KV heads of their own where the config says 4. Not seen as an attention, it was kept whole in every
+    layer of the class (72% per rank at tp 2); left to DeepSpeed's split by the config's count, each rank held half
+    a head at tp 4. Now the table names it and splits each layer by its own count, with copies at tp 4."""
+    from ds_inference_integration.shard.attention import HeadLayout
+    from ds_inference_integration.shard.inject import split_attention
+
+    model = zoo_model("gemma4_text_kv")
+    policy = derive_policy(model)
+    assert policy.attention is not None and policy.attention.key == "self_attn.k_proj"
+    assert not [p for p in policy.replicated["Gemma4TextDecoderLayer"] if "self_attn" in p], policy.replicated
+    full = model.model.layers[1]
+    assert full.self_attn.v_proj is None and full.self_attn.k_proj.weight.shape[0] == 2 * 64
+    attention, head_dim, heads = split_attention(full, policy.attention, HeadLayout(4, 4, 4, 3))
+    assert (head_dim, heads.kv_heads, heads.own) == (64, 2, True)
+    assert attention.k_proj.weight.shape[0] == 64 and attention.q_proj.weight.shape[0] == 64  # one head each
+    assert attention.v_proj is None

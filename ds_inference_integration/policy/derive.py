@@ -211,10 +211,40 @@ def _separate_qkv(module: nn.Module, children: dict[str, nn.Module]) -> tuple[st
     recognised, its attention was kept whole on every rank, 64% of the layer per rank at tp 2, 2026-12-06)."""
     names = next((names for names in SEPARATE_QKV if all(n in children and is_linear(children[n]) for n in names)),
                  None)
+    if names is None:  # the key is the value: the attribute there and None (Gemma 4's full-attention layers with
+        # `attention_k_eq_v`); kept whole in every layer of the class, 72% per rank at tp 2 (2026-12-06)
+        names = next((names for names in SEPARATE_QKV if all(n in children and is_linear(children[n])
+                                                            for n in names[:2]) and _value_is_key(module, names[2])),
+                     None)
     if names or not all(n in children and is_linear(children[n]) for n in ("k_proj", "v_proj")):
         return names
     queries = [n for n, c in children.items() if _GATED_QUERY.fullmatch(n) and is_linear(c)]
     return (queries[0], "k_proj", "v_proj") if len(queries) == 1 and _gated_per_head(module) else None
+
+
+def _own_kv_heads(attention: nn.Module, separate) -> int | None:
+    """The key/value heads an attention's key projection holds, in its own `head_dim`; None where it does not say.
+    Gemma 4's full-attention layers hold 2 where the config (and its sliding layers) say 4: left to DeepSpeed's
+    split by the config's count, at tp 4 each rank held half a head ("shape '[3, 10, -1, 64]' is invalid",
+    2026-12-06); a table splits them by the layer's own count (`shard.inject.layer_heads`)."""
+    head_dim = getattr(attention, "head_dim", None)
+    key = getattr(attention, separate[1], None) if separate else None
+    if not isinstance(head_dim, int) or head_dim <= 0 or key is None or key.weight.shape[0] % head_dim:
+        return None
+    return key.weight.shape[0] // head_dim
+
+
+def _value_is_key(module: nn.Module, value: str) -> bool:
+    """The module has no value projection of its own (the attribute set to None) and its code takes the key's
+    states for the values where it is None."""
+    return (value in vars(module) and vars(module)[value] is None
+            and bool(re.search(rf"self\.{value}\s+is\s+not\s+None\s+else\s+key_states", class_source(type(module)))))
+
+
+def _projections(attention: nn.Module, names) -> list[nn.Module]:
+    """The attention's projections by name, but a value projection that is None (`_value_is_key`)."""
+    return [m for m in (getattr(attention, n, None) if "." not in n else attention.get_submodule(n) for n in names)
+            if m is not None]
 
 
 def _gated_per_head(attention: nn.Module) -> bool:
@@ -283,11 +313,13 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     q, kv = _head_values(config)
     kinds = layer_kinds(model)
     by_path: dict[tuple[str, str], tuple] = {}  # one per attention path of each layer class, over its kinds
+    own_kv: dict[tuple[str, str], set[int]] = {}  # the key/value head counts each kind's attention there holds
     for name in layers:
         for layer in kinds.get(name, ()):
             for a in _attention_modules(layer):
                 if not any(under_replicated(p, layer, a[0]) for p in (skip or {}).get(name, ())):
                     by_path.setdefault((name, a[0]), a)  # not inside a module kept whole
+                    own_kv.setdefault((name, a[0]), set()).add(_own_kv_heads(a[1], a[3]))
     found = [(name, a) for (name, _), a in by_path.items()]
     if not found:
         return None, {}
@@ -295,7 +327,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     replicated: dict[str, list[str]] = {}
     for layer_name, (path, attention, fused, separate) in found:
         prefix = f"{path}." if path else ""
-        projections = [attention.get_submodule(n) for n in ((fused,) if fused else separate)]
+        projections = _projections(attention, (fused,) if fused else separate)
         norm = _whole_projection_norms(attention, projections, projections[0].weight.shape[0] // q)
         if norm:
             logger.warning("%s: %s.%s%s normalises a whole projection (%d features, %d heads): no rank can compute "
@@ -319,7 +351,8 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
         else:
             head_dim = projections[1].weight.shape[0] // kv
         local = _local_attributes(attention, q, kv, head_dim)
-        if not fused and kv == q and not any(attr.startswith("config.") for attr, _ in local):
+        per_layer = own_kv.get((layer_name, path), set()) - {None, kv}  # a kind with a KV count of its own
+        if not fused and kv == q and not per_layer and not any(attr.startswith("config.") for attr, _ in local):
             continue  # DeepSpeed's head-aware split of separate projections is right, and updates the module's
             # own head counts; a count read from the config (Moonshine views q by config.num_key_value_heads)
             # must be made this rank's by the table
@@ -410,7 +443,8 @@ def _narrow_value_heads(attention: nn.Module, separate: tuple[str, str, str], wi
     head_dim = getattr(attention, "head_dim", None)
     if heads is None or not isinstance(head_dim, int) or head_dim <= 0:
         return False
-    query, key, value = (attention.get_submodule(n).weight.shape[0] for n in separate)
+    query, key, *value = (p.weight.shape[0] for p in _projections(attention, separate))
+    value = value[0] if value else key
     q_heads = heads[0]
     kv_layer, rem = divmod(key, head_dim)
     return (query == q_heads * head_dim and width % q_heads == 0 and not rem and kv_layer > 0

@@ -186,9 +186,10 @@ def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, ro
     query = layer.get_submodule(spec.query)
     q, _ = split_heads(query, heads.q_heads(), heads.query_heads)
     k, _ = split_heads(layer.get_submodule(spec.key), heads.kv_heads_of_rank(), heads.kv_heads)
-    v, _ = split_heads(layer.get_submodule(spec.value), heads.kv_heads_of_rank(), heads.kv_heads)
+    if _has(layer, spec.value):  # not where the key is the value (derive._value_is_key: Gemma 4's full attention)
+        v, _ = split_heads(layer.get_submodule(spec.value), heads.kv_heads_of_rank(), heads.kv_heads)
+        _replace(layer, spec.value, v)
     _replace(layer, spec.query, q)
-    _replace(layer, spec.value, v)
     attention = _replace(layer, spec.key, k)
     # DeepSpeed would cut such a gate in 64-row blocks, not by this rank's heads (AFMoE at tp 4: "The size of tensor
     # a (32) must match the size of tensor b (64)")
