@@ -385,3 +385,25 @@ def test_an_attention_whose_key_is_its_value_is_split_by_each_layers_own_heads()
     assert (head_dim, heads.kv_heads, heads.own) == (64, 2, True)
     assert attention.k_proj.weight.shape[0] == 64 and attention.q_proj.weight.shape[0] == 64  # one head each
     assert attention.v_proj is None
+
+
+def test_an_mlp_across_two_modules_of_the_layer_is_split_not_kept_whole():
+    """BERT's layer computes its MLP in `intermediate.dense` and gathers it in `output.dense`, another module. Judged
+    alone, `intermediate` had no row-parallel linear and was kept whole while `output.dense` was split: "mat1 and
+    mat2 shapes cannot be multiplied (30x256 and 128x128)" at tp 2, in 13 model types of the BERT family
+    (`policy sweep`, 2026-12-06)."""
+    policy = derive_policy(zoo_model("bert"))
+    assert policy.layers == {"BertLayer": ("output.dense",)} and not policy.replicated, policy
+
+
+def test_the_checkers_inputs_read_the_vocabulary_of_a_composite_config():
+    """Gemma 3's, Voxtral's and Fuyu's configs keep `vocab_size` in their text config: the checker's inputs raised
+    AttributeError, which ended the launch for every model after it."""
+    import transformers as tr
+
+    from ds_inference_integration.tools.policy_check import _inputs
+
+    config = tr.Gemma3Config(text_config={"vocab_size": 96})
+    assert not hasattr(config, "vocab_size") or config.vocab_size is None
+    ids = _inputs(config, torch)["input_ids"]
+    assert ids.shape == (3, 10) and int(ids.max()) < 96

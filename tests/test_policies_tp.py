@@ -88,7 +88,8 @@ FAMILIES_2026 = ["deepseek_v3", "lfm2", "mamba2", "mamba", "qwen3_5_text", "huny
 UNLISTED = ("phi3", "gemma", "mixtral")
 # issue #44's mechanisms, a zoo model each (`architecture_zoo.ZOO` says what each has), checked at tp 2 (in the shared
 # check) and at tp 4
-MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv", "dbrx"]
+MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv", "dbrx",
+                 "bert"]
 # the checks the unsharded model cannot do (RWKV's and xLSTM's cache cannot be reordered for beam search): skipped
 # and said; any other skipped check fails `assert_all_pass`
 SKIPS = {("rwkv", "beam"), ("xlstm", "beam")}

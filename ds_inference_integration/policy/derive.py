@@ -478,7 +478,7 @@ def _router_modules(block: nn.Module) -> list[str]:
 
 
 def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths: set[str],
-                  heads: tuple[int, int] | None) -> str | None:
+                  heads: tuple[int, int] | None, gathered_elsewhere: set[int] = frozenset()) -> str | None:
     """Why a child module of a layer (at `path` in it) must be kept whole on every rank, or None where AutoTP's
     split (rows named in `rows`, every other linear by output rows) computes it right. (A mixer of a layout
     `shard/mixers.py` knows is split there by its heads or channels, and never asked here.)
@@ -521,6 +521,8 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
                 f"{kv_heads} key/value heads of the {width // q_heads} features its output projection reads")
     if not columns:
         return None
+    if not row and all(m.weight.shape[0] in gathered_elsewhere for m in columns.values()):
+        return None  # an MLP across two modules: BERT's `intermediate.dense`, gathered by the layer's `output.dense`
     if not row:
         return (f"no row-parallel linear gathers what {', '.join(columns)} compute: split by output rows, each "
                 "rank would keep part of the module's output")
@@ -531,6 +533,16 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
         return (f"{odd[0]} ({columns[odd[0]].weight.shape[0]} outputs) does not feed a row-parallel linear "
                 f"({', '.join(str(f) for f in sorted(fed))} inputs): no split by output rows pairs its features")
     return None
+
+
+def _gathered_widths(layer: nn.Module, rows: set[str], hidden: int | None) -> set[int]:
+    """The input widths of the layer's row-parallel linears, but the model's width: what a column-split linear of
+    one child module may write for a row-parallel linear of another to gather (BERT's `intermediate.dense`, 4 x
+    hidden, read by `output.dense`: judged alone, `intermediate` was kept whole while `output.dense` was split, and
+    the sharded forward failed, "mat1 and mat2 shapes cannot be multiplied (30x256 and 128x128)", 2026-12-06; 13
+    model types of the BERT family)."""
+    return {m.weight.shape[1] for q, m in _linears(layer).items()
+            if _row_parallel("", q, rows) and m.weight.shape[1] != hidden}
 
 
 def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | None) -> dict[str, str]:
@@ -612,7 +624,7 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
                     mixers.setdefault(name, {})[path] = None
                     mixer_types.setdefault((name, path), set()).add(type(child).__name__)
                     continue
-                why = _whole_reason(path, child, rows, attention_paths, heads)
+                why = _whole_reason(path, child, rows, attention_paths, heads, _gathered_widths(layer, rows, hidden))
                 if why:
                     found.setdefault(name, {}).setdefault(path, why)
                     whole_types.setdefault((name, path), set()).add(type(child).__name__)

@@ -288,6 +288,8 @@ ZOO = {
                              max_position_embeddings=None, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0,
                                                                         "clip_qkv": 8.0},
                              ffn_config={"ffn_hidden_size": 256, "moe_num_experts": 4, "moe_top_k": 2}),
+    # an encoder generating as a decoder: its MLP across two modules (`intermediate.dense`, `output.dense`)
+    "bert": lambda: _decoder("BertConfig", is_decoder=True),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
     "rwkv": lambda: _decoder("RwkvConfig", attention_hidden_size=128, num_hidden_layers=2),
     "xlstm": lambda: _decoder("xLSTMConfig", num_heads=4, num_blocks=2, embedding_dim=128),

@@ -131,7 +131,8 @@ def _inputs(config, torch, main_input: str = "input_ids"):
     g = torch.Generator().manual_seed(0)
     if main_input in SPEECH_INPUTS:
         return random_speech_inputs(config, main_input, 3, g)
-    vocab = config.vocab_size
+    # a composite config (Gemma 3, Voxtral, Fuyu) keeps the vocabulary in its text config
+    vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
     pad = _pad_id(config)
     lengths = [7, 4, 10]
     width = max(lengths)
