@@ -407,3 +407,33 @@ def test_the_checkers_inputs_read_the_vocabulary_of_a_composite_config():
     assert not hasattr(config, "vocab_size") or config.vocab_size is None
     ids = _inputs(config, torch)["input_ids"]
     assert ids.shape == (3, 10) and int(ids.max()) < 96
+
+
+@pytest.mark.parametrize("name, layer, whole, why", [
+    # DiffLlama pairs one half of its value heads with the other (`torch.chunk(value_states, 2, dim=1)`): split by
+    # heads, its logits were 9.8 off at tp 2
+    ("diffllama", "DiffLlamaDecoderLayer", "self_attn", None),
+    # BitNet normalises its MLP's inner width (`ffn_sub_norm`): "(256) must match ... (128)" in mlp.ffn_sub_norm
+    ("bitnet", "BitNetDecoderLayer", "mlp", "ffn_sub_norm normalises the 256 features"),
+    # XLNet's relative attention holds bare [d_model, heads, d_head] parameters: held whole and not placed (FAIL)
+    ("xlnet", "XLNetLayer", "rel_attn", "bare parameters"),
+    # dots3's indexer reads the layer's input through `wk` (128 -> 128 at hidden 128), which AutoTP names
+    # row-parallel: taken for the linear gathering the indexer, the indexer was split ("30x128 and 64x128")
+    ("dots3_note_text", "Dots3NoteTextDecoderLayer", "self_attn.indexer", "no row-parallel linear gathers"),
+])
+def test_what_no_rank_can_compute_from_its_own_part_is_kept_whole_and_said(name, layer, whole, why, caplog):
+    """Found by `policy sweep` (2026-12-06), each failing its sharded forward or its numbers before."""
+    with caplog.at_level(logging.WARNING):
+        policy = derive_policy(zoo_model(name))
+    assert whole in policy.replicated[layer], policy.replicated
+    assert whole in caplog.text and (why is None or why in caplog.text), caplog.text
+
+
+@pytest.mark.parametrize("name", ["gpt2", "openai-gpt"])
+def test_conv1d_layers_are_derived_as_the_linears_they_become(name):
+    """GPT-1 (and GPT-2 without its shipped file): Conv1D's weight is [in, out]. Read as a linear's, GPT-1's
+    `mlp.c_fc` was taken for the MLP's row-parallel end and DeepSpeed's parser saw no linear ("not enough values to
+    unpack" in attn at tp 2)."""
+    policy = derive_policy(zoo_model(name))
+    assert policy.layers == {type(zoo_model(name).transformer.h[0]).__name__: ("attn.c_proj", "mlp.c_proj")}
+    assert policy.attention.fused_qkv == "attn.c_attn"

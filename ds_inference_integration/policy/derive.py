@@ -25,6 +25,7 @@ import logging
 import re
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
@@ -288,6 +289,11 @@ def _local_attributes(attention: nn.Module, q: int, kv: int, head_dim: int) -> t
     return tuple(local)
 
 
+# A forward that cuts the states in two along the head axis and pairs the halves (DiffLlama's `torch.chunk(value_states,
+# 2, dim=1)`): the head split gave each rank one half (logits 9.8 off at tp 2, `policy sweep`, 2026-12-06)
+_HEAD_AXIS_SPLIT = re.compile(r"chunk\(\s*\w*(query|key|value)_states\w*\s*,\s*2\s*,\s*dim\s*=\s*1\s*\)")
+
+
 def _whole_projection_norms(attention: nn.Module, projections: list[nn.Module], head_dim: int) -> str | None:
     """A norm inside the attention whose width is a whole projection's (more than one head): it mixes heads."""
     widths = {p.weight.shape[0] for p in projections}
@@ -328,6 +334,12 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     for layer_name, (path, attention, fused, separate) in found:
         prefix = f"{path}." if path else ""
         projections = _projections(attention, (fused,) if fused else separate)
+        if _HEAD_AXIS_SPLIT.search(class_source(type(attention))):
+            logger.warning("%s: %s.%s pairs its heads across the head axis (differential attention: one half of the "
+                           "value heads with the other): no rank can compute it from its own heads, so that attention "
+                           "is kept whole on every rank", model_type, layer_name, path)
+            replicated.setdefault(layer_name, []).append(path)
+            continue
         norm = _whole_projection_norms(attention, projections, projections[0].weight.shape[0] // q)
         if norm:
             logger.warning("%s: %s.%s%s normalises a whole projection (%d features, %d heads): no rank can compute "
@@ -477,8 +489,21 @@ def _router_modules(block: nn.Module) -> list[str]:
     return found
 
 
+def _norm_over(module: nn.Module, widths: set[int]) -> str | None:
+    """The name of a norm among a module's children over one of `widths` (what its column-split linears write):
+    BitNet's `ffn_sub_norm` over the MLP's inner width, which each rank holds a part of ("The size of tensor a
+    (256) must match the size of tensor b (128)" at tp 2, 2026-12-06)."""
+    for name, child in module.named_children():
+        weight = getattr(child, "weight", None)
+        if "norm" in type(child).__name__.lower() and isinstance(weight, torch.Tensor) and weight.ndim == 1 and (
+                weight.shape[0] in widths):
+            return name
+    return None
+
+
 def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths: set[str],
-                  heads: tuple[int, int] | None, gathered_elsewhere: set[int] = frozenset()) -> str | None:
+                  heads: tuple[int, int] | None, gathered_elsewhere: set[int] = frozenset(),
+                  hidden: int | None = None) -> str | None:
     """Why a child module of a layer (at `path` in it) must be kept whole on every rank, or None where AutoTP's
     split (rows named in `rows`, every other linear by output rows) computes it right. (A mixer of a layout
     `shard/mixers.py` knows is split there by its heads or channels, and never asked here.)
@@ -494,6 +519,10 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
     if any(isinstance(m, nn.Conv1d) for m in module.modules()):
         return "a mixer with a convolution over its channels: its packed input projection does not split by rows"
     linears = _linears(module)
+    if not linears and not is_linear(module) and any(p.ndim >= 2 for p in module.parameters()):
+        # XLNet's relative attention: q, k, v, o, r as [d_model, heads, d_head] parameters (held whole and not
+        # placed: its weight share failed, 53.6% per rank at tp 2, `policy sweep`, 2026-12-06)
+        return "its weights are bare parameters, not linears: DeepSpeed splits linears only"
     if any(autotp_keeps_whole(f"{path}.{q}") for q in linears):
         return None
     # DeepSpeed makes any `down_proj` row-parallel whatever the policy says (deepspeed_compat's note)
@@ -521,6 +550,10 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
                 f"{kv_heads} key/value heads of the {width // q_heads} features its output projection reads")
     if not columns:
         return None
+    norm = _norm_over(module, {m.weight.shape[0] for m in columns.values()} - {hidden})
+    if norm:
+        return (f"{norm} normalises the {getattr(module.get_submodule(norm), 'weight').shape[0]} features its linears "
+                "split: no rank can compute it from its own features")
     if not row and all(m.weight.shape[0] in gathered_elsewhere for m in columns.values()):
         return None  # an MLP across two modules: BERT's `intermediate.dense`, gathered by the layer's `output.dense`
     if not row:
@@ -560,8 +593,10 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
         where = f"{path}.{name}"
         # a row-parallel linear gathers the module when it writes the model's width back (AutoTP names the
         # indexer's `wk`, the linear before its norm, row-parallel, though it writes one head's features)
-        gathered = any(_row_parallel(where, q, rows) and m.weight.shape[0] == hidden or autotp_keeps_whole(f"{where}.{q}")
-                       for q, m in linears.items())
+        # (and reads something narrower or wider than the model's width: a row-parallel linear that reads the layer's
+        # input is not gathering anything; dots3's `indexer.wk`, 128 to 128 where hidden is 128, 2026-12-06)
+        gathered = any(_row_parallel(where, q, rows) and m.weight.shape[0] == hidden and m.weight.shape[1] != hidden
+                       or autotp_keeps_whole(f"{where}.{q}") for q, m in linears.items())
         if not gathered:
             found[where] = ("a module inside a split one whose linears no row-parallel linear gathers: each rank "
                             "computes it whole")
@@ -624,7 +659,8 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
                     mixers.setdefault(name, {})[path] = None
                     mixer_types.setdefault((name, path), set()).add(type(child).__name__)
                     continue
-                why = _whole_reason(path, child, rows, attention_paths, heads, _gathered_widths(layer, rows, hidden))
+                why = _whole_reason(path, child, rows, attention_paths, heads, _gathered_widths(layer, rows, hidden),
+                                    hidden)
                 if why:
                     found.setdefault(name, {}).setdefault(path, why)
                     whole_types.setdefault((name, path), set()).add(type(child).__name__)
@@ -645,11 +681,23 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
     return found, {name: tuple(paths) for name, paths in mixers.items()}
 
 
+def _conv1d_as_linear(model: nn.Module) -> None:
+    """transformers' Conv1D layers (GPT-1, GPT-2, CTRL's kin) made the nn.Linears `shard_model` makes them anyway
+    (`shard.inject.conv1d_to_linear`), before deriving: DeepSpeed's parser and the shape rules here read a linear's
+    weight as [out, in]. Read as Conv1D, GPT-1's `mlp.c_fc` was taken for its MLP's row-parallel end and `attn.c_attn`
+    was cut wrong ("not enough values to unpack", `policy sweep`, 2026-12-06)."""
+    from ..shard.inject import conv1d_to_linear
+
+    if any(type(m).__name__ == "Conv1D" for m in model.modules()):
+        conv1d_to_linear(model)
+
+
 @reading_configured_values
 def derive_policy(model: nn.Module) -> Policy:
     """A complete policy for a model with no policy file: row-parallel linears, the attention table, the packed
     experts, and the modules kept whole."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
+    _conv1d_as_linear(model)
     layers = derive_row_parallel(model)
     experts = derive_experts(model)
     whole, mixers = derive_whole_modules(model, layers, experts)

@@ -24,8 +24,6 @@ TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
     "deepseek_v4": "its grouped output projection (`o_a_proj`, not a linear) stays whole while `o_b_proj` is split "
                    "(one FAIL line naming self_attn.o_b_proj)",
-    "bitnet": "a norm over the MLP's and the attention's inner width (`ffn_sub_norm`, `attn_sub_norm`) inside a "
-              "split module (one FAIL line naming mlp.ffn_sub_norm)",
     "zamba2": "its shared block, kept whole, is read shard-aware into tensors that share memory between its places, "
               "which the pre-sharded writer refuses (the other checks pass)",
     "seamless_m4t (text to text)": "its text class is now built from the checkpoint's `architectures`, and its "
@@ -33,7 +31,6 @@ NOT_IN_ZOO = {  # tried, and why each is not in the table yet
     "ergo": "its checkpoint stores the embedding once (`tok_embeddings`) and its lm_head is not tied to it on load, "
             "so a pre-sharded directory's lm_head is not the loaded model's (one FAIL line naming lm_head.weight; the "
             "other checks pass, shard-aware reading refused for its `gate_kernel` conversion and loaded full)",
-    "gpt2 (derived)": "AutoTP's parser does not see Conv1D layers as linears (GPT-2 ships a policy)",
 }
 
 
@@ -54,6 +51,15 @@ def _seq2seq(cls_name: str, **kw):
                 init_std=0.5, forced_eos_token_id=None)
     settings = {**base, **kw, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1, "decoder_start_token_id": 0}
     return getattr(tr, cls_name)(**{k: v for k, v in settings.items() if v is not None})  # None: leave it out
+
+
+def _swept(model_type: str):
+    """The sweep's small config of `model_type` (`sweep.shrink`: its default config, widths 128, 2 layers, 4 heads)."""
+    from transformers import AutoConfig
+
+    from .sweep import shrink
+
+    return shrink(AutoConfig.for_model(model_type))
 
 
 def _t5gemma():
@@ -290,6 +296,15 @@ ZOO = {
                              ffn_config={"ffn_hidden_size": 256, "moe_num_experts": 4, "moe_top_k": 2}),
     # an encoder generating as a decoder: its MLP across two modules (`intermediate.dense`, `output.dense`)
     "bert": lambda: _decoder("BertConfig", is_decoder=True),
+    # from the sweep (`tools/sweep.py`: the type's default config made small), each a mechanism of its own: a
+    # differential attention pairing its value heads (kept whole), a norm over the MLP's split width (kept whole),
+    # an attention of bare parameters (kept whole), Conv1D layers derived as linears, an indexer reading the
+    # layer's input through a square row-parallel-looking linear (kept whole)
+    "diffllama": lambda: _swept("diffllama"),
+    "bitnet": lambda: _swept("bitnet"),
+    "xlnet": lambda: _swept("xlnet"),
+    "openai-gpt": lambda: _swept("openai-gpt"),
+    "dots3_note_text": lambda: _swept("dots3_note_text"),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
     "rwkv": lambda: _decoder("RwkvConfig", attention_hidden_size=128, num_hidden_layers=2),
     "xlstm": lambda: _decoder("xLSTMConfig", num_heads=4, num_blocks=2, embedding_dim=128),
