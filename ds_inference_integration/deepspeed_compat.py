@@ -264,6 +264,37 @@ def modules_kept_apart(model: nn.Module, modules: list[nn.Module]):
             model.set_submodule(name, module)
 
 
+# DeepSpeed 0.19's `set_lm_head` (replace_module.py) ties an output head still on meta to "the" input embedding:
+# the last parameter whose name holds "word_embeddings.", "embed_tokens." or "wte.", whether or not the model ties
+# them. Fuyu's `vision_embed_tokens` (a linear) came last: its bias, [128], became the head's weight and DeepSpeed's
+# split of it raised IndexError (Fuyu and Inkling, shard-aware at tp 2, `policy sweep`, 2026-12-06).
+EMBEDDING_NAMES = ("word_embeddings.", "embed_tokens.", "wte.")
+
+
+@contextlib.contextmanager
+def lm_head_tied_as_the_model_ties(model: nn.Module):
+    """While DeepSpeed shards, every module holding a parameter its `set_lm_head` would take for the input embedding
+    is kept apart (`modules_kept_apart`), but the model's own input embedding: DeepSpeed ties a head on meta to that
+    one, then splits the head (a plain nn.Linear), and the loaders read a head the model does not tie again after
+    the split, by its own name."""
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = embedding = None
+    if head is None or embedding is None:
+        yield
+        return
+    owners: dict[str, nn.Module] = {}
+    for name, _ in model.named_parameters():
+        if any(k in name for k in EMBEDDING_NAMES):
+            owner = name.rpartition(".")[0]
+            module = model.get_submodule(owner)
+            if module is not head and module is not embedding:
+                owners.setdefault(owner, module)
+    with modules_kept_apart(model, list(owners.values())):
+        yield
+
+
 @contextlib.contextmanager
 def shared_modules_split_once(model: nn.Module):
     """While DeepSpeed splits, a module that appears in several places of the model, as one object or as modules of

@@ -85,3 +85,24 @@ def test_the_sweep_table_names_every_type():
     rows = [line.split(" | ")[0].removeprefix("| ") for line in SWEEP.read_text().splitlines()
             if line.startswith("| ") and "---" not in line][1:]
     assert rows == list(sweep.generating_types()), "run `ds-inference policy sweep --out docs/sweep.md` again"
+
+
+@pytest.mark.launched
+def test_the_checker_says_a_model_it_cannot_load_in_one_line_and_goes_on(tmp_path):
+    """Emu3's text config has no class an Auto class builds: loading it raised in every rank, which ended the launch
+    for every model after it (CRASH in the sweep); now one setup line, and Fuyu, after it, gets its eight checks.
+    Fuyu itself: a composite config (its vocabulary in the text config: the checker's inputs raised AttributeError)
+    whose `vision_embed_tokens` DeepSpeed's `set_lm_head` took for the input embedding: its bias became the
+    shard-aware skeleton's output head ("IndexError: tuple index out of range")."""
+    from test_policies_tp import KINDS, policy_check
+
+    dirs = [sweep.build(t, tmp_path / "models")[0] for t in ("emu3", "fuyu")]
+    proc, report = policy_check(dirs, 2, tmp_path)
+    assert report is not None and report["rank_failure"] is None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    by_model = {}
+    for c in report["checks"]:
+        by_model.setdefault(c["model"], {})[c["check"]] = c
+    (emu3,) = by_model["emu3"].values()
+    assert emu3["check"] == "setup" and "does not load it as a generating model" in emu3["line"], emu3
+    assert set(by_model["fuyu"]) == KINDS and all(c["passed"] for c in by_model["fuyu"].values()), by_model["fuyu"]
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -24,6 +24,7 @@ from ..deepspeed_compat import (
     even_grain,
     kv_heads_seen_by_deepspeed,
     lm_head_not_copied,
+    lm_head_tied_as_the_model_ties,
     lm_head_reads_any_rank,
     modules_kept_apart,
     modules_printed_once,
@@ -358,7 +359,7 @@ def shard_model(
     kept = buffers_kept_apart(model, dtype)
     dtypes = parameter_dtypes(model)
     with kv_heads_seen_by_deepspeed(model.config, heads), yuan_named_apart(model), modules_kept_apart(model, apart), \
-            shared_modules_split_once(model), modules_printed_once(), \
+            shared_modules_split_once(model), modules_printed_once(), lm_head_tied_as_the_model_ties(model), \
             lm_head_not_copied(isinstance(loader, PreShardedLoader)), autotp_replacements() as seen:
         try:
             engine = deepspeed.init_inference(model, **kwargs)

@@ -153,8 +153,7 @@ def _forward(model, inputs, torch) -> dict:
         kwargs = dict(inputs, output_hidden_states=True)
         if model.config.is_encoder_decoder:
             batch = next(iter(inputs.values())).shape[0]
-            kwargs["decoder_input_ids"] = torch.zeros((batch, 1), dtype=torch.long) + (
-                model.config.decoder_start_token_id or 0)
+            kwargs["decoder_input_ids"] = torch.zeros((batch, 1), dtype=torch.long) + _decoder_start(model)
         out = model(**kwargs)
     encoder = list(out.encoder_hidden_states or []) if model.config.is_encoder_decoder else []
     hidden = encoder + list(out.decoder_hidden_states or []) if model.config.is_encoder_decoder else list(
@@ -163,6 +162,16 @@ def _forward(model, inputs, torch) -> dict:
     flat = [t for h in hidden for t in (h if isinstance(h, (tuple, list)) else (h,))]
     return {"logits": out.logits.float(), "hidden": [h.float() for h in flat],
             "encoder_states": len(encoder) if len(flat) == len(hidden) else 0}
+
+
+def _decoder_start(model) -> int:
+    """The decoder's start token as `generate` finds it: the generation config's, the config's, its decoder's
+    (SpeechEncoderDecoder's and T5Gemma 2's configs have none of their own), else 0."""
+    for holder in (model.generation_config, model.config, getattr(model.config, "decoder", None)):
+        value = getattr(holder, "decoder_start_token_id", None)
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 def _generate(model, inputs, torch, steps: bool, **settings):
@@ -336,11 +345,17 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from .rounding import DTYPES, HALF
 
     name = Path(model_dir).name
-    config = AutoConfig.from_pretrained(model_dir)
-    cls = model_class_for(config)
     dtype = DTYPES[checkpoint_dtype(model_dir) if dtype_spec == "auto" else dtype_spec]
     half = dtype in HALF
-    model = cls.from_pretrained(model_dir, dtype=dtype).eval()
+    try:  # before any collective, every rank alike: a model that does not load is this model's one line
+        config = AutoConfig.from_pretrained(model_dir)
+        cls = model_class_for(config)
+        model = cls.from_pretrained(model_dir, dtype=dtype).eval()
+    except Exception as e:  # noqa: BLE001 (Emu3's and Mllama's text configs: no Auto class builds them)
+        from ..errors import InferenceSetupError, first_line
+
+        raise InferenceSetupError(f"{name}: transformers does not load it as a generating model "
+                                  f"({type(e).__name__}: {first_line(e)[:200]})") from None
     inputs = _inputs(config, torch, main_input_name(model))  # first: no known probe input is refused before any work
     # audio features in the model's dtype, as a feature extractor's output is cast for a half-precision model
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
