@@ -48,6 +48,7 @@ from ..policy.schema import (
     names_module,
     reading_configured_values,
     replicated_match,
+    under_replicated,
 )
 from ..run.collector import collector_paused
 from ..topology import ModelParallelUnit, ProcessGroups, Topology
@@ -217,6 +218,17 @@ def layer_heads(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout) -> tup
     return HeadLayout(heads.query_heads, key // own, heads.tp_size, heads.tp_rank, own=True), own
 
 
+def _attention_kept_whole(policy: Policy, layer: nn.Module, spec: AttentionSpec) -> bool:
+    """Whether the attention the table names is, in this layer, inside a module the policy keeps whole: a vision or
+    audio tower's attention with head counts of its own (Gemma 3's SigLIP layers, Voxtral's encoder), kept whole
+    by the derivation, was split by the text model's table all the same ("SiglipAttention has no attribute
+    'num_key_value_groups'", `policy sweep`, 2026-12-06)."""
+    path = (spec.fused_qkv or spec.key).rpartition(".")[0]
+    entries = [e for pattern, paths in policy.replicated.items() if fnmatch.fnmatchcase(type(layer).__name__, pattern)
+               for e in paths]
+    return bool(path) and _has(layer, path) and any(under_replicated(e, layer, path) for e in entries)
+
+
 def _rows_of(policy: Policy, layer: nn.Module) -> tuple[str, ...]:
     return tuple(r for pattern, rows in policy.layers.items() if fnmatch.fnmatchcase(type(layer).__name__, pattern)
                  for r in rows)
@@ -351,7 +363,8 @@ def shard_model(
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for layer in layers for spec in policy.attention.variants()
-                              if (a := split_attention(layer, spec, heads, _rows_of(policy, layer)))]
+                              if not _attention_kept_whole(policy, layer, spec)
+                              and (a := split_attention(layer, spec, heads, _rows_of(policy, layer)))]
             kwargs["injection_policy"] = build_injection_policy(policy, model)
     if loader is not None:
         loader.fill_replicated(model, device)

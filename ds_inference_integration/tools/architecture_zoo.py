@@ -308,6 +308,9 @@ ZOO = {
     "dots3_note_text": lambda: _swept("dots3_note_text"),
     # beside its input embedding, a module DeepSpeed's `set_lm_head` takes for one (`vision_embed_tokens`)
     "fuyu": lambda: _swept("fuyu"),
+    # a vision tower whose attention has head counts of its own (kept whole) beside the text model's (checked on
+    # text only: the checker gives no images)
+    "gemma3": lambda: _swept("gemma3"),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
     "rwkv": lambda: _decoder("RwkvConfig", attention_hidden_size=128, num_hidden_layers=2),
     "xlstm": lambda: _decoder("xLSTMConfig", num_heads=4, num_blocks=2, embedding_dim=128),
