@@ -106,3 +106,16 @@ def test_the_checker_says_a_model_it_cannot_load_in_one_line_and_goes_on(tmp_pat
     assert emu3["check"] == "setup" and "does not load it as a generating model" in emu3["line"], emu3
     assert set(by_model["fuyu"]) == KINDS and all(c["passed"] for c in by_model["fuyu"].values()), by_model["fuyu"]
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_hybrid_keeps_a_layer_of_each_kind_and_latent_attention_fits():
+    """Bailing-hybrid's default: linear attention in five layers of six, experts in groups of 8, multi-head latent
+    attention of 64 + 128 wide heads. Two layers of its first kind were both linear attention (its own cache then
+    refused the model), 8 groups of 4 experts none each ("shape '[-1, 8, 0]' is invalid")."""
+    from transformers import AutoConfig
+
+    config = sweep.shrink(AutoConfig.for_model("bailing_hybrid"))
+    assert set(config.layer_types) == {"linear_attention", "full_attention"}
+    assert config.num_hidden_layers == len(config.layer_types) == len(config.mlp_layer_types)
+    assert set(config.mlp_layer_types) == {"dense", "sparse"} and config.n_group == 1
+    assert (config.qk_rope_head_dim, config.qk_nope_head_dim, config.kv_lora_rank) == (16, 16, 32)

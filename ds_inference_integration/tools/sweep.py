@@ -53,7 +53,7 @@ def _small_values(config) -> dict:
     values: dict = {}
     for names in (WIDTH, INNER):
         values.update({n: min(getattr(config, n), names[n]) for n in ints(names)})
-    values.update({n: min(getattr(config, n), 2) for n in ints(LAYERS)})
+    values.update({n: min(getattr(config, n), 2) for n in ints(LAYERS)})  # (per-layer lists: more, below)
     values.update({n: 4 for n in ints(HEADS)})
     query = next((getattr(config, n) for n in ints(HEADS)), None)
     values.update({n: 4 if query is not None and getattr(config, n) >= query else 2 for n in ints(KV_HEADS)})
@@ -71,16 +71,43 @@ def _small_values(config) -> dict:
             values[n] = [v if v < VOCAB else 1 for v in value]
     if isinstance(getattr(config, "initializer_range", None), float):
         values["initializer_range"] = 0.2
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # multi-head latent attention's own sizes
+        if getattr(config, "head_dim", None) == config.qk_rope_head_dim:
+            values["head_dim"] = 16
+        values.update(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, kv_lora_rank=32)
+        if getattr(config, "q_lora_rank", None) is not None:
+            values["q_lora_rank"] = 32
+        if isinstance(getattr(config, "qk_head_dim", None), int):
+            values["qk_head_dim"] = 32
+    for n in ("n_group", "topk_group", "num_expert_group", "topk_expert_group"):  # experts routed in groups: one
+        if isinstance(getattr(config, n, None), int):
+            values[n] = 1
+    values.update(_per_layer_lists(config))
     return values
 
 
-def _picked_layer_types(config, layers: int) -> list | None:
-    """The first two kinds of the config's `layer_types`, for `layers` layers (a hybrid keeps both kinds)."""
-    layer_types = getattr(config, "layer_types", None)
-    if not isinstance(layer_types, (list, tuple)) or not layer_types:
-        return None
-    kinds = list(dict.fromkeys(layer_types))[:2]
-    return (kinds * layers)[:layers]
+PER_LAYER = ("layer_types", "mlp_layer_types", "block_types")
+
+
+def _per_layer_lists(config) -> dict:
+    """The per-layer lists (`layer_types` and its kin) cut to one layer of each kind they hold (two to four layers,
+    in the model's order), and the layer counts to match: a hybrid keeps a layer of each of its mixers (two layers
+    of the default's first kinds were often both linear attention, which the model's own cache refuses)."""
+    lists = {a: list(v) for a in PER_LAYER if isinstance(v := getattr(config, a, None), (list, tuple)) and v}
+    if not lists:
+        return {}
+    picked: list[int] = []
+    for values in lists.values():
+        for kind in dict.fromkeys(values):
+            if values.index(kind) not in picked and len(picked) < 4:
+                picked.append(values.index(kind))
+    picked = sorted(picked)
+    while len(picked) < 2:
+        picked.append(picked[-1] + 1)
+    found = {a: [v[i % len(v)] for i in picked] for a, v in lists.items()}
+    layers = [n for n in LAYERS if isinstance(getattr(config, n, None), int) and not isinstance(getattr(config, n), bool)]
+    found.update({n: len(picked) for n in layers})
+    return found
 
 
 def shrink(config, rebuild: bool = True):
@@ -103,10 +130,6 @@ def shrink(config, rebuild: bool = True):
     if not rebuild:
         for n, v in values.items():
             setattr(config, n, v)
-        layers = min((v for n, v in values.items() if n in LAYERS), default=None)
-        picked = _picked_layer_types(config, layers) if layers else None
-        if picked is not None and len(getattr(config, "layer_types", ())) != layers:
-            config.layer_types = picked
     for name in list(getattr(config, "sub_configs", {}) or {}):
         sub = getattr(config, name, None)
         if isinstance(sub, PretrainedConfig):
