@@ -420,6 +420,8 @@ def test_the_checkers_inputs_read_the_vocabulary_of_a_composite_config():
     # dots3's indexer reads the layer's input through `wk` (128 -> 128 at hidden 128), which AutoTP names
     # row-parallel: taken for the linear gathering the indexer, the indexer was split ("30x128 and 64x128")
     ("dots3_note_text", "Dots3NoteTextDecoderLayer", "self_attn.indexer", "no row-parallel linear gathers"),
+    # TrOCR reshapes its heads' output to `embed_dim` read from its input: "shape '[3, 10, 128]' is invalid"
+    ("trocr", "TrOCRDecoderLayer", "self_attn", "reshapes its output to its input's width"),
 ])
 def test_what_no_rank_can_compute_from_its_own_part_is_kept_whole_and_said(name, layer, whole, why, caplog):
     """Found by `policy sweep` (2026-12-06), each failing its sharded forward or its numbers before."""
@@ -437,3 +439,10 @@ def test_conv1d_layers_are_derived_as_the_linears_they_become(name):
     policy = derive_policy(zoo_model(name))
     assert policy.layers == {type(zoo_model(name).transformer.h[0]).__name__: ("attn.c_proj", "mlp.c_proj")}
     assert policy.attention.fused_qkv == "attn.c_attn"
+
+
+def test_per_head_sinks_of_an_attention_deepspeed_would_split_alone_are_split_by_the_table():
+    """GraniteMoE-SWA: as many KV heads as query heads, which DeepSpeed splits by itself, and per-head `sinks`, which
+    only the table's split cuts to this rank's heads: left whole, "(2) must match ... (4)" at tp 2."""
+    policy = derive_policy(zoo_model("granitemoe_swa"))
+    assert policy.attention is not None and policy.attention.key == "self_attn.k_proj"

@@ -294,6 +294,18 @@ def _local_attributes(attention: nn.Module, q: int, kv: int, head_dim: int) -> t
 _HEAD_AXIS_SPLIT = re.compile(r"chunk\(\s*\w*(query|key|value)_states\w*\s*,\s*2\s*,\s*dim\s*=\s*1\s*\)")
 
 
+def _reshaped_to_input_width(attention: nn.Module) -> bool:
+    """The attention's forward takes its width from its input (`bsz, tgt_len, embed_dim = hidden_states.size()`) and
+    reshapes its heads' output to it (`attn_output.reshape(bsz, tgt_len, embed_dim)`): TrOCR's. A rank holding half
+    the heads has half that many features ("shape '[3, 10, 128]' is invalid for input of size 1920" at tp 2,
+    `policy sweep`, 2026-12-06); no attribute set per rank changes a width read from the input."""
+    source = class_source(type(attention))
+    for names in re.findall(r"(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*=\s*hidden_states\.(?:size\(\)|shape)", source):
+        if re.search(r"\.reshape\(\s*" + r"\s*,\s*".join(names) + r"\s*\)", source):
+            return True
+    return False
+
+
 def _whole_projection_norms(attention: nn.Module, projections: list[nn.Module], head_dim: int) -> str | None:
     """A norm inside the attention whose width is a whole projection's (more than one head): it mixes heads."""
     widths = {p.weight.shape[0] for p in projections}
@@ -334,6 +346,12 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     for layer_name, (path, attention, fused, separate) in found:
         prefix = f"{path}." if path else ""
         projections = _projections(attention, (fused,) if fused else separate)
+        if _reshaped_to_input_width(attention):
+            logger.warning("%s: %s.%s reshapes its output to its input's width, read from the input itself: a rank "
+                           "holding some of its heads cannot compute it, so that attention is kept whole on every "
+                           "rank", model_type, layer_name, path)
+            replicated.setdefault(layer_name, []).append(path)
+            continue
         if _HEAD_AXIS_SPLIT.search(class_source(type(attention))):
             logger.warning("%s: %s.%s pairs its heads across the head axis (differential attention: one half of the "
                            "value heads with the other): no rank can compute it from its own heads, so that attention "
@@ -364,7 +382,13 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
             head_dim = projections[1].weight.shape[0] // kv
         local = _local_attributes(attention, q, kv, head_dim)
         per_layer = own_kv.get((layer_name, path), set()) - {None, kv}  # a kind with a KV count of its own
-        if not fused and kv == q and not per_layer and not any(attr.startswith("config.") for attr, _ in local):
+        # a parameter of the attention itself with one value per query head (attention sinks) is split with the
+        # heads only where a table names the attention (`shard.inject.split_per_head_parameters`): GraniteMoE-SWA's
+        # `sinks`, left whole under DeepSpeed's split, "(2) must match ... (4)" at tp 2 (`policy sweep`, 2026-12-06)
+        per_head = any(isinstance(p, torch.Tensor) and p.ndim == 1 and p.shape[0] == q
+                       for p in attention._parameters.values())
+        if (not fused and kv == q and not per_layer and not per_head
+                and not any(attr.startswith("config.") for attr, _ in local)):
             continue  # DeepSpeed's head-aware split of separate projections is right, and updates the module's
             # own head counts; a count read from the config (Moonshine views q by config.num_key_value_heads)
             # must be made this rank's by the table
