@@ -26,8 +26,6 @@ NOT_IN_ZOO = {  # tried, and why each is not in the table yet
                    "(one FAIL line naming self_attn.o_b_proj)",
     "zamba2": "its shared block, kept whole, is read shard-aware into tensors that share memory between its places, "
               "which the pre-sharded writer refuses (the other checks pass)",
-    "seamless_m4t (text to text)": "its text class is now built from the checkpoint's `architectures`, and its "
-                                   "sharded logits are 5e-2 off from the embeddings on (hidden_states[0])",
     "ergo": "its output head, a linear of a class of its own, is not split by DeepSpeed; loaded pre-sharded it is on "
             "meta when DeepSpeed's `set_lm_head` ties it to the input embedding, which the model does not tie: one "
             "FAIL line naming lm_head.weight (the other checks pass; keeping the embedding apart while DeepSpeed "
@@ -54,13 +52,17 @@ def _seq2seq(cls_name: str, **kw):
     return getattr(tr, cls_name)(**{k: v for k, v in settings.items() if v is not None})  # None: leave it out
 
 
-def _swept(model_type: str):
-    """The sweep's small config of `model_type` (`sweep.shrink`: its default config, widths 128, 2 layers, 4 heads)."""
+def _swept(model_type: str, **settings):
+    """The sweep's small config of `model_type` (`sweep.shrink`: its default config, widths 128, 2 layers, 4 heads),
+    with `settings` set on it."""
     from transformers import AutoConfig
 
     from .sweep import shrink
 
-    return shrink(AutoConfig.for_model(model_type))
+    config = shrink(AutoConfig.for_model(model_type))
+    for name, value in settings.items():
+        setattr(config, name, value)
+    return config
 
 
 def _t5gemma():
@@ -317,6 +319,8 @@ ZOO = {
     "granitemoe_swa": lambda: _swept("granitemoe_swa"),
     # multi-head latent attention, a hybrid of linear and full attention, experts routed in groups
     "bailing_hybrid": lambda: _swept("bailing_hybrid"),
+    # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
+    "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
     "rwkv": lambda: _decoder("RwkvConfig", attention_hidden_size=128, num_hidden_layers=2),
     "xlstm": lambda: _decoder("xLSTMConfig", num_heads=4, num_blocks=2, embedding_dim=128),
