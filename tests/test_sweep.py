@@ -119,3 +119,14 @@ def test_a_hybrid_keeps_a_layer_of_each_kind_and_latent_attention_fits():
     assert config.num_hidden_layers == len(config.layer_types) == len(config.mlp_layer_types)
     assert set(config.mlp_layer_types) == {"dense", "sparse"} and config.n_group == 1
     assert (config.qk_rope_head_dim, config.qk_nope_head_dim, config.kv_lora_rank) == (16, 16, 32)
+
+
+def test_the_sweep_command_refuses_bad_input_in_one_line(capsys):
+    from ds_inference_integration.tools.cli import main
+
+    assert main(["policy", "sweep", "--only", "llama,nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only 'nope' is not a model type transformers generates with; valid: ")
+    assert err.count("\n") == 1
+    assert main(["policy", "sweep", "--tp-sizes", "2,x"]) == 2
+    assert capsys.readouterr().err.startswith("error: --tp-sizes")

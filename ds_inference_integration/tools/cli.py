@@ -94,24 +94,32 @@ def _policy_check(ns: argparse.Namespace) -> int:
                      reduce_dtype=ns.reduce_dtype)
 
 
-def _policy_sweep(ns: argparse.Namespace) -> int:
-    from .sweep import run_sweep
-
+def _sizes_and_names(ns: argparse.Namespace) -> tuple[list[int], list[str] | None]:
+    """`--tp-sizes` (each 2 or more) and `--only` of `policy matrix` and `policy sweep`."""
     tp_sizes = _int_list(ns.tp_sizes, "--tp-sizes")
     if not tp_sizes or any(tp < 2 for tp in tp_sizes):
         raise InferenceSetupError(f"--tp-sizes {ns.tp_sizes!r} is invalid: tp sizes of 2 or more, e.g. 2,4")
-    only = [n for n in (ns.only or "").split(",") if n]
-    return run_sweep(tp_sizes, ns.out, only or None, ns.timeout, ns.json_dir)
+    return tp_sizes, [n for n in (ns.only or "").split(",") if n] or None
+
+
+def _policy_sweep(ns: argparse.Namespace) -> int:
+    from .sweep import run_sweep
+
+    tp_sizes, only = _sizes_and_names(ns)
+    return run_sweep(tp_sizes, ns.out, only, ns.timeout, ns.json_dir)
 
 
 def _policy_matrix(ns: argparse.Namespace) -> int:
     from .architecture_zoo import run_matrix
 
-    tp_sizes = _int_list(ns.tp_sizes, "--tp-sizes")
-    if not tp_sizes or any(tp < 2 for tp in tp_sizes):
-        raise InferenceSetupError(f"--tp-sizes {ns.tp_sizes!r} is invalid: tp sizes of 2 or more, e.g. 2,4")
-    only = [n for n in (ns.only or "").split(",") if n]
-    return run_matrix(tp_sizes, ns.json_dir, ns.readme, only or None, ns.timeout, ns.dtype)
+    tp_sizes, only = _sizes_and_names(ns)
+    return run_matrix(tp_sizes, ns.json_dir, ns.readme, only, ns.timeout, ns.dtype)
+
+
+def _tiny_model_arguments(parser: argparse.ArgumentParser, only_help: str) -> None:
+    parser.add_argument("--tp-sizes", default="2,4")
+    parser.add_argument("--only", default=None, help=only_help)
+    parser.add_argument("--json-dir", default=None, help="keep the per-tp `policy check --json` reports here")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -264,9 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_policy_check)
     matrix = psub.add_parser("matrix", help="policy check on tiny models of every architecture the project checks; "
                                            "docs/policies.md's architecture table")
-    matrix.add_argument("--tp-sizes", default="2,4")
-    matrix.add_argument("--only", default=None, help="comma-separated zoo names (default: all)")
-    matrix.add_argument("--json-dir", default=None, help="keep the per-tp `policy check --json` reports here")
+    _tiny_model_arguments(matrix, "comma-separated zoo names (default: all)")
     matrix.add_argument("--readme", default=None, help="rewrite the table between this file's markers")
     matrix.add_argument("--timeout", type=float, default=1200, help="seconds per tp size before the ranks are killed")
     matrix.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
@@ -274,10 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.set_defaults(func=_policy_matrix)
     sweep = psub.add_parser("sweep", help="policy check on a tiny model of every model type transformers generates "
                                          "with that the architecture table does not hold (docs/sweep.md)")
-    sweep.add_argument("--tp-sizes", default="2,4")
-    sweep.add_argument("--only", default=None, help="comma-separated model types (default: every one)")
+    _tiny_model_arguments(sweep, "comma-separated model types (default: every one)")
     sweep.add_argument("--out", default=None, help="write the table to this file")
-    sweep.add_argument("--json-dir", default=None, help="keep the `policy check --json` reports here")
     sweep.add_argument("--timeout", type=float, default=900, help="seconds per launch before the ranks are killed")
     sweep.set_defaults(func=_policy_sweep)
     bench = sub.add_parser("bench", help="benchmarks")
