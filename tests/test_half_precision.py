@@ -147,6 +147,8 @@ def test_a_parting_at_a_near_tie_passes_and_one_with_a_clear_margin_fails():
 
 # Loading in half precision -----------------------------------------------------------------------------------
 
+# launched: RWKV's modeling asks `ninja --version` (transformers' is_ninja_available) when it loads
+@pytest.mark.launched
 @pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp32", marks=pytest.mark.slow)])
 def test_the_skeleton_makes_every_buffer_as_from_pretrained_does(dtype, tmp_path):
     """Shard-aware and pre-sharded loading build the model on meta with real buffers (`loading.build_skeleton`):

@@ -963,10 +963,11 @@ def _random_phi3(path):
 
 def test_a_wrong_derived_policy_is_refused_before_ready(tmp_path):
     """The ranks shard as predict does, a derived policy checked numerically against the unsharded layers before
-    /health turns 200. A wrong derivation (GPT-2's, forced with `--injection_policy derive`: DeepSpeed's parser
-    does not see its Conv1D layers, the matrix says so) ends the server with exit 2 before it is ready, one
-    `error:` line per rank naming the layer, no traceback, no process left."""
-    wrong = ServerProc(GPT2, ["--tp_size", "2", "--injection_policy", "derive"], tmp_path, 2)
+    /health turns 200. A wrong derivation (GPT-2's, forced with `--injection_policy derive`, without its attention
+    table: `derive_wrong`, the tests' fault hook; GPT-2's own derivation is right since Conv1D layers are derived as
+    the linears they become, 2026-12-06) ends the server with exit 2 before it is ready, one `error:` line per rank
+    naming the layer, no traceback, no process left."""
+    wrong = ServerProc(GPT2, ["--tp_size", "2", "--injection_policy", "derive"], tmp_path, 2, fault="derive_wrong")
     try:
         assert wrong.proc.wait(timeout=120) == 2
         out = wrong.output() + (tmp_path / "ranks" / "replica-0" / "rank-1.log").read_text()  # rank 0 prints with the front

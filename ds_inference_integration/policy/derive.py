@@ -20,6 +20,7 @@ the layer is still split.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -705,23 +706,35 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
     return found, {name: tuple(paths) for name, paths in mixers.items()}
 
 
-def _conv1d_as_linear(model: nn.Module) -> None:
-    """transformers' Conv1D layers (GPT-1, GPT-2, CTRL's kin) made the nn.Linears `shard_model` makes them anyway
-    (`shard.inject.conv1d_to_linear`), before deriving: DeepSpeed's parser and the shape rules here read a linear's
-    weight as [out, in]. Read as Conv1D, GPT-1's `mlp.c_fc` was taken for its MLP's row-parallel end and `attn.c_attn`
-    was cut wrong ("not enough values to unpack", `policy sweep`, 2026-12-06)."""
-    from ..shard.inject import conv1d_to_linear
-
-    if any(type(m).__name__ == "Conv1D" for m in model.modules()):
-        conv1d_to_linear(model)
+@contextlib.contextmanager
+def _conv1d_seen_as_linear(model: nn.Module):
+    """While deriving, transformers' Conv1D layers (GPT-1, GPT-2) are the nn.Linears `shard_model` makes them
+    (`shard.inject.conv1d_to_linear`), as empty ones on meta ([out, in], no data copied), then the model's own again:
+    DeepSpeed's parser and the shape rules here read a linear's weight as [out, in]. Read as Conv1D, GPT-1's
+    `mlp.c_fc` was taken for its MLP's row-parallel end and `attn.c_attn` was cut wrong ("not enough values to
+    unpack", `policy sweep`, 2026-12-06). Not converted in place: the loaders and the reference copies of the layers
+    know the model as it was built."""
+    places = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    for name, conv in places:
+        model.set_submodule(name, nn.Linear(conv.weight.shape[0], conv.weight.shape[1], bias=conv.bias is not None,
+                                            device="meta"))
+    try:
+        yield
+    finally:
+        for name, conv in places:
+            model.set_submodule(name, conv)
 
 
 @reading_configured_values
 def derive_policy(model: nn.Module) -> Policy:
     """A complete policy for a model with no policy file: row-parallel linears, the attention table, the packed
     experts, and the modules kept whole."""
+    with _conv1d_seen_as_linear(model):
+        return _derive_policy(model)
+
+
+def _derive_policy(model: nn.Module) -> Policy:
     model_type = getattr(model.config, "model_type", type(model).__name__)
-    _conv1d_as_linear(model)
     layers = derive_row_parallel(model)
     experts = derive_experts(model)
     whole, mixers = derive_whole_modules(model, layers, experts)

@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-VOCAB = 96
+from .small_config import VOCAB
+
 TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme docs/policies.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
@@ -57,7 +58,7 @@ def _swept(model_type: str, **settings):
     with `settings` set on it."""
     from transformers import AutoConfig
 
-    from .sweep import shrink
+    from .small_config import shrink
 
     config = shrink(AutoConfig.for_model(model_type))
     for name, value in settings.items():

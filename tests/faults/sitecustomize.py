@@ -18,6 +18,8 @@ package when that module is first imported.
     DS_INFERENCE_FAULT=abort_at_exit:RANK that rank's `policy check` worker aborts (SIGABRT) in the interpreter's
                                           teardown, after its results are written, as gloo's threads sometimes do
     DS_INFERENCE_FAULT=hide_module:NAME   importing the package NAME fails as if it were not installed (an extra left out)
+    DS_INFERENCE_FAULT=derive_wrong       the derived policy loses its attention table (a wrong derivation: a fused
+                                          QKV cut by rows across q, k and v)
     DS_INFERENCE_FAULT=serve_raise:SEED   a served batch holding a row of that seed raises inside generate, at its
                                           second new token, on every rank (a failure no request check foresaw)
     DS_INFERENCE_FAULT=threads_at_exit    not a fault, a probe: each rank prints, last of everything at its exit
@@ -161,6 +163,19 @@ def _patch_autotp(module):
     module.AutoTP._replace = replace
 
 
+def _patch_derive_wrong(module):
+    """The derived policy without its attention table: a fused QKV (GPT-2's c_attn) left to DeepSpeed's plain split
+    by rows, which cuts it across q, k and v, as a derivation that misreads a layout would."""
+    import dataclasses
+
+    derive = module.derive_policy
+
+    def wrong(model):
+        return dataclasses.replace(derive(model), attention=None)
+
+    module.derive_policy = wrong
+
+
 def _patch_abort_at_exit(module):
     if os.environ.get("RANK") == ARG:
         import atexit
@@ -224,6 +239,7 @@ _AT_START = {  # the faults that patch at start, one at a time: the module each 
     "serve_raise": ("ds_inference_integration.serve.rules", _patch_serve_raise),
     "abort_at_exit": ("ds_inference_integration.tools.policy_check", _patch_abort_at_exit),
     "shard_raise": ("deepspeed.module_inject.auto_tp", _patch_autotp),
+    "derive_wrong": ("ds_inference_integration.policy.derive", _patch_derive_wrong),
     **dict.fromkeys(("raise", "kill", "killjob", "stop", "skew", "pace"),
                     ("ds_inference_integration.predict.trainer", _patch_trainer)),
 }

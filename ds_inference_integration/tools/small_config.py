@@ -1,0 +1,112 @@
+"""A model type's default config made small (`shrink`): what `policy sweep` builds a tiny random model of, and what
+the architecture zoo's entries taken from the sweep are (`architecture_zoo._swept`)."""
+
+from __future__ import annotations
+
+VOCAB = 96
+
+WIDTH = {"hidden_size": 128, "d_model": 128, "n_embd": 128, "embed_dim": 128, "dim": 128, "emb_dim": 128}
+INNER = {"intermediate_size": 256, "ffn_dim": 256, "d_ff": 256, "encoder_ffn_dim": 256, "decoder_ffn_dim": 256,
+         "n_inner": 256, "ffn_hidden_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+         "expert_intermediate_size": 128}
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "num_decoder_layers",
+          "n_layers", "num_encoder_layers", "num_blocks")
+HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads", "decoder_attention_heads")
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K = ("num_experts_per_tok", "moe_top_k", "top_k")
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+
+
+def _small_values(config) -> dict:
+    """{attribute: small value} for the config's own size attributes (not its sub-configs')."""
+    def ints(names):
+        return [n for n in names if isinstance(getattr(config, n, None), int) and not isinstance(getattr(config, n), bool)]
+
+    values: dict = {}
+    for names in (WIDTH, INNER):
+        values.update({n: min(getattr(config, n), names[n]) for n in ints(names)})
+    values.update({n: min(getattr(config, n), 2) for n in ints(LAYERS)})  # (per-layer lists: more, below)
+    values.update({n: 4 for n in ints(HEADS)})
+    query = next((getattr(config, n) for n in ints(HEADS)), None)
+    values.update({n: 4 if query is not None and getattr(config, n) >= query else 2 for n in ints(KV_HEADS)})
+    if isinstance(getattr(config, "head_dim", None), int):
+        values["head_dim"] = 32
+    values.update({n: min(getattr(config, n), 4) for n in ints(EXPERTS)})
+    values.update({n: min(getattr(config, n), 2) for n in ints(TOP_K)})
+    if isinstance(getattr(config, "vocab_size", None), int):
+        values["vocab_size"] = VOCAB
+    for n in TOKEN_IDS:
+        value = getattr(config, n, None)
+        if isinstance(value, int) and value >= VOCAB:
+            values[n] = {"pad_token_id": 0, "decoder_start_token_id": 0}.get(n, 1)
+        elif isinstance(value, list):
+            values[n] = [v if v < VOCAB else 1 for v in value]
+    if isinstance(getattr(config, "initializer_range", None), float):
+        values["initializer_range"] = 0.2
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # multi-head latent attention's own sizes
+        if getattr(config, "head_dim", None) == config.qk_rope_head_dim:
+            values["head_dim"] = 16
+        values.update(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, kv_lora_rank=32)
+        if getattr(config, "q_lora_rank", None) is not None:
+            values["q_lora_rank"] = 32
+        if isinstance(getattr(config, "qk_head_dim", None), int):
+            values["qk_head_dim"] = 32
+    for n in ("n_group", "topk_group", "num_expert_group", "topk_expert_group"):  # experts routed in groups: one
+        if isinstance(getattr(config, n, None), int):
+            values[n] = 1
+    values.update(_per_layer_lists(config))
+    return values
+
+
+PER_LAYER = ("layer_types", "mlp_layer_types", "block_types")
+
+
+def _per_layer_lists(config) -> dict:
+    """The per-layer lists (`layer_types` and its kin) cut to one layer of each kind they hold (two to four layers,
+    in the model's order), and the layer counts to match: a hybrid keeps a layer of each of its mixers (two layers
+    of the default's first kinds were often both linear attention, which the model's own cache refuses)."""
+    lists = {a: list(v) for a in PER_LAYER if isinstance(v := getattr(config, a, None), (list, tuple)) and v}
+    if not lists:
+        return {}
+    picked: list[int] = []
+    for values in lists.values():
+        for kind in dict.fromkeys(values):
+            if values.index(kind) not in picked and len(picked) < 4:
+                picked.append(values.index(kind))
+    picked = sorted(picked)
+    while len(picked) < 2:
+        picked.append(picked[-1] + 1)
+    found = {a: [v[i % len(v)] for i in picked] for a, v in lists.items()}
+    layers = [n for n in LAYERS if isinstance(getattr(config, n, None), int) and not isinstance(getattr(config, n), bool)]
+    found.update({n: len(picked) for n in layers})
+    return found
+
+
+def shrink(config, rebuild: bool = True):
+    """A small config of the same type: widths 128, inner sizes 256 (experts' 128), 2 layers, 4 query heads and 2
+    or 4 key/value heads, head_dim 32, 4 experts of which 2 per token, a vocabulary of 96, a large initialisation
+    (greedy tokens depend on the input). The top config is built again from those values where it can be (its
+    own checks then derive what depends on them: `layer_types`), else changed in place with the first two kinds of
+    its `layer_types`; sub-configs are changed in place."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from ..policy.schema import configured_values
+
+    with configured_values(config):
+        values = _small_values(config)
+    if rebuild:
+        try:
+            config = AutoConfig.for_model(config.model_type, **values)
+        except Exception:  # noqa: BLE001 (a config that refuses them together: changed in place below)
+            rebuild = False
+    if not rebuild:
+        for n, v in values.items():
+            setattr(config, n, v)
+    for name in list(getattr(config, "sub_configs", {}) or {}):
+        sub = getattr(config, name, None)
+        if isinstance(sub, PretrainedConfig):
+            shrink(sub, rebuild=False)
+    if hasattr(config, "is_decoder") and not config.is_encoder_decoder:
+        config.is_decoder = True  # BERT-style encoders generate as decoders (their LM-head class asks for it)
+    return config
