@@ -89,7 +89,7 @@ UNLISTED = ("phi3", "gemma", "mixtral")
 # issue #44's mechanisms, a zoo model each (`architecture_zoo.ZOO` says what each has), checked at tp 2 (in the shared
 # check) and at tp 4
 MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv", "dbrx",
-                 "bert", "gemma3"]
+                 "bert", "gemma3", "fuyu"]
 # the checks the unsharded model cannot do (RWKV's and xLSTM's cache cannot be reordered for beam search): skipped
 # and said; any other skipped check fails `assert_all_pass`
 SKIPS = {("rwkv", "beam"), ("xlstm", "beam")}
@@ -334,6 +334,9 @@ def test_the_mechanisms_of_2026_12_match_the_unsharded_model(tp, tmp_path, reque
     # Gemma 3's SigLIP attention (4 KV heads where the text model has 2) kept whole, not split by the text table
     # (before: "SiglipAttention has no attribute 'num_key_value_groups'", a setup FAIL)
     assert list(share["gemma3"]["by_design"]) == ["SiglipEncoderLayer.self_attn"], share["gemma3"]
+    # Fuyu: its `vision_embed_tokens` bias no longer taken by DeepSpeed for the embedding its shard-aware head is tied
+    # to (before: "IndexError: tuple index out of range" in both loading checks)
+    assert "loaded shard-aware" in checks["fuyu"]["loading_shard-aware"]["line"]
     # RWKV's beam search, which its unsharded model cannot do, skipped and said with the model's reason; its other
     # checks run (before: the reference failed, "0 of 1 checks passed")
     line = checks["rwkv"]["beam"]["line"]

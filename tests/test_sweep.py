@@ -87,6 +87,8 @@ def test_the_sweep_table_names_every_type():
     assert rows == list(sweep.generating_types()), "run `ds-inference policy sweep --out docs/sweep.md` again"
 
 
+# make test-all's: a launch of its own (~15 s); Fuyu's head is also in make test's shared tp-2 check (MECHANISMS_44)
+@pytest.mark.slow
 @pytest.mark.launched
 def test_the_checker_says_a_model_it_cannot_load_in_one_line_and_goes_on(tmp_path):
     """Emu3's text config has no class an Auto class builds: loading it raised in every rank, which ended the launch
