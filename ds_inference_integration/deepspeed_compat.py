@@ -254,13 +254,20 @@ def modules_kept_apart(model: nn.Module, modules: list[nn.Module]):
     router that subclasses nn.Linear with a forward of its own (Llama 4's, returning scores and logits) can
     neither be split nor be swapped for our ColumnShard."""
     wanted = {id(m) for m in modules}
-    places = [(name, m) for name, m in model.named_modules() if id(m) in wanted]
-    for name, _ in places:
+    with _identity_at(model, [name for name, m in model.named_modules() if id(m) in wanted]):
+        yield
+
+
+@contextlib.contextmanager
+def _identity_at(model: nn.Module, names: list[str]):
+    """While it runs, an nn.Identity at each of these places of the model; then each place's own module again."""
+    originals = [(name, model.get_submodule(name)) for name in names]
+    for name in names:
         model.set_submodule(name, nn.Identity())
     try:
         yield
     finally:
-        for name, module in places:
+        for name, module in originals:
             model.set_submodule(name, module)
 
 
@@ -318,13 +325,8 @@ def shared_modules_split_once(model: nn.Module):
             first.setdefault(key, name)
 
     originals = [(name, model.get_submodule(name)) for name, _ in later]
-    for name, _ in later:
-        model.set_submodule(name, nn.Identity())
-    try:
+    with _identity_at(model, [name for name, _ in later]):
         yield
-    finally:
-        for name, module in originals:
-            model.set_submodule(name, module)
     for (name, source), (_, module) in zip(later, originals):
         split = model.get_submodule(source)
         if split is module:

@@ -57,11 +57,7 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     transposed, interleaved = expert_layout(module)
     gate_up, down = module.gate_up_proj, module.down_proj
     inner = down.shape[1] if transposed else down.shape[2]
-    if inner % tp_size:
-        valid = [d for d in range(1, inner + 1) if inner % d == 0 and d <= 64]
-        raise InferenceSetupError(f"{type(module).__name__}: the experts' inner size {inner} is not divisible by "
-                                  f"--tp_size {tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
-    part = inner // tp_size
+    part = _part(module, inner, tp_size)
     a, b = tp_rank * part, (tp_rank + 1) * part
     # gate_up's inner axis: rows of this rank's gate then its up (halves), or its [gate, up] pairs (interleaved)
     rows = ((2 * a, 2 * b),) if interleaved else ((a, b), (inner + a, inner + b))
@@ -86,6 +82,20 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
             setattr(module, attr, part)
+    _reduce_output(module, tp_size, group)
+
+
+def _part(module: nn.Module, inner: int, tp_size: int) -> int:
+    """Each rank's share of the experts' inner size; one `InferenceSetupError` where tp does not divide it."""
+    if inner % tp_size:
+        valid = [d for d in range(1, inner + 1) if inner % d == 0 and d <= 64]
+        raise InferenceSetupError(f"{type(module).__name__}: the experts' inner size {inner} is not divisible by "
+                                  f"--tp_size {tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
+    return inner // tp_size
+
+
+def _reduce_output(module: nn.Module, tp_size: int, group) -> None:
+    """The experts module's output, a partial sum over the inner dimension on each rank, all-reduced over `group`."""
     if tp_size > 1:
         module.all_reduce_dtype = None  # the output's own; reduction.reduce_in_fp32 sets fp32
         module.register_forward_hook(_all_reduce_output(group))
@@ -101,11 +111,7 @@ def split_row_packed_experts(module: nn.Module, tp_size: int, tp_rank: int, grou
     from ..policy.kinds import EXPERT_INNER, row_packed_experts
 
     experts, inner, names = row_packed_experts(module)
-    if inner % tp_size:
-        valid = [d for d in range(1, inner + 1) if inner % d == 0 and d <= 64]
-        raise InferenceSetupError(f"{type(module).__name__}: the experts' inner size {inner} is not divisible by "
-                                  f"--tp_size {tp_size}; valid tp sizes: {', '.join(map(str, valid))}")
-    part = inner // tp_size
+    part = _part(module, inner, tp_size)
     rows = tuple((e * inner + tp_rank * part, e * inner + (tp_rank + 1) * part) for e in range(experts))
     for name in names:
         owner, _, attr = name.rpartition(".")
@@ -118,9 +124,7 @@ def split_row_packed_experts(module: nn.Module, tp_size: int, tp_rank: int, grou
         for attr in EXPERT_INNER:
             if getattr(sub, attr, None) == inner and not isinstance(getattr(sub, attr), bool):
                 setattr(sub, attr, part)
-    if tp_size > 1:
-        module.all_reduce_dtype = None
-        module.register_forward_hook(_all_reduce_output(group))
+    _reduce_output(module, tp_size, group)
 
 
 def _all_reduce_output(group):

@@ -361,25 +361,30 @@ ZOO = {
 def save_zoo(root: Path, names: list[str] | None = None, dtype: str = "fp32") -> dict[str, Path]:
     """Build and save the tiny models (all, or `names`), in `dtype` (fp32, fp16, bf16: the checkpoint's own, as
     `policy check` reads it); returns name -> directory."""
-    import torch
-
-    from ..load.skeleton import model_class_for
-
     dirs = {}
     for name in names or list(ZOO):
-        config = ZOO[name]()
-        torch.manual_seed(0)
-        cls = model_class_for(config)
-        model = cls.from_config(config)
+        model = tiny_model(ZOO[name]())
         if dtype != "fp32":
             from .rounding import DTYPES
 
             model = model.to(DTYPES[dtype])
-        if config.is_encoder_decoder:
-            model.generation_config.max_length = 12
         dirs[name] = Path(root) / name
         model.save_pretrained(dirs[name])
     return dirs
+
+
+def tiny_model(config):
+    """The random model of `config` a tiny checkpoint holds (the zoo's, the sweep's): seeded, of the class that
+    generates with it, an encoder-decoder's generation ending at 12 tokens."""
+    import torch
+
+    from ..load.skeleton import model_class_for
+
+    torch.manual_seed(0)
+    model = model_class_for(config).from_config(config)
+    if config.is_encoder_decoder:
+        model.generation_config.max_length = 12
+    return model
 
 
 def fits(name: str, tp: int) -> str | None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from .small_config import shrink
 
 MAX_PARAMETERS = 60_000_000
+# the checks that end a model's checks, and what the table calls each
+STOPPED = {"setup": "refused", "reference": "unsharded model fails", "sharded_forward": "FAIL", "error": "CRASH"}
 
 
 def generating_types() -> dict[str, str]:
@@ -36,21 +38,16 @@ def generating_types() -> dict[str, str]:
 
 def build(model_type: str, root: Path) -> tuple[Path | None, str]:
     """A tiny random model of `model_type` saved under `root`: (directory, "") or (None, why not)."""
-    import torch
     from transformers import AutoConfig
 
     from ..errors import first_line
-    from ..load.skeleton import model_class_for
+    from .architecture_zoo import tiny_model
 
     try:
-        config = shrink(AutoConfig.for_model(model_type))
-        torch.manual_seed(0)
-        model = model_class_for(config).from_config(config)
+        model = tiny_model(shrink(AutoConfig.for_model(model_type)))
         count = sum(p.numel() for p in model.parameters())
         if count > MAX_PARAMETERS:
             return None, f"still {count / 1e6:.0f}M parameters after shrinking (sizes under names of its own)"
-        if config.is_encoder_decoder:
-            model.generation_config.max_length = 12
         model.save_pretrained(root / model_type)
     except Exception as e:  # noqa: BLE001 (any failure to build is this type's verdict, said in the table)
         return None, f"{type(e).__name__}: {first_line(e)[:200]}"
@@ -61,12 +58,9 @@ def verdict(checks: list[dict]) -> str:
     """One cell from one type's checks at one tp size."""
     if not checks:
         return "no result"
-    kinds = {c["check"] for c in checks}
-    if kinds & {"setup", "reference", "sharded_forward", "error"}:
-        c = next(c for c in checks if c["check"] in ("setup", "reference", "sharded_forward", "error"))
-        label = {"setup": "refused", "reference": "unsharded model fails", "sharded_forward": "FAIL",
-                 "error": "CRASH"}[c["check"]]
-        return f"{label}: {c['line'].split(' ', 2)[2][:240]}"
+    stopped = next((c for c in checks if c["check"] in STOPPED), None)  # the model's only record
+    if stopped:
+        return f"{STOPPED[stopped['check']]}: {stopped['line'].split(' ', 2)[2][:240]}"
     bad = [c for c in checks if not c["passed"] and not c.get("skipped")]
     share = next((max(c["data"]["shares"]) for c in checks if c["check"] == "weights_per_rank"), None)
     if bad:
