@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from conftest import suite_threads
-from ds_inference_integration.run.ranks import free_port, stop_session
+from ds_inference_integration.run.ranks import stop_session
+from ds_inference_integration.serve.settings import announced_port
 
 BIN = Path(sys.executable).parent
 
@@ -27,8 +28,7 @@ class ServerProc:
 
     def __init__(self, model: Path, args: list[str], log_dir: Path, ranks: int, http: bool = True,
                  own_logs: bool = False, fault: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._port = None
         self.log = open(log_dir / "front.log", "w+")
         self.tmp = log_dir / "tmp"
         self.tmp.mkdir(exist_ok=True)
@@ -39,14 +39,31 @@ class ServerProc:
         if fault:
             faults = str(Path(__file__).resolve().parent / "faults")
             env.update(DS_INFERENCE_FAULT=fault, PYTHONPATH=os.pathsep.join(filter(None, [faults, env.get("PYTHONPATH")])))
-        port = ["--port", str(self.port)] if http else []
+        port = ["--port", "0"] if http else []  # the server binds a free one and says which (`port`)
         logs = [] if own_logs else ["--log_dir", str(log_dir / "ranks")]
         self.proc = subprocess.Popen([str(BIN / "ds-inference"), "serve", str(model), *port, *logs, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.monotonic()
 
+    @property
+    def port(self) -> int:
+        """The port the server bound and announced (waiting, bounded, for its first line)."""
+        deadline = time.monotonic() + 120
+        while self._port is None:
+            self._port = announced_port(self.output())
+            if self._port is None:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"the server announced no port:\n{self.output()[-3000:]}")
+                time.sleep(0.1)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # after stop() too: a fixture's last assertion reads it
+            self.log.flush()
         return Path(self.log.name).read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 120) -> float:
@@ -54,8 +71,9 @@ class ServerProc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.output()[-3000:]}")
-            status, _ = get(self.url + "/health", timeout=2)
-            if status == 200:
+            port = self._port or announced_port(self.output())
+            if port and get(f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
+                self._port = port
                 return time.monotonic() - self.started
             time.sleep(0.3)
         raise AssertionError(f"server not ready in {timeout} s:\n{self.output()[-3000:]}")

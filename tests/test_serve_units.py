@@ -521,3 +521,14 @@ def test_bench_serve_leaves_no_model_copy_behind(tmp_path, monkeypatch, ending):
         with pytest.raises(InferenceSetupError, match=f"the servers' logs: {scratch}"):
             bench_serve.run_bench(*args)
         assert sorted(p.name for p in scratch.iterdir()) == ["front-1.log"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+def test_a_starter_reads_the_bound_port_back_from_the_fronts_first_line(host):
+    """`--port 0` then the port from the front's first line: no port chosen by the starter that another process
+    could take before the server binds it."""
+    from ds_inference_integration.serve.settings import announced_port, announced_url
+
+    line = f"ds-inference serve: m at tp 2 x dp 1 on {announced_url(host, 50417)}, prompts up to 64 tokens (loading)\n"
+    assert announced_port("a first line\n" + line) == 50417
+    assert announced_port("ds-inference serve: m at tp 2 x dp 1 (loading)") is None

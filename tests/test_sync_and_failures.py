@@ -2,6 +2,7 @@
 raises, and bad input: never a hang, never a lost or duplicated prediction."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -376,6 +377,7 @@ except RuntimeError as e:
     outcome = "timed out" if "imeout" in str(e) or "imed out" in str(e) else "failed: " + str(e)[:200]
 open(sys.argv[1] + f"/outcome-{topology.rank}.txt", "w").write(f"{outcome} {time.monotonic() - start:.1f}")
 import os
+import socket
 os._exit(0)
 """
 
@@ -597,3 +599,15 @@ def test_a_missing_package_ends_a_rank_in_the_line_naming_its_extra(monkeypatch,
     assert ended.value.code == 2
     err = capsys.readouterr().err
     assert err == f"\nerror: {line} [rank 0]\n"
+
+
+def test_a_free_port_is_one_no_connection_or_port_0_bind_can_take_before_its_rank_binds_it():
+    """The ports given to ranks and launchers are outside the kernel's ephemeral range (what a connection or a bind
+    to port 0 anywhere on the machine may take meanwhile), free, and never the same twice in a process."""
+    from ds_inference_integration.run.ranks import free_port
+
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(10000 <= p < low for p in ports), (ports, low, high)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free

@@ -24,11 +24,44 @@ from pathlib import Path
 from ..topology import threads_per_rank
 from .template import DS_PARENT_ENV, template
 
+_GIVEN: set[int] = set()  # the ports free_port gave in this process
+
 
 def free_port() -> int:
+    """A port free now on 127.0.0.1 for a process started later to bind (a world's rendezvous store, a launcher's
+    --master_port), not one this process gave before: drawn at random from 10000 up to the kernel's ephemeral range
+    (`ip_local_port_range`), which the kernel never hands to a bind to port 0 or to an outgoing connection. A port
+    from the kernel's own draw (bind to port 0, as this did before) is one the next connection anywhere on the
+    machine may take in the seconds until the rank binds it: a test's server found its port in use so, failing a CI
+    run (2026-12-06). Here only another explicit choice can take it: two starters drawing the same port of ~22,000
+    at once. Where that range is not there (another kernel, a range from 10000 or lower), the kernel's draw."""
+    import random
+
+    low = _ephemeral_low()
+    for _ in range(200 if low > 11000 else 0):
+        port = random.SystemRandom().randrange(10000, low)
+        if port not in _GIVEN and _bindable(port):
+            _GIVEN.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, extra_env: dict | None = None,

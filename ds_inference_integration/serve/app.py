@@ -537,7 +537,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def main(argv: list[str]) -> int:
     from ..policy.schema import policy_for_run
     from .replicas import Replicas
-    from .settings import model_limits, parse, read_model_dir
+    from .settings import announced_url, model_limits, parse, read_model_dir
 
     model_dir, serve_args, inference_args = parse(argv)
     if serve_args.worker:
@@ -573,7 +573,7 @@ def main(argv: list[str]) -> int:
         server.on_exit = _exit
         host, port = sock.getsockname()[:2]
         print(f"ds-inference serve: {model_id} at tp {inference_args.tp_size} x dp {serve_args.dp_size} on "
-              f"http://{host}:{port}, {limits_line} (loading; GET /health answers 200 when ready; rank logs in "
+              f"{announced_url(host, port)}, {limits_line} (loading; GET /health answers 200 when ready; rank logs in "
               f"{log_dir}{', removed at exit' if own_logs else ''})", flush=True)
         uv.run(sockets=[sock])
     finally:

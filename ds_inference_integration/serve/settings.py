@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,20 @@ class ServeArguments:
     master_port: int | None = field(default=None, metadata={"help": "With --nnodes > 1: the rendezvous port on node 0."})
     worker: bool = field(default=False, metadata={"help": "Run only this node's ranks of the replica (nodes 1.."
                                                           "--nnodes - 1); no HTTP front."})
+
+
+def announced_url(host: str, port: int) -> str:
+    """How the front names where it listens in its first line, the port as bound (`--port 0`: one the kernel chose)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def announced_port(front_output: str) -> int | None:
+    """The port in a front's first line (`announced_url`), None before it is printed: a starter that passes
+    `--port 0` reads the port back here. A port chosen free by its starter and bound later by the server could be
+    taken in between: a test's server once found its port in use (another process's connection had it), failing
+    a CI run, 2026-12-06."""
+    found = re.search(r" on http://(?:\[[^\]]*\]|[^\s:]+):(\d+),", front_output)
+    return int(found.group(1)) if found else None
 
 
 def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArguments]:

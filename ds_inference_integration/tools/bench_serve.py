@@ -40,7 +40,8 @@ from pathlib import Path
 from ..errors import InferenceSetupError
 from ..extras import optional_import
 from ..run.files import write_text_atomic
-from ..run.ranks import free_port, stop_session
+from ..run.ranks import stop_session
+from ..serve.settings import announced_port
 from .bench import REPO, spread
 
 MODELS = {"gpt2": ("gpt2-num2words-en-ro", 24), "t5": ("t5-num2words-en-ro", 24), "gpt2-256": (None, 64)}
@@ -80,21 +81,24 @@ def _prompts(model: str) -> list[str]:
 
 class _Server:
     live: list["_Server"] = []  # the servers up now: a SIGTERM to the bench ends them (`_end_on_sigterm`)
+    started = 0  # names each one's logs
 
     def __init__(self, model_dir: Path, args: list[str], log_dir: Path, tp_size: int):
-        self.port = free_port()
-        self.log = open(log_dir / f"front-{self.port}.log", "w")
+        _Server.started += 1
+        self.port = 0  # until the server binds one and says which (`announced_port`)
+        self.log = open(log_dir / f"front-{_Server.started}.log", "w")
         # the ranks' threads as `serve` shares the cores out (`topology.serving_threads`: a core left to the front),
         # what a user gets, not this shell's OMP_NUM_THREADS
         env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "TOKENIZERS_PARALLELISM": "false",
                "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "ds_inference_integration.tools.cli", "serve",
-                                      str(model_dir), "--tp_size", str(tp_size), "--port", str(self.port),
-                                      "--log_dir", str(log_dir / f"ranks-{self.port}"), *args],
+                                      str(model_dir), "--tp_size", str(tp_size), "--port", "0",
+                                      "--log_dir", str(log_dir / f"ranks-{_Server.started}"), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         _Server.live.append(self)
         deadline = time.monotonic() + 300
-        while self._health() != 200:
+        while not self.port or self._health() != 200:
+            self.port = self.port or announced_port(Path(self.log.name).read_text(errors="replace")) or 0
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise InferenceSetupError(f"bench serve: the server did not come up; its log: {self.log.name}")
