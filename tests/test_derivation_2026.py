@@ -113,6 +113,28 @@ def test_any_exception_of_a_sharded_forward_is_one_line_naming_the_innermost_mod
     assert "\n" not in message
 
 
+def test_an_unsharded_copy_that_fails_on_the_sharded_models_inputs_is_one_line_naming_the_layer(monkeypatch):
+    """A layer's inputs made outside it by a part the policy split (CPM-Ant's position bias, one per head) reach the
+    unsharded copy in the sharded shape: the copy raised, and the run printed a traceback."""
+    import copy
+
+    from ds_inference_integration.policy.verify import verify_sharded_layers
+
+    model = zoo_model("llama")
+    reference = copy.deepcopy(model.model.layers[0])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (2) must match the size of tensor b (4) at non-singleton dimension 1")
+
+    monkeypatch.setattr(reference, "forward", fail)
+    with pytest.raises(InferenceSetupError) as caught:
+        verify_sharded_layers(model, {"model.layers.0": reference}, "the derived policy", torch.float32)
+    message = str(caught.value)
+    assert "layer model.layers.0 (LlamaDecoderLayer)" in message and "the unsharded layer fails on the inputs the " \
+        "sharded model gives it (RuntimeError: The size of tensor a (2) must match" in message, message
+    assert "\n" not in message
+
+
 def test_a_rank_holding_what_should_be_split_is_warned_naming_the_modules():
     """The share against the target: split linears count 1/tp, routers and replicated modules whole."""
     from ds_inference_integration.shard.weight_share import full_sizes, measure
@@ -446,3 +468,23 @@ def test_per_head_sinks_of_an_attention_deepspeed_would_split_alone_are_split_by
     only the table's split cuts to this rank's heads: left whole, "(2) must match ... (4)" at tp 2."""
     policy = derive_policy(zoo_model("granitemoe_swa"))
     assert policy.attention is not None and policy.attention.key == "self_attn.k_proj"
+
+
+@pytest.mark.parametrize("name, layer, whole, why", [
+    ("doge", "DogeDecoderLayer", "self_attn", "self_attn.dt_proj writes one value per head"),
+    ("cpmant", "CpmAntTransformerBlock", "self_att.self_attention",
+     "position_bias.relative_attention_bias holds one column per head outside the layers")])
+def test_an_attention_whose_heads_need_every_heads_values_is_kept_whole_and_said(name, layer, whole, why, caplog):
+    """Doge: `dt_proj` (every value head's features -> one value per head) is row-parallel in its tp plan, so each
+    rank got all heads' values beside its own heads' scores; CPM-Ant: the position bias of all heads, made once
+    outside the layers, reached attentions holding some. Both failed the sharded forward ("(2) must match ... (4)",
+    `policy sweep`, 2026-12-06); each attention is kept whole, with the reason in a warning."""
+    import logging
+
+    from ds_inference_integration.policy.derive import derive_policy
+
+    with caplog.at_level(logging.WARNING):
+        policy = derive_policy(zoo_model(name))
+    assert dict(policy.replicated)[layer] == (whole,), policy.replicated
+    assert not any(r.startswith(whole + ".") for r in dict(policy.layers)[layer]), policy.layers
+    assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -49,7 +49,8 @@ from .schema import (
 # Config attributes holding the query and key/value head counts, in the order they are looked for.
 QUERY_HEAD_ATTRIBUTES = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads")
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
-SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
+SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"),
+                ("project_q", "project_k", "project_v"))  # the last: CPM-Ant (BMTrain's names)
 FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv")
 # Attributes an attention module may read in forward, and the per-rank value each must then hold.
 LOCAL_ATTRIBUTES = {
@@ -307,6 +308,35 @@ def _reshaped_to_input_width(attention: nn.Module) -> bool:
     return False
 
 
+def _per_head_outside_layers(model: nn.Module, layers: dict[str, tuple[str, ...]], q: int, kv: int) -> str | None:
+    """A parameter outside the layers with one column per head, made into a per-head input of every layer (CPM-Ant's
+    `position_bias.relative_attention_bias`, [buckets, heads]: the bias of all heads reached attentions holding
+    some, "(2) must match ... (4)" at tp 2, `policy sweep` 2026-12-06). T5's is inside its first layer, where
+    DeepSpeed splits it with the heads."""
+    inside = {id(m) for list_ in model.modules() if isinstance(list_, nn.ModuleList)
+              for layer in list_ if type(layer).__name__ in layers for m in layer.modules()}
+    hidden = getattr(_text_config(model.config), "hidden_size", None)
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if param.ndim == 2 and param.shape[1] in {q, kv} - {1, hidden} and "embed" not in f"{name}.{pname}":
+                return f"{name}.{pname}"
+    return None
+
+
+def _row_parallel_per_head(attention: nn.Module, path: str, rows: tuple[str, ...], q: int, kv: int) -> str | None:
+    """A row-parallel linear inside the attention that writes one value per (query or key/value) head: Doge's
+    `dt_proj` (every value head's features -> one step size per head, "rowwise" in its tp plan) gave each rank all
+    heads' values beside its own heads' scores, "(2) must match ... (4)" at tp 2 (`policy sweep`, 2026-12-06)."""
+    for name, module in attention.named_modules():
+        where = f"{path}.{name}" if path else name
+        if (name and isinstance(module, nn.Linear) and module.out_features in {q, kv} - {1}
+                and any(names_module(r, where) for r in rows)):
+            return name
+    return None
+
+
 def _whole_projection_norms(attention: nn.Module, projections: list[nn.Module], head_dim: int) -> str | None:
     """A norm inside the attention whose width is a whole projection's (more than one head): it mixes heads."""
     widths = {p.weight.shape[0] for p in projections}
@@ -342,6 +372,13 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     found = [(name, a) for (name, _), a in by_path.items()]
     if not found:
         return None, {}
+    outside = _per_head_outside_layers(model, layers, q, kv)
+    if outside:
+        logger.warning("%s: %s holds one column per head outside the layers (a bias every layer's attention adds, "
+                       "made for all heads): no rank can use it with some of the heads, so the attention is kept "
+                       "whole on every rank", model_type, outside)
+        return None, {k: tuple(dict.fromkeys(p for n, (p, *_) in found if n == k))
+                       for k in sorted({n for n, _ in found})}
     specs: dict[AttentionSpec, list[tuple[str, str]]] = {}
     replicated: dict[str, list[str]] = {}
     for layer_name, (path, attention, fused, separate) in found:
@@ -357,6 +394,13 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
             logger.warning("%s: %s.%s pairs its heads across the head axis (differential attention: one half of the "
                            "value heads with the other): no rank can compute it from its own heads, so that attention "
                            "is kept whole on every rank", model_type, layer_name, path)
+            replicated.setdefault(layer_name, []).append(path)
+            continue
+        per_head = _row_parallel_per_head(attention, path, layers.get(layer_name, ()), q, kv)
+        if per_head:
+            logger.warning("%s: %s.%s%s writes one value per head from every head's features, row-parallel (all-reduced "
+                           "over the ranks): a rank holding some of the heads gets every head's values, so that "
+                           "attention is kept whole on every rank", model_type, layer_name, prefix, per_head)
             replicated.setdefault(layer_name, []).append(path)
             continue
         norm = _whole_projection_norms(attention, projections, projections[0].weight.shape[0] // q)
@@ -742,9 +786,9 @@ def _derive_policy(model: nn.Module) -> Policy:
         logger.warning("%s: kept whole on every rank in %s: %s", model_type, name,
                        "; ".join(f"{p} ({why})" for p, why in paths.items()))
     attention, replicated = derive_attention(model, layers, skip={n: {*whole.get(n, ()), *mixers.get(n, ())}
-                                                                  for n in {*whole, *mixers}})
+                                                                  for n in sorted({*whole, *mixers})})
     replicated = {n: tuple(dict.fromkeys((*whole.get(n, {}), *replicated.get(n, ()))))
-                  for n in {*whole, *replicated}}
+                  for n in sorted({*whole, *replicated})}
     # a row-parallel linear inside a module kept whole, or inside a mixer split here, is not DeepSpeed's to split
     # (by its path, or by a DeepSpeed-style key that names a linear inside: NLLB-MoE's "expert_3.fc2")
     kinds = layer_kinds(model)

@@ -320,6 +320,10 @@ ZOO = {
     "granitemoe_swa": lambda: _swept("granitemoe_swa"),
     # multi-head latent attention, a hybrid of linear and full attention, experts routed in groups
     "bailing_hybrid": lambda: _swept("bailing_hybrid"),
+    # a row-parallel linear inside the attention writing one value per head (Doge's `dt_proj`), a per-head bias made
+    # outside the layers (CPM-Ant's position bias): each attention kept whole
+    "doge": lambda: _swept("doge"),
+    "cpmant": lambda: _swept("cpmant"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
