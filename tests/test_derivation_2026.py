@@ -6,6 +6,7 @@ weight share measured against its target. That these policies give the unsharded
 `test_policies_tp.py::test_the_2026_families_match_the_unsharded_model` (and `policy matrix`, tp 2 and 4)."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -488,3 +489,24 @@ def test_an_attention_whose_heads_need_every_heads_values_is_kept_whole_and_said
     assert dict(policy.replicated)[layer] == (whole,), policy.replicated
     assert not any(r.startswith(whole + ".") for r in dict(policy.layers)[layer]), policy.layers
     assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_per_head_parameters_of_an_attention_deepspeed_split_alone_are_split_with_its_heads():
+    """HY-V4's latent attention is DeepSpeed's to split (no table names it), which sets its `num_heads` to this
+    rank's and leaves `sinks` (one value per query head) whole: "Expected size 2 but got size 4" at tp 2. Each rank
+    now holds its heads' run of it, recorded for shard-aware loading; a module whose head count is not this rank's
+    is left as it is."""
+    from ds_inference_integration.policy.schema import Policy
+    from ds_inference_integration.shard.inject import _split_per_head_parameters_deepspeed_left
+    from ds_inference_integration.topology import Topology
+
+    model = zoo_model("llama")  # 4 heads
+    attention, whole = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    for a, heads in ((attention, 2), (whole, 4)):
+        a.num_heads = heads
+        a.sinks = torch.nn.Parameter(torch.arange(4.0))
+    policy = Policy(source=Path("<derived>"), description="", model_types=("llama",), head_count_attributes=(),
+                    layers={"LlamaDecoderLayer": ("mlp.down_proj",)})
+    _split_per_head_parameters_deepspeed_left(model, policy, set(), Topology(world_size=2, rank=1, tp_size=2))
+    assert attention.sinks.tolist() == [2.0, 3.0] and attention.sinks.tensor_slices.ranges == ((2, 4),)
+    assert whole.sinks.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -89,7 +89,8 @@ UNLISTED = ("phi3", "gemma", "mixtral")
 # issue #44's mechanisms, a zoo model each (`architecture_zoo.ZOO` says what each has), checked at tp 2 (in the shared
 # check) and at tp 4
 MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv", "dbrx",
-                 "bert", "gemma3", "fuyu", "doge", "cpmant"]
+                 "bert", "gemma3", "fuyu", "doge", "cpmant",
+                 "hy_v4"]
 # the checks the unsharded model cannot do (RWKV's and xLSTM's cache cannot be reordered for beam search): skipped
 # and said; any other skipped check fails `assert_all_pass`
 SKIPS = {("rwkv", "beam"), ("xlstm", "beam")}
@@ -343,6 +344,10 @@ def test_the_mechanisms_of_2026_12_match_the_unsharded_model(tp, tmp_path, reque
     # them) and CPM-Ant's (a bias per head made outside the layers) kept whole (before: "(2) must match ... (4)")
     assert list(share["doge"]["by_design"]) == ["DogeDecoderLayer.self_attn"], share["doge"]
     assert list(share["cpmant"]["by_design"]) == ["CpmAntTransformerBlock.self_att.self_attention"], share["cpmant"]
+    # HY-V4's latent attention, split by DeepSpeed alone, with its `sinks` split with the heads (before: left whole,
+    # "Expected size 2 but got size 4"); of the attention only the latent down-projections and the indexer whole
+    assert {p.rpartition(".")[2] for p in share["hy_v4"]["by_design"] if ".self_attn." in p} <= {
+        "q_a_proj", "kv_a_proj_with_mqa", "indexer"}, share["hy_v4"]
     # RWKV's beam search, which its unsharded model cannot do, skipped and said with the model's reason; its other
     # checks run (before: the reference failed, "0 of 1 checks passed")
     line = checks["rwkv"]["beam"]["line"]

@@ -179,7 +179,7 @@ def _head_counts(config: object) -> tuple[str | None, str | int | None]:
     return query, kv
 
 
-def _head_values(config: object) -> tuple[int, int] | None:
+def head_values(config: object) -> tuple[int, int] | None:
     """(query heads, key/value heads) as the attributes `_head_counts` finds say; None without a query count."""
     q_attr, kv_attr = _head_counts(config)
     if q_attr is None:
@@ -359,7 +359,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     text = _text_config(config)
     if q_attr is None or head_grain(model_type) > 1:
         return None, {}  # no head count to split by, or a layout DeepSpeed keeps its own record of (CodeGen)
-    q, kv = _head_values(config)
+    q, kv = head_values(config)
     kinds = layer_kinds(model)
     by_path: dict[tuple[str, str], tuple] = {}  # one per attention path of each layer class, over its kinds
     own_kv: dict[tuple[str, str], set[int]] = {}  # the key/value head counts each kind's attention there holds
@@ -696,7 +696,7 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
     hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
     mixers: dict[str, dict[str, None]] = {}
     mixer_types: dict[tuple[str, str], set[str]] = {}
-    heads = _head_values(model.config)
+    heads = head_values(model.config)
     placed = (set(layers) | set(experts)) & outermost_layer_classes(model)
     whole_types: dict[tuple[str, str], set[str]] = {}
     split_types: dict[tuple[str, str], set[str]] = {}

@@ -39,7 +39,7 @@ from ..errors import first_line, sharding_failure
 from ..load.loaders import PendingLoad, is_skeleton, loaded, policy_id
 from ..load.readers import PreShardedLoader
 from ..load.slices import record
-from ..policy.derive import derive_policy, derived_summary
+from ..policy.derive import derive_policy, derived_summary, head_values
 from ..policy.schema import (
     AttentionSpec,
     Policy,
@@ -272,6 +272,24 @@ def split_per_head_parameters(attention: nn.Module, heads: HeadLayout) -> None:
             attention._parameters[name] = part
 
 
+def _split_per_head_parameters_deepspeed_left(model: nn.Module, policy: Policy, done: set[int],
+                                              topology: Topology) -> None:
+    """The per-head parameters (`split_per_head_parameters`) of the modules DeepSpeed split by heads on its own, no
+    table naming them (a multi-head latent attention: HY-V4's, with `sinks` of one value per query head), seen by
+    their head count, which DeepSpeed set to this rank's: DeepSpeed leaves such a parameter whole, and HY-V4's
+    sharded forward failed ("Expected size 2 but got size 4", `policy sweep`, 2026-12-06). DeepSpeed splits the
+    heads evenly (`tp_grain_size`) in runs by rank."""
+    counts = head_values(model.config)
+    if counts is None or counts[0] % topology.tp_size:
+        return
+    heads = HeadLayout(counts[0], counts[0], topology.tp_size, topology.tp_rank)
+    for layer in _layers(model, policy):
+        for module in layer.modules():
+            if id(module) not in done and heads.local_q in {getattr(module, a, None) for a in ("num_heads",
+                                                                                            "num_attention_heads")}:
+                split_per_head_parameters(module, heads)
+
+
 def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
     """How to name `policy` if nobody has checked it on this architecture, else None: shipped files are checked
     by the project's architecture matrix; a derived policy, DeepSpeed's automatic mode and a user's file are not."""
@@ -399,6 +417,8 @@ def shard_model(
     for attention, head_dim, own_heads in attentions:
         _set_local_attributes(attention, policy, own_heads, head_dim)
         split_per_head_parameters(attention, own_heads)
+    if isinstance(policy, Policy) and topology.tp_size > 1 and not args.replace_with_kernel_inject:
+        _split_per_head_parameters_deepspeed_left(engine.module, policy, {id(a) for a, *_ in attentions}, topology)
     sharded = engine.module
     loading = ""
     if loader is not None:

@@ -324,6 +324,8 @@ ZOO = {
     # outside the layers (CPM-Ant's position bias): each attention kept whole
     "doge": lambda: _swept("doge"),
     "cpmant": lambda: _swept("cpmant"),
+    # a multi-head latent attention DeepSpeed splits by itself, with attention sinks (one per query head) split here
+    "hy_v4": lambda: _swept("hy_v4"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
