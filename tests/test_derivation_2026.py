@@ -474,7 +474,8 @@ def test_per_head_sinks_of_an_attention_deepspeed_would_split_alone_are_split_by
 @pytest.mark.parametrize("name, layer, whole, why", [
     ("doge", "DogeDecoderLayer", "self_attn", "self_attn.dt_proj writes one value per head"),
     ("cpmant", "CpmAntTransformerBlock", "self_att.self_attention",
-     "position_bias.relative_attention_bias holds one column per head outside the layers")])
+     "position_bias.relative_attention_bias holds one column per head outside the layers"),
+    ("big_bird", "BigBirdLayer", "attention", "builds its attention again from the config while it runs")])
 def test_an_attention_whose_heads_need_every_heads_values_is_kept_whole_and_said(name, layer, whole, why, caplog):
     """Doge: `dt_proj` (every value head's features -> one value per head) is row-parallel in its tp plan, so each
     rank got all heads' values beside its own heads' scores; CPM-Ant: the position bias of all heads, made once
@@ -510,3 +511,20 @@ def test_per_head_parameters_of_an_attention_deepspeed_split_alone_are_split_wit
     _split_per_head_parameters_deepspeed_left(model, policy, set(), Topology(world_size=2, rank=1, tp_size=2))
     assert attention.sinks.tolist() == [2.0, 3.0] and attention.sinks.tensor_slices.ranges == ((2, 4),)
     assert whole.sinks.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_row_name_that_also_names_a_linear_inside_a_module_kept_whole_is_deepspeeds_only_outside_it():
+    """BERT-like layers name the MLP's and the attention's output `output.dense` alike; with the attention kept whole
+    (BigBird's), the row was refused as naming a ColumnShard (after the split) or a linear the policy did not make
+    row-parallel (before it)."""
+    from ds_inference_integration.policy.schema import Policy, build_injection_policy
+
+    from ds_inference_integration.shard.attention import whole
+
+    model = zoo_model("bert")
+    policy = Policy(source=Path("<derived>"), description="", model_types=("bert",), head_count_attributes=(),
+                    layers={"BertLayer": ("output.dense",)}, replicated={"BertLayer": ("attention",)})
+    (keys,) = build_injection_policy(policy, model).values()
+    for layer in model.bert.encoder.layer:  # as the split leaves what it keeps whole (`inject.replicate_modules`)
+        layer.attention.output.dense = whole(layer.attention.output.dense)
+    assert keys == ("output.dense",) and tuple(*build_injection_policy(policy, model).values()) == keys, keys

@@ -293,6 +293,18 @@ def _local_attributes(attention: nn.Module, q: int, kv: int, head_dim: int) -> t
 
 # A forward that cuts the states in two along the head axis and pairs the halves (DiffLlama's `torch.chunk(value_states,
 # 2, dim=1)`): the head split gave each rank one half (logits 9.8 off at tp 2, `policy sweep`, 2026-12-06)
+# A module that builds its attention child again from its config at run time (BigBird's `set_attention_type`, which
+# its model calls for an input too short for block-sparse attention: `BigBirdSelfAttention(self.config, ...)`): the
+# new attention has the model's head counts around a rank's split projections, "shape '[3, 10, 128]' is invalid for
+# input of size 1920" at tp 2 (`policy sweep`, 2026-12-06).
+_REBUILT_FROM_CONFIG = re.compile(r"=\s*\w*Attention\(\s*self\.config\b")
+
+
+def _rebuilt_while_running(owner: nn.Module) -> bool:
+    """Whether `owner` may build its attention again while the model runs (`_REBUILT_FROM_CONFIG`): BigBird switches
+    only from block-sparse attention to full, so one built with full attention (`attention_type`) keeps its own."""
+    return (bool(_REBUILT_FROM_CONFIG.search(class_source(type(owner))))
+            and getattr(owner, "attention_type", None) != "original_full")
 _HEAD_AXIS_SPLIT = re.compile(r"chunk\(\s*\w*(query|key|value)_states\w*\s*,\s*2\s*,\s*dim\s*=\s*1\s*\)")
 
 
@@ -362,16 +374,27 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     q, kv = head_values(config)
     kinds = layer_kinds(model)
     by_path: dict[tuple[str, str], tuple] = {}  # one per attention path of each layer class, over its kinds
+    rebuilt: dict[str, dict[str, str]] = {}  # {layer class: {path: class}} of attentions rebuilt while running
     own_kv: dict[tuple[str, str], set[int]] = {}  # the key/value head counts each kind's attention there holds
     for name in layers:
         for layer in kinds.get(name, ()):
             for a in _attention_modules(layer):
-                if not any(under_replicated(p, layer, a[0]) for p in (skip or {}).get(name, ())):
-                    by_path.setdefault((name, a[0]), a)  # not inside a module kept whole
-                    own_kv.setdefault((name, a[0]), set()).add(_own_kv_heads(a[1], a[3]))
+                if any(under_replicated(p, layer, a[0]) for p in (skip or {}).get(name, ())):
+                    continue  # inside a module kept whole
+                owner = a[0].rpartition(".")[0]
+                if "." in a[0] and _rebuilt_while_running(layer.get_submodule(owner)):
+                    rebuilt.setdefault(name, {})[owner] = type(layer.get_submodule(owner)).__name__
+                    continue
+                by_path.setdefault((name, a[0]), a)
+                own_kv.setdefault((name, a[0]), set()).add(_own_kv_heads(a[1], a[3]))
+    for name, owners in rebuilt.items():
+        for owner, cls in owners.items():
+            logger.warning("%s: %s.%s (%s) builds its attention again from the config while it runs (with the "
+                           "model's head counts, not a rank's), so that attention is kept whole on every rank",
+                           model_type, name, owner, cls)
     found = [(name, a) for (name, _), a in by_path.items()]
     if not found:
-        return None, {}
+        return None, {name: tuple(owners) for name, owners in sorted(rebuilt.items())}
     outside = _per_head_outside_layers(model, layers, q, kv)
     if outside:
         logger.warning("%s: %s holds one column per head outside the layers (a bias every layer's attention adds, "
@@ -380,7 +403,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
         return None, {k: tuple(dict.fromkeys(p for n, (p, *_) in found if n == k))
                        for k in sorted({n for n, _ in found})}
     specs: dict[AttentionSpec, list[tuple[str, str]]] = {}
-    replicated: dict[str, list[str]] = {}
+    replicated: dict[str, list[str]] = {name: list(owners) for name, owners in rebuilt.items()}
     for layer_name, (path, attention, fused, separate) in found:
         prefix = f"{path}." if path else ""
         projections = _projections(attention, (fused,) if fused else separate)

@@ -411,10 +411,14 @@ def build_injection_policy(policy: Policy, model: nn.Module) -> dict[type, tuple
                 f"layer classes there: {', '.join(sorted(classes)) or 'none'}"
             )
         for cls in matched:
+            # not what the policy keeps whole: a row name that also names a linear inside it (BigBird's
+            # `output.dense`, its attention's `attention.output.dense` kept whole) is DeepSpeed's only outside it
+            kept = [e for pat, entries in policy.replicated.items() if fnmatch.fnmatchcase(cls.__name__, pat)
+                    for e in entries]
             modules = {
                 path: m
                 for inst in model.modules() if type(inst) is cls
-                for path, m in inst.named_modules() if path
+                for path, m in inst.named_modules() if path and not any(under_replicated(e, inst, path) for e in kept)
             }
             linears = sorted(p for p, m in modules.items() if is_linear(m))
             keys = []

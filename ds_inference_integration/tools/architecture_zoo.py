@@ -326,6 +326,9 @@ ZOO = {
     "cpmant": lambda: _swept("cpmant"),
     # a multi-head latent attention DeepSpeed splits by itself, with attention sinks (one per query head) split here
     "hy_v4": lambda: _swept("hy_v4"),
+    # an attention built again from the config while the model runs (BigBird's block-sparse attention, switched to
+    # full for a short input): kept whole
+    "big_bird": lambda: _swept("big_bird"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
