@@ -518,7 +518,6 @@ def test_a_row_name_that_also_names_a_linear_inside_a_module_kept_whole_is_deeps
     (BigBird's), the row was refused as naming a ColumnShard (after the split) or a linear the policy did not make
     row-parallel (before it)."""
     from ds_inference_integration.policy.schema import Policy, build_injection_policy
-
     from ds_inference_integration.shard.attention import whole
 
     model = zoo_model("bert")
