@@ -332,6 +332,8 @@ ZOO = {
     # a recurrent model (HRM: its layers run 2 x 3 cycles) whose own fp32 rounding is beyond the fixed tolerance:
     # judged against the unsharded model's distance from fp64
     "hrm_text": lambda: _swept("hrm_text"),
+    # an embedding (a relative-position table) inside an attention kept whole: hidden from DeepSpeed's split
+    "granite_speech": lambda: _swept("granite_speech"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
