@@ -607,7 +607,8 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
       row-parallel one): the split would pair the wrong features (MiniMax's lightning attention: a 3 x width
       `qkv_proj` into a 1 x width `out_proj`; GraniteMoE's `input_linear`, [gate | up] in one linear that
       DeepSpeed's GateUpPack handles only under the name `gate_up_proj`).
-    DeepSeek's multi-head latent attention (`kv_a_proj_with_mqa`) is DeepSpeed's own record, left to it."""
+    DeepSeek's multi-head latent attention (`kv_a_proj_with_mqa`) is DeepSpeed's own record, left to it where a
+    row-parallel linear gathers it."""
     if any(isinstance(m, nn.Conv1d) for m in module.modules()):
         return "a mixer with a convolution over its channels: its packed input projection does not split by rows"
     linears = _linears(module)
@@ -615,11 +616,12 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
         # XLNet's relative attention: q, k, v, o, r as [d_model, heads, d_head] parameters (held whole and not
         # placed: its weight share failed, 53.6% per rank at tp 2, `policy sweep`, 2026-12-06)
         return "its weights are bare parameters, not linears: DeepSpeed splits linears only"
-    if any(autotp_keeps_whole(f"{path}.{q}") for q in linears):
-        return None
     # DeepSpeed makes any `down_proj` row-parallel whatever the policy says (deepspeed_compat's note)
     row = {q: m for q, m in linears.items() if _row_parallel(path, q, rows)}
     columns = {q: m for q, m in linears.items() if q not in row}
+    if row and any(autotp_keeps_whole(f"{path}.{q}") for q in linears):
+        return None  # DeepSpeed's own latent attention; without a row-parallel output (DeepSeek-V4's o_a_proj and
+        # o_b_proj) nothing gathers it: the kv_norm of a split kv_proj failed, "(32) must match ... (16)"
     if path in attention_paths:
         if not row:
             return None  # the attention table's, or DeepSpeed's head-aware split

@@ -23,8 +23,6 @@ from .small_config import VOCAB
 TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme docs/policies.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
-    "deepseek_v4": "its grouped output projection (`o_a_proj`, not a linear) stays whole while `o_b_proj` is split "
-                   "(one FAIL line naming self_attn.o_b_proj)",
     "zamba2": "its shared block, kept whole, is read shard-aware into tensors that share memory between its places, "
               "which the pre-sharded writer refuses (the other checks pass)",
     "ergo": "its output head, a linear of a class of its own, is not split by DeepSpeed; loaded pre-sharded it is on "
@@ -334,6 +332,9 @@ ZOO = {
     "hrm_text": lambda: _swept("hrm_text"),
     # an embedding (a relative-position table) inside an attention kept whole: hidden from DeepSpeed's split
     "granite_speech": lambda: _swept("granite_speech"),
+    # a latent attention DeepSpeed would split alone with no row-parallel output (DeepSeek-V4's grouped `o_a_proj` and
+    # `o_b_proj`): kept whole
+    "deepseek_v4": lambda: _swept("deepseek_v4"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
