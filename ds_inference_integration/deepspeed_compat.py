@@ -298,8 +298,17 @@ def lm_head_tied_as_the_model_ties(model: nn.Module):
             module = model.get_submodule(owner)
             if module is not head and module is not embedding:
                 owners.setdefault(owner, module)
+    # a head on meta the model does not tie, left unsplit by DeepSpeed (Ergo's, a linear class with a forward of its
+    # own): `set_lm_head` tied it to the input embedding for good, and loaded pre-sharded its logits were the
+    # embedding's (`policy sweep`, 2026-12-06); it gets its meta weight back, for the loader to read by its name
+    untied_meta = getattr(head, "weight", None) is not None and head.weight.is_meta \
+        and head.weight is not embedding.weight
     with modules_kept_apart(model, list(owners.values())):
         yield
+    now = model.get_output_embeddings() if untied_meta else None
+    if now is not None and getattr(now, "weight", None) is embedding.weight:
+        now._parameters["weight"] = nn.Parameter(torch.empty_like(embedding.weight, device="meta"),
+                                                 requires_grad=False)
 
 
 @contextlib.contextmanager

@@ -544,3 +544,19 @@ def test_an_embedding_inside_a_module_kept_whole_is_hidden_from_deepspeeds_split
     apart: list = []
     replicate_modules(layers, policy, apart)
     assert [m for m in apart if isinstance(m, nn.Embedding)] == [layer.attn.rel_pos_emb for layer in layers]
+
+
+def test_a_head_on_meta_the_model_does_not_tie_is_untied_again_after_deepspeeds_set_lm_head():
+    """DeepSpeed's `set_lm_head` ties an output head whose weight is on meta (pre-sharded loading) to the input
+    embedding; a head it then leaves unsplit (Ergo's, a linear class of its own) stayed tied, and the pre-sharded
+    model's logits were the embedding's. After the split it has a meta weight again, for the loader to read."""
+    from ds_inference_integration.deepspeed_compat import lm_head_tied_as_the_model_ties
+
+    model = zoo_model("llama")
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight, device="meta"))
+    embedding = model.get_input_embeddings().weight
+    with lm_head_tied_as_the_model_ties(model):
+        model.lm_head.weight = embedding  # as set_lm_head does with a head on meta
+    assert model.lm_head.weight is not embedding and model.lm_head.weight.is_meta
+    assert model.lm_head.weight.shape == embedding.shape

@@ -25,10 +25,6 @@ TABLE_END = "<!-- end of architecture-table -->"
 NOT_IN_ZOO = {  # tried, and why each is not in the table yet
     "zamba2": "its shared block, kept whole, is read shard-aware into tensors that share memory between its places, "
               "which the pre-sharded writer refuses (the other checks pass)",
-    "ergo": "its output head, a linear of a class of its own, is not split by DeepSpeed; loaded pre-sharded it is on "
-            "meta when DeepSpeed's `set_lm_head` ties it to the input embedding, which the model does not tie: one "
-            "FAIL line naming lm_head.weight (the other checks pass; keeping the embedding apart while DeepSpeed "
-            "shards made other tensors differ, not understood yet)",
 }
 
 
@@ -335,6 +331,9 @@ ZOO = {
     # a latent attention DeepSpeed would split alone with no row-parallel output (DeepSeek-V4's grouped `o_a_proj` and
     # `o_b_proj`): kept whole
     "deepseek_v4": lambda: _swept("deepseek_v4"),
+    # an output head of a linear class of its own that DeepSpeed leaves unsplit, on meta when pre-sharded: untied
+    # again after DeepSpeed's `set_lm_head` tied it to the input embedding
+    "ergo": lambda: _swept("ergo"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
