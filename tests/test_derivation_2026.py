@@ -478,7 +478,10 @@ def test_per_head_sinks_of_an_attention_deepspeed_would_split_alone_are_split_by
     ("big_bird", "BigBirdLayer", "attention", "builds its attention again from the config while it runs"),
     # a latent attention (`q_a_proj`, DeepSpeed's to split) with no row-parallel output: DeepSeek-V4's grouped
     # o_a_proj and o_b_proj (before: left to DeepSpeed, its split kv_proj failed kv_norm, "(32) must match (16)")
-    ("deepseek_v4", "DeepseekV4DecoderLayer", "self_attn", "self_attn (q_a_norm normalises")])
+    ("deepseek_v4", "DeepseekV4DecoderLayer", "self_attn", "self_attn (q_a_norm normalises"),
+    # a relative-position attention's per-head bias rows ([heads, head_dim]) beside a view by the config's head count
+    # (Canary's Parakeet encoder; before: "shape '[1, 2, 1, 32]' is invalid for input of size 128" at tp 2)
+    ("canary", "ParakeetEncoderBlock", "self_attn", "self_attn.bias_u holds one row per head")])
 def test_an_attention_whose_heads_need_every_heads_values_is_kept_whole_and_said(name, layer, whole, why, caplog):
     """Doge: `dt_proj` (every value head's features -> one value per head) is row-parallel in its tp plan, so each
     rank got all heads' values beside its own heads' scores; CPM-Ant: the position bias of all heads, made once
@@ -560,3 +563,31 @@ def test_a_head_on_meta_the_model_does_not_tie_is_untied_again_after_deepspeeds_
         model.lm_head.weight = embedding  # as set_lm_head does with a head on meta
     assert model.lm_head.weight is not embedding and model.lm_head.weight.is_meta
     assert model.lm_head.weight.shape == embedding.shape
+
+
+@pytest.mark.parametrize("model_type, shape", [("canary", (2, 64, 128)), ("cohere_asr", (2, 64, 128)),
+                                               ("seamless_m4t_v2", (2, 64, 160))])
+def test_speech_models_reading_frames_of_mel_bins_get_a_probe_input(model_type, shape):
+    """Canary's and Cohere ASR's Parakeet encoder (`encoder_config.num_mel_bins`, [batch, frames, bins]) and
+    SeamlessM4T v2's stacked features (`feature_projection_input_dim`): refused before, "no probe input is known"."""
+    from transformers import AutoConfig
+
+    from ds_inference_integration.policy.verify import random_speech_inputs
+    from ds_inference_integration.tools.small_config import shrink
+
+    inputs = random_speech_inputs(shrink(AutoConfig.for_model(model_type)), "input_features", 2, torch.Generator())
+    assert tuple(inputs["input_features"].shape) == shape
+
+
+def test_an_embedding_in_a_layer_whose_columns_are_not_its_heads_is_kept_whole():
+    """DeepSpeed slices every embedding in a layer by its columns: T5's relative-attention bias ([buckets, heads]) is
+    split with the heads; SeamlessM4T v2's `distance_embedding` ([positions, head size]) was cut in half and its
+    attention's einsum failed at tp 2. The latter is kept whole (hidden from DeepSpeed), the former left to it."""
+    from ds_inference_integration.shard.inject import _embeddings_not_per_head
+
+    model = zoo_model("t5")
+    layers = [b for stack in (model.encoder.block, model.decoder.block) for b in stack]
+    assert _embeddings_not_per_head(layers, model.config) == []
+    extra = nn.Embedding(9, model.config.d_kv)
+    layers[0].layer[0].SelfAttention.distance_embedding = extra
+    assert _embeddings_not_per_head(layers, model.config) == [extra]

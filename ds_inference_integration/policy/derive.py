@@ -419,6 +419,14 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                            "is kept whole on every rank", model_type, layer_name, path)
             replicated.setdefault(layer_name, []).append(path)
             continue
+        tables = [n for n, t in attention._parameters.items() if isinstance(t, torch.Tensor) and t.ndim >= 2
+                  and t.shape[0] in {q, kv} - {1}]
+        if tables:
+            logger.warning("%s: %s.%s%s holds one row per head ([heads, ...], a relative-position attention's bias): "
+                           "no rank can use it with some of the heads, so that attention is kept whole on every rank",
+                           model_type, layer_name, prefix, tables[0])
+            replicated.setdefault(layer_name, []).append(path)
+            continue
         per_head = _row_parallel_per_head(attention, path, layers.get(layer_name, ()), q, kv)
         if per_head:
             logger.warning("%s: %s.%s%s writes one value per head from every head's features, row-parallel (all-reduced "

@@ -103,7 +103,9 @@ def random_speech_inputs(config, name: str, batch: int, generator: torch.Generat
     Whisper-style log-mel frames ([batch, mel bins, 2 x max_source_positions]), Speech2Text-style frames
     ([batch, frames, features per frame]) or raw samples (`input_values`, a wav2vec2-style encoder). One
     `InferenceSetupError` for any other."""
-    encoder = getattr(config, "encoder", config)  # a SpeechEncoderDecoderModel's encoder config
+    # a SpeechEncoderDecoderModel's encoder config; Canary's and Cohere ASR's Parakeet encoder (`encoder_config`)
+    encoder = next((c for c in (getattr(config, a, None) for a in ("encoder", "encoder_config", "audio_config"))
+                    if c is not None and hasattr(c, "to_dict")), config)
     if name == "input_values":
         return {name: torch.randn((batch, 4000), generator=generator)}  # 0.25 s at 16 kHz
     if name == "input_features" and hasattr(encoder, "num_mel_bins") and hasattr(encoder, "max_source_positions"):
@@ -112,8 +114,14 @@ def random_speech_inputs(config, name: str, batch: int, generator: torch.Generat
         width = encoder.input_feat_per_channel * getattr(encoder, "input_channels", 1)
         frames = min(64, 4 * getattr(encoder, "max_source_positions", 16))  # its convolutions subsample by 4
         return {name: torch.randn((batch, frames, width), generator=generator)}
-    raise InferenceSetupError(f"{config.model_type}: no probe input is known for its {name!r}; "
-                              "known: token ids, Whisper- and Speech2Text-style log-mel features, raw samples")
+    # frames of features, time first: a conformer's mel bins (Parakeet: [batch, frames, num_mel_bins], subsampled
+    # by 8) or stacked ones (SeamlessM4T: 2 x 80 per frame, `feature_projection_input_dim`); these three types
+    # were refused in one line with no probe (`policy sweep`, 2026-12-06)
+    width = getattr(encoder, "feature_projection_input_dim", None) or getattr(encoder, "num_mel_bins", None)
+    if name == "input_features" and isinstance(width, int):
+        return {name: torch.randn((batch, 64, width), generator=generator)}
+    raise InferenceSetupError(f"{config.model_type}: no probe input is known for its {name!r}; known: token ids, "
+                              "Whisper- and Speech2Text-style log-mel features, frames of mel bins, raw samples")
 
 
 def _probe_inputs(model: nn.Module, device) -> dict:

@@ -158,6 +158,20 @@ def replicate_modules(layers: list[nn.Module], policy: Policy, apart: list[nn.Mo
     return kept
 
 
+def _embeddings_not_per_head(layers: list[nn.Module], config: object) -> list[nn.Module]:
+    """Embeddings inside the layers whose columns are not one per head, to keep whole (hidden from DeepSpeed, which
+    slices every embedding in a layer by its columns: right for T5's relative-attention bias, [buckets, heads]).
+    SeamlessM4T v2's conformer `distance_embedding` ([positions, head size]) cut in half failed its attention's einsum
+    at tp 2 (`policy sweep`, 2026-12-06)."""
+    counts = head_values(config)
+    found: dict[int, nn.Module] = {}
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, nn.Embedding) and module.weight.shape[1] not in set(counts or ()):
+                found.setdefault(id(module), module)
+    return list(found.values())
+
+
 def _head_layout(policy: Policy, config: object, topology: Topology) -> HeadLayout:
     spec = policy.attention
     q, kv = (v if isinstance(v, int) else config_value(config, v) for v in (spec.query_heads, spec.kv_heads))
@@ -374,6 +388,7 @@ def shard_model(
             kept_ids: set[int] = set()
             if policy.replicated:
                 replicate_modules(layers, policy, apart, kept_ids)
+            apart += [m for m in _embeddings_not_per_head(layers, model.config) if all(m is not a for a in apart)]
             for layer in layers:
                 for pattern, paths in policy.experts.items():
                     if fnmatch.fnmatchcase(type(layer).__name__, pattern):

@@ -334,6 +334,9 @@ ZOO = {
     # an output head of a linear class of its own that DeepSpeed leaves unsplit, on meta when pre-sharded: untied
     # again after DeepSpeed's `set_lm_head` tied it to the input embedding
     "ergo": lambda: _swept("ergo"),
+    # a speech encoder reading frames of mel bins ([batch, frames, bins]) whose relative-position attention holds a
+    # bias row per head and views by the config's head count: kept whole
+    "canary": lambda: _swept("canary"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said
