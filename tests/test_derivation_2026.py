@@ -114,6 +114,26 @@ def test_any_exception_of_a_sharded_forward_is_one_line_naming_the_innermost_mod
     assert "\n" not in message
 
 
+def test_a_sharded_layer_with_wrong_numbers_is_one_line_naming_it():
+    """The run's own check (`verify_sharded_layers`): a layer whose sharded output is off its unsharded copy's beyond
+    tolerance (shapes that fit, numbers that do not: DeepSpeed's automatic policy on Persimmon, make test-all's
+    launched test) is one line naming the layer, its class and the difference against the tolerance."""
+    import copy
+
+    from ds_inference_integration.policy.verify import verify_sharded_layers
+
+    model = zoo_model("llama")
+    reference = copy.deepcopy(model.model.layers[1])
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.2)  # as one rank's part scaled by a wrong split would
+    with pytest.raises(InferenceSetupError) as caught:
+        verify_sharded_layers(model, {"model.layers.1": reference}, "the derived policy", torch.float32)
+    message = str(caught.value)
+    assert message.startswith("the derived policy gives wrong results: layer model.layers.1 (LlamaDecoderLayer) "
+                              "differs from the unsharded layer on a probe input, max |diff|"), message
+    assert "\n" not in message
+
+
 def test_an_unsharded_copy_that_fails_on_the_sharded_models_inputs_is_one_line_naming_the_layer(monkeypatch):
     """A layer's inputs made outside it by a part the policy split (CPM-Ant's position bias, one per head) reach the
     unsharded copy in the sharded shape: the copy raised, and the run printed a traceback."""

@@ -505,10 +505,14 @@ def test_fused_qkv_split_rows():
 
 
 
-# phi3 (the shapes do not fit) is make test-all's: in make test, persimmon shows the refusal at start through the
-# example, and test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on a sharded forward that fails named by
-# its layer on every rank (12 CPU-s, 2026-12-06)
-@pytest.mark.parametrize("arch", ["persimmon", pytest.param("phi3", marks=pytest.mark.slow)])
+# Both are make test-all's (phi3: 12 CPU-s; persimmon: 20 CPU-s of a suite over its 10 minutes, 2026-12-06): in
+# make test, the refusal at start of a policy with wrong numbers is test_serve.py's wrong derived policy (one line,
+# exit 2, no rank left) and the units' (test_derivation_2026.py: a layer with wrong numbers, any exception of a
+# sharded forward, an unsharded
+# copy that fails), and test_wrong_policy_fails_naming_the_layer_and_the_check_goes_on a sharded forward that fails
+# named by its layer on every rank
+@pytest.mark.parametrize("arch", [pytest.param("persimmon", marks=pytest.mark.slow),
+                                  pytest.param("phi3", marks=pytest.mark.slow)])
 @pytest.mark.launched
 def test_a_policy_that_does_not_work_is_refused_before_generating(tmp_path, arch):
     """DeepSpeed's own automatic policy (`autotp`, never checked by the project) on two models the derived policy
