@@ -25,6 +25,18 @@ def test_a_default_config_is_made_small_and_builds(model_type, tmp_path):
     assert directory is not None and why == "" and (directory / "config.json").is_file()
 
 
+@pytest.mark.parametrize("model_type", ["encoder-decoder", "speech-encoder-decoder"])
+def test_a_composite_encoder_decoder_gets_the_start_token_a_saved_one_has(model_type):
+    """EncoderDecoder's and SpeechEncoderDecoder's default configs have no decoder start token, which a saved model
+    sets: their unsharded model could not generate ("`decoder_start_token_id` or `bos_token_id` has to be defined"),
+    so the sweep said "unsharded model fails" of two types that shard right."""
+    from transformers import AutoConfig
+
+    config = sweep.shrink(AutoConfig.for_model(model_type))
+    assert isinstance(config.decoder_start_token_id, int) and config.pad_token_id == config.decoder_start_token_id
+    assert sweep.shrink(AutoConfig.for_model("t5")).decoder_start_token_id == 0  # its own, kept
+
+
 def test_a_type_that_cannot_be_built_is_said_with_its_error(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "MAX_PARAMETERS", 1000)
     directory, why = sweep.build("llama", tmp_path)

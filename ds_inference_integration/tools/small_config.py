@@ -109,4 +109,13 @@ def shrink(config, rebuild: bool = True):
             shrink(sub, rebuild=False)
     if hasattr(config, "is_decoder") and not config.is_encoder_decoder:
         config.is_decoder = True  # BERT-style encoders generate as decoders (their LM-head class asks for it)
+    if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:
+        # a composite encoder-decoder's default config has no start token, which a saved model of it sets (as
+        # transformers' docs for EncoderDecoderModel say): without it the unsharded model could not generate
+        decoder = getattr(config, "decoder", None)
+        start = next((v for v in (getattr(decoder, "bos_token_id", None), getattr(decoder, "pad_token_id", None))
+                      if isinstance(v, int)), 0)
+        config.decoder_start_token_id = start
+        if getattr(config, "pad_token_id", None) is None:
+            config.pad_token_id = start
     return config
