@@ -400,8 +400,8 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
         logger.warning("%s: %s holds one column per head outside the layers (a bias every layer's attention adds, "
                        "made for all heads): no rank can use it with some of the heads, so the attention is kept "
                        "whole on every rank", model_type, outside)
-        return None, {k: tuple(dict.fromkeys(p for n, (p, *_) in found if n == k))
-                       for k in sorted({n for n, _ in found})}
+        kept = {n: [*rebuilt.get(n, ()), *(p for m, (p, *_) in found if m == n)] for n in {*rebuilt, *(n for n, _ in found)}}
+        return None, {n: tuple(dict.fromkeys(kept[n])) for n in sorted(kept)}
     specs: dict[AttentionSpec, list[tuple[str, str]]] = {}
     replicated: dict[str, list[str]] = {name: list(owners) for name, owners in rebuilt.items()}
     for layer_name, (path, attention, fused, separate) in found:
