@@ -291,8 +291,6 @@ def _local_attributes(attention: nn.Module, q: int, kv: int, head_dim: int) -> t
     return tuple(local)
 
 
-# A forward that cuts the states in two along the head axis and pairs the halves (DiffLlama's `torch.chunk(value_states,
-# 2, dim=1)`): the head split gave each rank one half (logits 9.8 off at tp 2, `policy sweep`, 2026-12-06)
 # A module that builds its attention child again from its config at run time (BigBird's `set_attention_type`, which
 # its model calls for an input too short for block-sparse attention: `BigBirdSelfAttention(self.config, ...)`): the
 # new attention has the model's head counts around a rank's split projections, "shape '[3, 10, 128]' is invalid for
@@ -305,6 +303,10 @@ def _rebuilt_while_running(owner: nn.Module) -> bool:
     only from block-sparse attention to full, so one built with full attention (`attention_type`) keeps its own."""
     return (bool(_REBUILT_FROM_CONFIG.search(class_source(type(owner))))
             and getattr(owner, "attention_type", None) != "original_full")
+
+
+# A forward that cuts the states in two along the head axis and pairs the halves (DiffLlama's `torch.chunk(value_states,
+# 2, dim=1)`): the head split gave each rank one half (logits 9.8 off at tp 2, `policy sweep`, 2026-12-06)
 _HEAD_AXIS_SPLIT = re.compile(r"chunk\(\s*\w*(query|key|value)_states\w*\s*,\s*2\s*,\s*dim\s*=\s*1\s*\)")
 
 
@@ -392,18 +394,19 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
             logger.warning("%s: %s.%s (%s) builds its attention again from the config while it runs (with the "
                            "model's head counts, not a rank's), so that attention is kept whole on every rank",
                            model_type, name, owner, cls)
+    replicated: dict[str, list[str]] = {name: list(owners) for name, owners in sorted(rebuilt.items())}
     found = [(name, a) for (name, _), a in by_path.items()]
     if not found:
-        return None, {name: tuple(owners) for name, owners in sorted(rebuilt.items())}
+        return None, {name: tuple(paths) for name, paths in replicated.items()}
     outside = _per_head_outside_layers(model, layers, q, kv)
     if outside:
         logger.warning("%s: %s holds one column per head outside the layers (a bias every layer's attention adds, "
                        "made for all heads): no rank can use it with some of the heads, so the attention is kept "
                        "whole on every rank", model_type, outside)
-        kept = {n: [*rebuilt.get(n, ()), *(p for m, (p, *_) in found if m == n)] for n in {*rebuilt, *(n for n, _ in found)}}
-        return None, {n: tuple(dict.fromkeys(kept[n])) for n in sorted(kept)}
+        for name, (path, *_) in found:
+            replicated.setdefault(name, []).append(path)
+        return None, {name: tuple(dict.fromkeys(paths)) for name, paths in sorted(replicated.items())}
     specs: dict[AttentionSpec, list[tuple[str, str]]] = {}
-    replicated: dict[str, list[str]] = {name: list(owners) for name, owners in rebuilt.items()}
     for layer_name, (path, attention, fused, separate) in found:
         prefix = f"{path}." if path else ""
         projections = _projections(attention, (fused,) if fused else separate)
@@ -427,11 +430,11 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                            model_type, layer_name, prefix, tables[0])
             replicated.setdefault(layer_name, []).append(path)
             continue
-        per_head = _row_parallel_per_head(attention, path, layers.get(layer_name, ()), q, kv)
-        if per_head:
+        mixing = _row_parallel_per_head(attention, path, layers.get(layer_name, ()), q, kv)
+        if mixing:
             logger.warning("%s: %s.%s%s writes one value per head from every head's features, row-parallel (all-reduced "
                            "over the ranks): a rank holding some of the heads gets every head's values, so that "
-                           "attention is kept whole on every rank", model_type, layer_name, prefix, per_head)
+                           "attention is kept whole on every rank", model_type, layer_name, prefix, mixing)
             replicated.setdefault(layer_name, []).append(path)
             continue
         norm = _whole_projection_norms(attention, projections, projections[0].weight.shape[0] // q)

@@ -256,36 +256,46 @@ def _generation_noise(model, wide_model, inputs, wide_inputs, want: dict, torch)
     return worst
 
 
-def _reference(cls, model_dir, inputs, topology, groups, torch, dtype=None) -> dict:
-    """The unsharded model's outputs, computed by the first rank of the TP group and sent to its peers: every
-    rank would compute the same thing (same weights, same inputs, seeded sampling), and on CPU ranks that share
-    the cores this was tp times the work (the tp-4 matrix of the tests took 70 s with it on every rank)."""
+def _from_first_rank(compute, topology, groups):
+    """`compute()` on the first rank of the TP group, its result sent to the group's other ranks, which would compute
+    the same. `compute` must not raise: its peers wait in the broadcast; it returns its failure instead."""
     import torch.distributed as dist
 
     box = [None]
     first = dist.get_global_rank(groups.tp, 0)
     if topology.rank == first:
+        box[0] = compute()
+    if topology.tp_size > 1:
+        dist.broadcast_object_list(box, src=first, group=groups.tp)
+    return box[0]
+
+
+def _reference(cls, model_dir, inputs, topology, groups, torch, dtype=None) -> dict:
+    """The unsharded model's outputs, computed by the first rank of the TP group and sent to its peers: every
+    rank would compute the same thing (same weights, same inputs, seeded sampling), and on CPU ranks that share
+    the cores this was tp times the work (the tp-4 matrix of the tests took 70 s with it on every rank)."""
+    def compute() -> dict:
         try:
-            dtype = dtype or torch.float32
-            half = dtype != torch.float32
-            model = cls.from_pretrained(model_dir, dtype=dtype).eval()
-            box[0] = _run_model(model, inputs, torch, steps=half, reference=True)
+            half = (dtype or torch.float32) != torch.float32
+            model = cls.from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
+            found = _run_model(model, inputs, torch, steps=half, reference=True)
             if half:
                 wide = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
                 wide_model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
                 exact = _forward(wide_model, wide, torch)
-                steps = _generation_noise(model, wide_model, inputs, wide, box[0], torch)
-                box[0]["floor"] = _noise_floor(exact, box[0], steps)
+                steps = _generation_noise(model, wide_model, inputs, wide, found, torch)
+                found["floor"] = _noise_floor(exact, found, steps)
                 from .rounding import hidden_state_names
 
-                box[0]["names"] = hidden_state_names(model, box[0]["encoder_states"], len(box[0]["hidden"]))
-        except Exception as e:  # its peers wait in the broadcast below: send them the failure, not nothing
-            box[0] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-    if topology.tp_size > 1:
-        dist.broadcast_object_list(box, src=first, group=groups.tp)
-    if "error" in box[0]:
-        raise ReferenceFailed(f"the unsharded model fails before any sharding ({box[0]['error']})")
-    return box[0]
+                found["names"] = hidden_state_names(model, found["encoder_states"], len(found["hidden"]))
+            return found
+        except Exception as e:  # its peers wait in the broadcast: send them the failure, not nothing
+            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+    found = _from_first_rank(compute, topology, groups)
+    if "error" in found:
+        raise ReferenceFailed(f"the unsharded model fails before any sharding ({found['error']})")
+    return found
 
 
 class ShardedForwardFailed(Exception):
@@ -445,18 +455,15 @@ def _fp64_reference(got: dict, want: dict, cls, model_dir, inputs, topology, gro
         dist.all_reduce(beyond, op=dist.ReduceOp.MAX, group=groups.tp)
     if not beyond.item():
         return None
-    box = [None]
-    first = dist.get_global_rank(groups.tp, 0) if topology.tp_size > 1 else topology.rank
-    if topology.rank == first:
+
+    def compute() -> dict:
         try:
             wide = cls.from_pretrained(model_dir, dtype=torch.float64).eval()
-            box[0] = _forward(wide, {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}, torch)
-            del wide
+            return _forward(wide, {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}, torch)
         except Exception:  # noqa: BLE001 (a model with no fp64 path: the fixed tolerance decides)
-            box[0] = {}
-    if topology.tp_size > 1:
-        dist.broadcast_object_list(box, src=first, group=groups.tp)
-    return box[0] or None
+            return {}
+
+    return _from_first_rank(compute, topology, groups) or None
 
 
 def _fp32_checks(got: dict, want: dict, check, check_tokens, torch, exact: dict | None = None) -> None:
