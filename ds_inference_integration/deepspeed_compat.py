@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .errors import InferenceSetupError
+from .policy.configs import text_config
 from .topology import Topology, threads_per_rank
 
 # DeepSpeed's fused inference kernels (`replace_with_kernel_inject`) run with none of the architectures they
@@ -219,7 +220,7 @@ def kv_heads_seen_by_deepspeed(config: object, heads):
     seen = getattr(config, "text_config", None) or config
     lent = []
     if hasattr(config, "get_text_config") and not any(getattr(seen, n, None) is not None for n in _KV_HEAD_ATTRS):
-        text = config.get_text_config()
+        text = text_config(config)
         for n in dict.fromkeys((*_KV_HEAD_ATTRS, *_ATTN_HEAD_ATTRS)):
             if getattr(text, n, None) is not None and n not in seen.__dict__:
                 setattr(seen, n, getattr(text, n))
@@ -303,6 +304,16 @@ def lm_head_tied_as_the_model_ties(model: nn.Module):
     # embedding's (`policy sweep`, 2026-12-06); it gets its meta weight back, for the loader to read by its name
     untied_meta = getattr(head, "weight", None) is not None and head.weight.is_meta \
         and head.weight is not embedding.weight
+    if untied_meta and tuple(head.weight.shape) != tuple(getattr(embedding, "weight", head.weight).shape):
+        # nor to the model's own embedding where the shapes differ: Moshi's head [96, 128] became its embedding [97,
+        # 128], split to [97, 64], which no loader can fill from the head's [96, 128] ("cannot tell which part of
+        # lm_head.weight ... this rank holds", `policy sweep`, 2026-12-06). It gets a placeholder of its own shape
+        # (not on meta: `set_lm_head` ties only a head on meta), which DeepSpeed splits and the loader fills after,
+        # as it fills a head DeepSpeed tied. (Hiding the embedding instead left a linear on meta first in the model,
+        # whose `device` DeepSpeed's engine then read as meta: `to_empty` gave every parameter new memory, without
+        # DeepSpeed's record of each split.)
+        head.weight = nn.Parameter(torch.zeros(head.weight.shape, dtype=head.weight.dtype,
+                                               device=embedding.weight.device), requires_grad=False)
     with modules_kept_apart(model, list(owners.values())):
         yield
     now = model.get_output_embeddings() if untied_meta else None

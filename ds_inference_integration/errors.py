@@ -33,8 +33,13 @@ class RunFailure(RuntimeError):
 
 
 def first_line(error: BaseException) -> str:
-    """An exception's message as one line (its first non-empty line), for an `error:` line."""
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    """An exception's message as one line (its first non-empty line), for an `error:` line; a first line that only
+    introduces the next ("Class validation error for validator 'validate_architecture':", huggingface_hub's strict
+    configs, whose cause is on the second line) is joined with it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def sharding_failure(error: BaseException) -> bool:

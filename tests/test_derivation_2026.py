@@ -585,6 +585,84 @@ def test_a_head_on_meta_the_model_does_not_tie_is_untied_again_after_deepspeeds_
     assert model.lm_head.weight.shape == embedding.shape
 
 
+def test_a_head_on_meta_of_another_shape_than_the_input_embedding_is_never_tied_to_it():
+    """Moshi's untied head is [96, 128], its input embedding [97, 128]: DeepSpeed's `set_lm_head` tied the head on
+    meta to the embedding and split that, [97, 64] at tp 2, which the shard-aware loader could not fill from the
+    checkpoint's head ("cannot tell which part of lm_head.weight ... this rank holds"). While DeepSpeed shards the
+    head holds a placeholder of its own shape, not on meta (what `set_lm_head` ties), and no other parameter of the
+    model is on meta first (DeepSpeed's engine reads the model's `device` from it)."""
+    from ds_inference_integration.deepspeed_compat import lm_head_tied_as_the_model_ties
+
+    model = zoo_model("llama")
+    model.config.tie_word_embeddings = False
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    with torch.device("meta"):
+        model.lm_head = nn.Linear(hidden, vocab - 1, bias=False)
+    embedding = model.get_input_embeddings()
+    with lm_head_tied_as_the_model_ties(model):
+        head = model.lm_head.weight
+        assert not head.is_meta and tuple(head.shape) == (vocab - 1, hidden)
+        assert model.device.type != "meta"
+    assert model.get_input_embeddings() is embedding and model.lm_head.weight is not embedding.weight
+
+
+def test_an_mlp_across_two_modules_of_a_module_is_split_not_kept_whole():
+    """Reformer's `feed_forward` holds `dense.dense` (128 -> 256) and `output.dense` (256 -> 128, row-parallel): the
+    first, judged alone, was kept whole while the second was split, "mat1 and mat2 shapes cannot be multiplied
+    (30x256 and 128x128)" at tp 2 (`policy sweep`, 2026-12-07)."""
+    policy = derive_policy(zoo_model("reformer"))
+    whole = policy.replicated.get("ReformerLayer", ())
+    assert not any(p.startswith("feed_forward") for p in whole), whole
+    assert policy.layers["ReformerLayer"] == ("output.dense",)
+
+
+def test_an_mlp_of_its_own_inside_the_module_that_ends_the_layers_mlp_is_kept_whole_alone():
+    """X-MOD's `output` holds the MLP's row-parallel `dense` and, after it, a language adapter (128 -> 64 -> 128) on
+    the all-reduced output: the adapter's 64 outputs, judged against `dense`'s 256 inputs, kept the whole `output`
+    whole; the row name `output.dense` then named nothing outside it but `attention.output.dense`, dropped too, and
+    the sharded forward failed ("mat1 and mat2 shapes cannot be multiplied (30x64 and 128x128)", 2026-12-07)."""
+    policy = derive_policy(zoo_model("xmod"))
+    assert policy.replicated["XmodLayer"] == ("output.adapter_modules",), policy.replicated
+    assert policy.layers["XmodLayer"] == ("output.dense",), policy.layers
+
+
+def test_bare_parameter_experts_beside_a_split_shared_expert_are_kept_whole_alone():
+    """Ergo's MoE holds its routed experts as bare parameters (`ErgoExperts`, not linears, not a packed layout this
+    project splits), its router and a shared expert of linears: the router's 4 outputs, judged against the shared
+    expert's row-parallel input, kept the whole MoE whole (67% of a layer per rank at tp 2). The shared expert is
+    split; the experts and the router alone are whole, and counted so (51%)."""
+    policy = derive_policy(zoo_model("ergo"))
+    assert policy.replicated["ErgoDecoderLayer"] == ("mlp.experts", "mlp.gate"), policy.replicated
+    assert "shared_experts.down_proj" in policy.layers["ErgoDecoderLayer"], policy.layers
+
+
+def test_a_decoder_named_by_the_seq2seq_mapping_only_is_built_by_it():
+    """Qwen2-Audio, GLM-ASR, AudioFlamingo 3: decoders behind an audio encoder (not encoder-decoders) that only
+    transformers' seq2seq mapping names; AutoModelForCausalLM refused their configs ("Unrecognized configuration
+    class"). MusicGen's encoder-decoder config, named by the causal mapping only, goes to that one."""
+    import transformers as tr
+    from transformers import AutoConfig
+
+    for model_type in ("qwen2_audio", "glmasr", "audioflamingo3"):
+        assert model_class_for(AutoConfig.for_model(model_type)) is tr.AutoModelForSeq2SeqLM, model_type
+    assert model_class_for(AutoConfig.for_model("musicgen")) is tr.AutoModelForCausalLM
+    assert model_class_for(AutoConfig.for_model("llama")) is tr.AutoModelForCausalLM
+    assert model_class_for(AutoConfig.for_model("t5")) is tr.AutoModelForSeq2SeqLM
+
+
+def test_a_config_with_two_text_configs_is_read_by_its_decoders():
+    """MusicGen's config holds `text_encoder` and `decoder`: transformers' `get_text_config()` raises ("would be
+    ambiguous"), which stopped the policy's derivation and the checker; the decoder's is the one that generates."""
+    from transformers import AutoConfig
+
+    from ds_inference_integration.policy.configs import text_config
+    from ds_inference_integration.policy.schema import config_value
+
+    config = AutoConfig.for_model("musicgen")
+    assert text_config(config) is config.decoder
+    assert config_value(config, "num_attention_heads") == config.decoder.num_attention_heads
+
+
 @pytest.mark.parametrize("model_type, shape", [("canary", (2, 64, 128)), ("cohere_asr", (2, 64, 128)),
                                                ("seamless_m4t_v2", (2, 64, 160))])
 def test_speech_models_reading_frames_of_mel_bins_get_a_probe_input(model_type, shape):
@@ -611,3 +689,21 @@ def test_an_embedding_in_a_layer_whose_columns_are_not_its_heads_is_kept_whole()
     extra = nn.Embedding(9, model.config.d_kv)
     layers[0].layer[0].SelfAttention.distance_embedding = extra
     assert _embeddings_not_per_head(layers, model.config) == [extra]
+
+
+def test_a_model_with_nothing_to_split_is_refused_naming_its_layers_and_what_they_hold():
+    """JetMoE holds its attention's and MLP's experts as [experts, out, in] parameters of a module of its own
+    (`JetMoeParallelExperts`); its only linears are routers and a shared key/value projection. The refusal said
+    only "no row-parallel linear found": it names the layer class and what it holds."""
+    from transformers import AutoConfig
+
+    from ds_inference_integration.tools.small_config import shrink
+
+    config = shrink(AutoConfig.for_model("jetmoe"))
+    with torch.device("meta"):
+        model = model_class_for(config).from_config(config)
+    with pytest.raises(InferenceSetupError) as caught:
+        derive_policy(model)
+    line = str(caught.value)
+    assert "\n" not in line and "JetMoeDecoderLayer: linears mlp.router.layer" in line, line
+    assert "weights in JetMoeParallelExperts (not linears" in line and "policy suggest" in line, line

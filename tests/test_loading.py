@@ -687,3 +687,18 @@ def test_the_model_class_is_the_checkpoints_own_where_its_type_has_several():
         tr.AutoModelForSpeechSeq2Seq
     assert model_class_for(tr.LlamaConfig(architectures=["LlamaForCausalLM"])) is tr.AutoModelForCausalLM
     assert model_class_for(tr.T5Config()) is tr.AutoModelForSeq2SeqLM
+
+
+def test_a_config_validators_error_is_one_line_with_its_cause():
+    """huggingface_hub's strict configs say "Class validation error for validator 'validate_architecture':" on the
+    first line and the cause on the second: the one-line error said only the first (`policy sweep`'s cells, and a
+    user's `error:` line for a checkpoint whose config fails its own checks)."""
+    from transformers import AutoConfig
+
+    from ds_inference_integration.errors import first_line
+
+    with pytest.raises(Exception) as caught:
+        AutoConfig.for_model("gemma4_assistant")  # its default text config fails its own validator
+    line = first_line(caught.value)
+    assert line.startswith("Class validation error") and "hidden_size_per_layer_input must be 0" in line, line
+    assert first_line(ValueError("one\ntwo")) == "one" and first_line(ValueError("")) == "ValueError"

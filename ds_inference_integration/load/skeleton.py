@@ -122,6 +122,15 @@ def model_class_for(config):
                 return auto_class
     if model_type in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
         return tr.AutoModelForSpeechSeq2Seq
+    # a decoder with an audio encoder before it (Qwen2-Audio, GLM-ASR, AudioFlamingo 3) is named by the seq2seq
+    # mapping only (AutoModelForCausalLM refused its config: "Unrecognized configuration class"); an encoder-decoder
+    # config by the causal one only (MusicGen's, whose decoder generates) is built by that one
+    in_seq2seq = model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    in_causal = model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if in_seq2seq and (config.is_encoder_decoder or not in_causal):
+        return tr.AutoModelForSeq2SeqLM
+    if in_causal:
+        return tr.AutoModelForCausalLM
     return tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
 from ..errors import InferenceSetupError
+from .configs import text_config
 from .kinds import is_experts, is_packed_experts, is_router, is_ssm_mixer, row_packed_experts
 from .layers import layer_kinds
 from .schema import (
@@ -112,7 +113,7 @@ def _chain_rows(model: nn.Module) -> dict[str, dict[str, list[str]]]:
     Mixtral). Modules with a convolution are mixers, kept whole instead (`_whole_reason`)."""
     found: dict[str, dict[str, list[str]]] = {}
     outermost = outermost_layer_classes(model)
-    text = _text_config(model.config)
+    text = text_config(model.config)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
     for name, kinds in layer_kinds(model).items():
         if name not in outermost:
@@ -162,16 +163,34 @@ def derive_row_parallel(model: nn.Module) -> dict[str, tuple[str, ...]]:
             layers[name] = tuple(sorted(rows))
     if not layers and not derive_experts(model):
         raise _cannot_derive(model_type, "no row-parallel linear found (neither the config's base_model_tp_plan "
-                                         "nor DeepSpeed AutoTP names one)")
+                                         f"nor DeepSpeed AutoTP names one){_what_the_layers_hold(model)}")
     return layers
 
 
-def _text_config(config: object) -> object:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+def _what_the_layers_hold(model: nn.Module) -> str:
+    """What a policy would be written from, for the refusal's line: each outermost layer class with its linears and
+    the modules holding weights that are not linears (JetMoE's `JetMoeParallelExperts`, its attention's and MLP's
+    experts as [experts, out, in] parameters, which no rule here splits)."""
+    first: dict[str, nn.Module] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                first.setdefault(type(child).__name__, child)
+    parts = []
+    for name in sorted(outermost_layer_classes(model) & set(first)):
+        layer = first[name]
+        linears = sorted(_linears(layer))
+        other = sorted({type(m).__name__ for _, m in layer.named_modules() if not is_linear(m)
+                        and any(p.ndim >= 2 for p in m.parameters(recurse=False))})
+        held = [f"linears {', '.join(linears)}" if linears else "no linear"]
+        if other:
+            held.append(f"weights in {', '.join(other)} (not linears: neither DeepSpeed nor a policy splits those)")
+        parts.append(f"{name}: {'; '.join(held)}")
+    return f"; its layers hold {' / '.join(parts)}" if parts else ""
 
 
 def _head_counts(config: object) -> tuple[str | None, str | int | None]:
-    text = _text_config(config)
+    text = text_config(config)
     query = next((a for a in QUERY_HEAD_ATTRIBUTES if isinstance(getattr(text, a, None), int)), None)
     kv = next((a for a in KV_HEAD_ATTRIBUTES if isinstance(getattr(text, a, None), int)), None)
     if getattr(text, "multi_query", False) is True and not getattr(text, "new_decoder_architecture", False):
@@ -184,7 +203,7 @@ def head_values(config: object) -> tuple[int, int] | None:
     q_attr, kv_attr = _head_counts(config)
     if q_attr is None:
         return None
-    text = _text_config(config)
+    text = text_config(config)
     q = getattr(text, q_attr)
     return q, kv_attr if isinstance(kv_attr, int) else getattr(text, kv_attr) if kv_attr else q
 
@@ -329,7 +348,7 @@ def _per_head_outside_layers(model: nn.Module, layers: dict[str, tuple[str, ...]
     DeepSpeed splits it with the heads."""
     inside = {id(m) for list_ in model.modules() if isinstance(list_, nn.ModuleList)
               for layer in list_ if type(layer).__name__ in layers for m in layer.modules()}
-    hidden = getattr(_text_config(model.config), "hidden_size", None)
+    hidden = getattr(text_config(model.config), "hidden_size", None)
     for name, module in model.named_modules():
         if id(module) in inside:
             continue
@@ -370,7 +389,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     q_attr, kv_attr = _head_counts(config)
-    text = _text_config(config)
+    text = text_config(config)
     if q_attr is None or head_grain(model_type) > 1:
         return None, {}  # no head count to split by, or a layout DeepSpeed keeps its own record of (CodeGen)
     q, kv = head_values(config)
@@ -665,7 +684,11 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
         return (f"no row-parallel linear gathers what {', '.join(columns)} compute: split by output rows, each "
                 "rank would keep part of the module's output")
     fed = {m.weight.shape[1] for m in row.values()}
-    odd = [q for q, m in columns.items() if m.weight.shape[0] not in fed
+    # a child module holding no row-parallel linear is judged on its own (`_whole_inside`: kept whole where nothing
+    # gathers it), not against this module's row-parallel inputs: X-MOD's language adapter after `output.dense`
+    # (128 -> 64 -> 128, on the all-reduced output) kept the whole `output` whole, and `intermediate` split before it
+    own = {q for q in columns if "." not in q or any(r.startswith(f"{q.partition('.')[0]}.") for r in row)}
+    odd = [q for q, m in columns.items() if q in own and m.weight.shape[0] not in fed
            and not (q.endswith("gate_up_proj") and m.weight.shape[0] // 2 in fed)]
     if odd:
         return (f"{odd[0]} ({columns[odd[0]].weight.shape[0]} outputs) does not feed a row-parallel linear "
@@ -689,13 +712,28 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
     (DeepSeek-V3.2's and GLM-5's `self_attn.indexer`, which scores every token for the sparse attention: "shape
     '[3, 10, 64, 128]' is invalid" at tp 2). Such a module is computed whole on every rank."""
     found = {}
+    # what a row-parallel linear of the module reads, but the model's width: an MLP across two of its modules is
+    # gathered by the second (Reformer's `feed_forward.dense`, 128 -> 256, read by `feed_forward.output.dense`: kept
+    # whole while that was split, "mat1 and mat2 shapes cannot be multiplied (30x256 and 128x128)" at tp 2,
+    # `policy sweep`, 2026-12-07), as `_gathered_widths` finds it among the layer's own modules
+    read = {m.weight.shape[1] for q, m in _linears(module).items()
+            if _row_parallel(path, q, rows) and m.weight.shape[1] != hidden}
     for name, child in module.named_children():
         linears = _linears(child)
+        if not linears and not is_linear(child) and not is_experts(child) and any(p.ndim >= 2 for p in child.parameters()) \
+                and not any(isinstance(m, nn.Embedding) for m in child.modules()):
+            # weights DeepSpeed does not split, beside a split module's linears (Ergo's experts as bare [experts,
+            # ...] parameters beside its shared expert): held whole, and counted so (an embedding DeepSpeed slices
+            # itself: T5's relative attention bias)
+            found[f"{path}.{name}"] = "its weights are bare parameters, not linears: DeepSpeed splits linears only"
+            continue
         if not linears or is_linear(child) or is_ssm_mixer(child) or _expert_count(child) is not None:
             continue
         if any(not p for p, *_ in _attention_modules(child)):  # q/k/v gathered by its parent (BigBird's `self`)
             continue
         where = f"{path}.{name}"
+        if all(m.weight.shape[0] in read and not _row_parallel(where, q, rows) for q, m in linears.items()):
+            continue
         # a row-parallel linear gathers the module when it writes the model's width back (AutoTP names the
         # indexer's `wk`, the linear before its norm, row-parallel, though it writes one head's features)
         # (and reads something narrower or wider than the model's width: a row-parallel linear that reads the layer's
@@ -728,7 +766,7 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
     a linear of the block, outside its experts, with one output per expert or a single one); and {layer class:
     paths} of the Mamba2-style mixers split by their heads instead (`shard/mixers.py`)."""
     found: dict[str, dict[str, str]] = {}
-    text = _text_config(model.config)
+    text = text_config(model.config)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
     mixers: dict[str, dict[str, None]] = {}
     mixer_types: dict[tuple[str, str], set[str]] = {}

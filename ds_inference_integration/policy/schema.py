@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import InferenceSetupError
+from .configs import text_config
 
 if TYPE_CHECKING:  # torch where a model is looked at (arguments.py says why not at import)
     from torch import nn
@@ -254,7 +255,7 @@ def configured_values(config: object):
     own counts are read from its modules where they are split (`shard.inject.layer_heads`). Gemma 4 with its own
     key/value head count in the full-attention layers raised it from the policy's derivation, and would from
     DeepSpeed's own read of `num_key_value_heads` (2026-12-06)."""
-    configs = {id(c): c for c in (config, *([config.get_text_config()] if hasattr(config, "get_text_config") else []))
+    configs = {id(c): c for c in (config, text_config(config))
                if getattr(c, "is_heterogeneous", False)}
     before = {i: c.__dict__.get(ALLOW_GLOBAL) for i, c in configs.items()}
     quiet = logging.getLogger("transformers.integrations.heterogeneity.configuration_utils")
@@ -288,8 +289,8 @@ def config_value(config: object, attr: str):
     """A head count from the config, or from its text config where the top one has none (T5Gemma keeps its
     counts in its encoder and decoder configs; `get_text_config()` is the decoder's)."""
     value = getattr(config, attr, None)
-    if value is None and hasattr(config, "get_text_config"):
-        value = getattr(config.get_text_config(), attr, None)
+    if value is None:
+        value = getattr(text_config(config), attr, None)
     return value
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import InferenceSetupError, first_line, sharding_failure
+from .configs import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def _probe_inputs(model: nn.Module, device) -> dict:
     if name in SPEECH_INPUTS:
         inputs = {k: v.to(device) for k, v in random_speech_inputs(config, name, 1, g).items()}
         return {**inputs, "decoder_input_ids": torch.full((1, 4), start, device=device), "use_cache": False}
-    vocab = getattr(config.get_text_config(), "vocab_size", None) or 32
+    vocab = getattr(text_config(config), "vocab_size", None) or 32
     ids = torch.randint(min(3, vocab - 1), vocab, (1, PROBE_TOKENS), generator=g).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
     if getattr(config, "is_encoder_decoder", False):

@@ -8,6 +8,7 @@ before any batch (`check_inputs_fit`). Relative positions (T5) have no limit her
 from __future__ import annotations
 
 from ..errors import InferenceSetupError
+from ..policy.configs import text_config
 from .length_grouping import input_lengths
 
 # attribute names, most specific first: LED's own, Whisper's and Speech2Text's, then the shared one of BART,
@@ -33,7 +34,7 @@ def encoder_positions(config) -> int | None:
 
 def sequence_positions(config) -> int | None:
     """A decoder-only model's positions (prompt + generated tokens), or None where its config names none."""
-    return _first(getattr(config, "get_text_config", lambda: config)(), SEQUENCE_POSITIONS)
+    return _first(text_config(config), SEQUENCE_POSITIONS)
 
 
 def decoder_positions(config) -> int | None:

@@ -35,6 +35,7 @@ from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..errors import first_line
+from ..policy.configs import text_config
 from . import rules as row_rules
 from .beams import BeamGroup
 from .rules import RowRules, eos_ids, generation_config, own_failure, with_defaults
@@ -102,8 +103,8 @@ class StepEngine:
         # sliding-window attention: every key kept, the window the step's mask's; the sliding layers' mask passed as
         # the model's mapping by layer type where its config names its layers' types (Qwen2, Gemma 2/3...), as the
         # one mask where the window is the whole model's (Mistral); the probe checks what was chosen
-        self.window = getattr(model.config.get_text_config(), "sliding_window", None)
-        self.mapping = bool(getattr(model.config.get_text_config(), "layer_types", None))
+        self.window = getattr(text_config(model.config), "sliding_window", None)
+        self.mapping = bool(getattr(text_config(model.config), "layer_types", None))
         self.positions = DecoderPositions(model) if self.encoder_decoder else None
         # a decoding step over every slot and the cache's whole width (`SlotCache.decode(fixed=True)`): its shapes
         # change only when the cache grows, as CUDA graphs and `torch.compile` need; by default on a GPU only. On
@@ -754,7 +755,7 @@ def probe(model, tokenizer, device, capacity: int = 4, project_cross: bool = Tru
     plain forward at batch 1 with transformers' own cache, as generate runs it), step for step, within rounding: a
     model whose attention does not follow per-row positions and a 4D mask (a relative bias or ALiBi computed from one
     shared position or a 2D mask...) differs by far more. Run on every rank alike (its forward is sharded)."""
-    vocab = min(int(model.config.get_text_config().vocab_size), len(tokenizer))
+    vocab = min(int(text_config(model.config).vocab_size), len(tokenizer))
     # lengths far apart, and the third row joining 6 steps after the others: a row given another's position differs
     # the most (limited to the model's positions: 64 and more for every model we ship)
     prompts = [[(7 * i + 3) % vocab for i in range(24)], [(5 * i + 11) % vocab for i in range(3)],

@@ -135,6 +135,10 @@ ZOO = {
     "led": lambda: _seq2seq("LEDConfig", max_encoder_position_embeddings=64, max_decoder_position_embeddings=64,
                             attention_window=8),
     "pegasus_x": lambda: _seq2seq("PegasusXConfig", block_size=8, num_global_tokens=4),
+    # attentions and feed-forwards in lists of their own, each a layer (policies/xlm.toml)
+    "xlm": lambda: _decoder("XLMConfig", emb_dim=128, n_layers=2, n_heads=4, max_position_embeddings=64,
+                            hidden_size=None, intermediate_size=None, num_hidden_layers=None,
+                            num_attention_heads=None),
     # derived policies: decoders
     "phi3": lambda: _decoder("Phi3Config", **GQA),
     "phi": lambda: _decoder("PhiConfig"),
@@ -337,6 +341,17 @@ ZOO = {
     # a speech encoder reading frames of mel bins ([batch, frames, bins]) whose relative-position attention holds a
     # bias row per head and views by the config's head count: kept whole
     "canary": lambda: _swept("canary"),
+    # an MLP across two modules of a module (Reformer's `feed_forward.dense` and `feed_forward.output`), gathered by
+    # the second: split, not kept whole beside a split row-parallel linear
+    "reformer": lambda: _swept("reformer"),
+    # a language adapter (an MLP of its own) inside the module that ends the layer's MLP, after its row-parallel
+    # linear: the adapter kept whole, the module split (X-MOD, its language set as a saved checkpoint holds it)
+    "xmod": lambda: _swept("xmod"),
+    # an untied output head of another shape than the input embedding (Moshi's [96, 128] beside [97, 128]): split as
+    # itself, never tied to the embedding by DeepSpeed's `set_lm_head`
+    "moshi": lambda: _swept("moshi"),
+    # a decoder behind an audio encoder, named by transformers' seq2seq mapping only (checked on text)
+    "qwen2_audio": lambda: _swept("qwen2_audio"),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..policy.configs import text_config
 from ..run.files import write_text_atomic
 from ..run.ranks import failure_text, start_ranks, wait_ranks
 
@@ -132,7 +133,7 @@ def _inputs(config, torch, main_input: str = "input_ids"):
     if main_input in SPEECH_INPUTS:
         return random_speech_inputs(config, main_input, 3, g)
     # a composite config (Gemma 3, Voxtral, Fuyu) keeps the vocabulary in its text config
-    vocab = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
+    vocab = getattr(config, "vocab_size", None) or text_config(config).vocab_size
     pad = _pad_id(config)
     lengths = [7, 4, 10]
     width = max(lengths)

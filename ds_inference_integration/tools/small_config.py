@@ -3,6 +3,8 @@ the architecture zoo's entries taken from the sweep are (`architecture_zoo._swep
 
 from __future__ import annotations
 
+import contextlib
+
 VOCAB = 96
 
 WIDTH = {"hidden_size": 128, "d_model": 128, "n_embd": 128, "embed_dim": 128, "dim": 128, "emb_dim": 128}
@@ -30,12 +32,14 @@ def _small_values(config) -> dict:
     values.update({n: 4 for n in ints(HEADS)})
     query = next((getattr(config, n) for n in ints(HEADS)), None)
     values.update({n: 4 if query is not None and getattr(config, n) >= query else 2 for n in ints(KV_HEADS)})
-    if isinstance(getattr(config, "head_dim", None), int):
-        values["head_dim"] = 32
+    if isinstance(getattr(config, "head_dim", None), int) or (query is not None and "head_dim" in vars(config)):
+        values["head_dim"] = 32  # also where the default leaves it None and the model reads it (Ministral)
     values.update({n: min(getattr(config, n), 4) for n in ints(EXPERTS)})
     values.update({n: min(getattr(config, n), 2) for n in ints(TOP_K)})
     if isinstance(getattr(config, "vocab_size", None), int):
         values["vocab_size"] = VOCAB
+    # other vocabularies: Gemma 4's per-layer embeddings (262144 rows), BLT's hashed byte groups (3M rows)
+    values.update({n: VOCAB for n in ints(vars(config)) if "vocab" in n and n != "vocab_size" and getattr(config, n) > VOCAB})
     for n in TOKEN_IDS:
         value = getattr(config, n, None)
         if isinstance(value, int) and value >= VOCAB:
@@ -56,7 +60,31 @@ def _small_values(config) -> dict:
         if isinstance(getattr(config, n, None), int):
             values[n] = 1
     values.update(_per_layer_lists(config))
+    own = OWN.get(getattr(config, "model_type", None), {})
+    values.update({n: v for n, v in own.items() if "." not in n})  # (a sub-config's: set after its own shrink)
     return values
+
+
+# sizes under names of their own, or that the default config leaves unset though the model needs them: {model_type:
+# {attribute: value}}; "sub_config.attribute" sets a sub-config's after its shrink
+OWN = {
+    # its sparse attention's indexer: all five or none, the default none, which the model's indexer cannot build
+    "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=8,
+                           indexer_compress_ratio=4),
+    # its rotary parameters by layer type (the default's are not, and its rotary embedding reads them so)
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # the decoder's key/value heads, which its attention reads and its config class does not declare
+    "moonshine_streaming": dict(num_key_value_heads=4),
+    # its indexer's heads, at most the query heads one key head serves (12 by default; 4 / 2 here)
+    "kolibri1_1": dict(index_num_heads=2),
+    # its adaptor's inner width is a quarter of the text model's hidden size
+    "fun_asr_nano": {"adaptor_config.intermediate_size": WIDTH["hidden_size"] // 4},
+    # the language its adapters run for an input without language ids (the default none: the model refuses it), as a
+    # checkpoint saved after `set_default_language` holds
+    "xmod": dict(default_language="en_XX"),
+    # axial position embeddings whose widths sum to the hidden size, and heads of 32 (4 x 32 = 128)
+    "reformer": dict(axial_pos_embds_dim=[64, 64], attention_head_size=32, feed_forward_size=256),
+}
 
 
 PER_LAYER = ("layer_types", "mlp_layer_types", "block_types")
@@ -83,30 +111,57 @@ def _per_layer_lists(config) -> dict:
     return found
 
 
-def shrink(config, rebuild: bool = True):
+def _set_by_parent(config, top: bool) -> dict:
+    """A sub-config's settings that differ from its class's defaults: what its parent set (Cohere ASR's encoder reads
+    128 mel bins, its class says 80), kept where it is built again; none for the top config (a default one)."""
+    if top:
+        return {}
+    try:
+        default = type(config)().to_dict()
+    except Exception:  # noqa: BLE001 (a class with no default of its own: nothing is known to differ)
+        return {}
+    return {k: v for k, v in config.to_dict().items()
+            if k not in ("model_type", "transformers_version") and not isinstance(v, dict) and v != default.get(k)}
+
+
+def shrink(config, rebuild: bool = True, top: bool = True):
     """A small config of the same type: widths 128, inner sizes 256 (experts' 128), 2 layers, 4 query heads and 2
     or 4 key/value heads, head_dim 32, 4 experts of which 2 per token, a vocabulary of 96, a large initialisation
     (greedy tokens depend on the input). The top config is built again from those values where it can be (its
     own checks then derive what depends on them: `layer_types`), else changed in place with the first two kinds of
-    its `layer_types`; sub-configs are changed in place."""
+    its `layer_types`; sub-configs likewise (in place where the top one was)."""
     from transformers import AutoConfig, PretrainedConfig
 
     from ..policy.schema import configured_values
 
     with configured_values(config):
         values = _small_values(config)
+    given = config
     if rebuild:
         try:
-            config = AutoConfig.for_model(config.model_type, **values)
+            config = AutoConfig.for_model(config.model_type, **{**_set_by_parent(config, top), **values})
         except Exception:  # noqa: BLE001 (a config that refuses them together: changed in place below)
             rebuild = False
     if not rebuild:
         for n, v in values.items():
-            setattr(config, n, v)
+            with contextlib.suppress(AttributeError):  # a read-only property, derived from the others set here:
+                setattr(config, n, v)  # RecurrentGemma's layer types (its block types), Nemotron's audio width
     for name in list(getattr(config, "sub_configs", {}) or {}):
-        sub = getattr(config, name, None)
+        # a sub-config's own sub-configs as its parent set them (T5Gemma2's sets `dropout_rate` on its encoder's text
+        # config, which a text config built again from defaults lacks); the top config's as built again
+        sub = getattr(config if top else given, name, None)
         if isinstance(sub, PretrainedConfig):
-            shrink(sub, rebuild=False)
+            # built again too where it can be: changed in place, a sub-config's lists derived from its layer count
+            # stayed the default's (Gemma 4's `per_layer_config` keys, 5 to 29 of 2 layers; Dots3's sliding heads)
+            small = shrink(sub, rebuild=rebuild, top=False)
+            if small is not getattr(config, name, None):
+                with contextlib.suppress(AttributeError):
+                    setattr(config, name, small)
+    own = OWN.get(getattr(config, "model_type", None), {})
+    for path, value in own.items():
+        if "." in path:
+            sub, _, attribute = path.partition(".")
+            setattr(getattr(config, sub), attribute, value)
     if hasattr(config, "is_decoder") and not config.is_encoder_decoder:
         config.is_decoder = True  # BERT-style encoders generate as decoders (their LM-head class asks for it)
     if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:

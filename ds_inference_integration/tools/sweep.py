@@ -40,7 +40,6 @@ def build(model_type: str, root: Path) -> tuple[Path | None, str]:
     """A tiny random model of `model_type` saved under `root`: (directory, "") or (None, why not)."""
     from transformers import AutoConfig
 
-    from ..errors import first_line
     from .architecture_zoo import tiny_model
 
     try:
@@ -50,8 +49,27 @@ def build(model_type: str, root: Path) -> tuple[Path | None, str]:
             return None, f"still {count / 1e6:.0f}M parameters after shrinking (sizes under names of its own)"
         model.save_pretrained(root / model_type)
     except Exception as e:  # noqa: BLE001 (any failure to build is this type's verdict, said in the table)
-        return None, f"{type(e).__name__}: {first_line(e)[:200]}"
+        # (a validator's error says what failed on its second line: the first only names the validator)
+        return None, _default_fails(model_type) or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return root / model_type, ""
+
+
+def _default_fails(model_type: str) -> str | None:
+    """Why transformers builds no model of the type's own default config (on the meta device: no memory), or None:
+    the small config is then not the cause (MusicGen's config, which its causal-LM class reads `dropout` from)."""
+    import torch
+    from transformers import AutoConfig
+
+    from ..errors import first_line
+    from ..load.skeleton import model_class_for
+
+    try:
+        config = AutoConfig.for_model(model_type)
+        with torch.device("meta"):
+            model_class_for(config).from_config(config)
+    except Exception as e:  # noqa: BLE001 (transformers' own failure, said in the table)
+        return f"transformers builds no model of its default config either ({type(e).__name__}: {first_line(e)[:160]})"
+    return None
 
 
 def verdict(checks: list[dict]) -> str:
