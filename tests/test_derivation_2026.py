@@ -646,6 +646,12 @@ def test_a_decoder_named_by_the_seq2seq_mapping_only_is_built_by_it():
     for model_type in ("qwen2_audio", "glmasr", "audioflamingo3"):
         assert model_class_for(AutoConfig.for_model(model_type)) is tr.AutoModelForSeq2SeqLM, model_type
     assert model_class_for(AutoConfig.for_model("musicgen")) is tr.AutoModelForCausalLM
+    # a checkpoint of Mllama's or Emu3's image-and-text class (their causal-LM class is the text model alone, whose
+    # config the Auto classes do not load back: "refused" before) is built by that class
+    mllama = AutoConfig.for_model("mllama", architectures=["MllamaForConditionalGeneration"])
+    assert model_class_for(mllama) is tr.AutoModelForImageTextToText
+    gemma3 = AutoConfig.for_model("gemma3", architectures=["Gemma3ForConditionalGeneration"])
+    assert model_class_for(gemma3) is tr.AutoModelForCausalLM  # named by the causal mapping too: that one, as before
     assert model_class_for(AutoConfig.for_model("llama")) is tr.AutoModelForCausalLM
     assert model_class_for(AutoConfig.for_model("t5")) is tr.AutoModelForSeq2SeqLM
 

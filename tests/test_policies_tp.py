@@ -90,7 +90,7 @@ UNLISTED = ("phi3", "gemma", "mixtral")
 # check) and at tp 4
 MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv", "dbrx",
                  "bert", "gemma3", "fuyu", "doge", "cpmant",
-                 "hy_v4", "big_bird", "hrm_text", "reformer", "moshi"]
+                 "hy_v4", "big_bird", "hrm_text", "moshi"]
 # the checks the unsharded model cannot do (RWKV's and xLSTM's cache cannot be reordered for beam search): skipped
 # and said; any other skipped check fails `assert_all_pass`
 SKIPS = {("rwkv", "beam"), ("xlstm", "beam")}
@@ -355,9 +355,6 @@ def test_the_mechanisms_of_2026_12_match_the_unsharded_model(tp, tmp_path, reque
     # against the unsharded model's distance from fp64
     line = checks["hrm_text"]["logits"]["line"]
     assert "within the unsharded model's own fp32 rounding" in line or "max |diff|" in line and "beyond" not in line
-    # Reformer's MLP across `feed_forward.dense` and `feed_forward.output` split (before: the first kept whole beside
-    # the second split, "mat1 and mat2 shapes cannot be multiplied (30x256 and 128x128)")
-    assert not [p for p in share["reformer"]["by_design"] if "feed_forward" in p], share["reformer"]
     # Moshi's untied head, [96, 128] beside a [97, 128] embedding, read shard-aware and pre-sharded as itself (before:
     # tied to the embedding by DeepSpeed and split to [97, 64], "cannot tell which part of lm_head.weight ...")
     for path in ("shard-aware", "pre-sharded"):

@@ -35,6 +35,15 @@ def test_a_default_config_whose_sizes_are_read_elsewhere_builds(model_type, tmp_
     assert directory is not None and why == "", why
 
 
+def test_a_type_whose_causal_class_saves_a_config_no_auto_class_loads_is_built_as_published():
+    """Mllama's and Emu3's causal-LM classes are their text models, saved with a text config no Auto class loads
+    back (the sweep said "refused: transformers does not load it"); their checkpoints are of the image-and-text
+    class. Types whose causal class reloads (Qwen3.5, dots3) keep it."""
+    assert sweep.published_class("mllama") == ["MllamaForConditionalGeneration"]
+    assert sweep.published_class("emu3") == ["Emu3ForConditionalGeneration"]
+    assert sweep.published_class("qwen3_5") is None and sweep.published_class("llama") is None
+
+
 def test_a_type_transformers_cannot_build_from_its_own_default_is_said_so(tmp_path):
     """MusicGen's causal-LM class reads `dropout` from a config that has none: transformers' own failure, said as
     such, not taken for the small config's."""

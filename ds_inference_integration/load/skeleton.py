@@ -113,7 +113,10 @@ def model_class_for(config):
     model_type = getattr(config, "model_type", None)
     kinds = ((tr.AutoModelForSpeechSeq2Seq, auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
              (tr.AutoModelForSeq2SeqLM, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
-             (tr.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+             (tr.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+             # the checkpoints of a type whose causal-LM class is its text model alone (Mllama, Emu3): their
+             # image-and-text class, which generates from text alone too; the causal-LM class refused their config
+             (tr.AutoModelForImageTextToText, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
     # the checkpoint's own class first: a text-to-text SeamlessM4T shares its model_type with the speech one, whose
     # class was built from it and refused for want of audio ("no probe input is known for its 'input_features'")
     for architecture in getattr(config, "architectures", None) or ():

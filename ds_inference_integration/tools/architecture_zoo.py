@@ -352,6 +352,9 @@ ZOO = {
     "moshi": lambda: _swept("moshi"),
     # a decoder behind an audio encoder, named by transformers' seq2seq mapping only (checked on text)
     "qwen2_audio": lambda: _swept("qwen2_audio"),
+    # a type whose causal-LM class is its text model alone, whose checkpoints are of its image-and-text class (built by
+    # AutoModelForImageTextToText from `architectures`; checked on text: a vision tower and cross-attention layers)
+    "mllama": lambda: _swept("mllama", architectures=["MllamaForConditionalGeneration"]),
     # a multimodal type whose checkpoint is a text model: built from its `architectures` (the text-to-text class)
     "seamless_m4t_text": lambda: _swept("seamless_m4t", architectures=["SeamlessM4TForTextToText"]),
     # recurrent models whose unsharded `generate` cannot beam search: that check is skipped and said

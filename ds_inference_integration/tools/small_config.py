@@ -82,6 +82,11 @@ OWN = {
     # the language its adapters run for an input without language ids (the default none: the model refuses it), as a
     # checkpoint saved after `set_default_language` holds
     "xmod": dict(default_language="en_XX"),
+    # the map of its image tokens a checkpoint holds (the default none, which its image-and-text class cannot build
+    # from); id 2, below the checker's random token ids
+    "emu3": dict(vocabulary_map={"<image>": 2, "<|extra_200|>": 2}),
+    # its image tokenizer's channels (256 x up to 4, convolutions of 1024 x 1024 x 3 x 3)
+    "emu3_vqgan": dict(base_channels=32, codebook_size=VOCAB),
     # axial position embeddings whose widths sum to the hidden size, and heads of 32 (4 x 32 = 128)
     "reformer": dict(axial_pos_embds_dim=[64, 64], attention_head_size=32, feed_forward_size=256),
 }

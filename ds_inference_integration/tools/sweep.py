@@ -43,7 +43,9 @@ def build(model_type: str, root: Path) -> tuple[Path | None, str]:
     from .architecture_zoo import tiny_model
 
     try:
-        model = tiny_model(shrink(AutoConfig.for_model(model_type)))
+        config = shrink(AutoConfig.for_model(model_type))
+        config.architectures = published_class(model_type)
+        model = tiny_model(config)
         count = sum(p.numel() for p in model.parameters())
         if count > MAX_PARAMETERS:
             return None, f"still {count / 1e6:.0f}M parameters after shrinking (sizes under names of its own)"
@@ -52,6 +54,23 @@ def build(model_type: str, root: Path) -> tuple[Path | None, str]:
         # (a validator's error says what failed on its second line: the first only names the validator)
         return None, _default_fails(model_type) or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return root / model_type, ""
+
+
+def published_class(model_type: str) -> list[str] | None:
+    """The class a published checkpoint of the type names in its `architectures`, where it is not the causal-LM
+    class the sweep would build otherwise: Mllama's and Emu3's causal-LM classes are their text models alone, whose
+    saved config transformers' Auto classes do not load back ("Unrecognized configuration class ... TextConfig"); their
+    checkpoints are of the image-and-text class."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    causal = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    both = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+    if not causal or not both or causal == both:
+        return None
+    saved = getattr(getattr(transformers, causal, None), "config_class", None)  # what the causal class saves
+    reloads = saved is not None and getattr(saved, "model_type", None) in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return None if reloads else [both]
 
 
 def _default_fails(model_type: str) -> str | None:
