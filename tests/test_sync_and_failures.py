@@ -611,3 +611,21 @@ def test_a_free_port_is_one_no_connection_or_port_0_bind_can_take_before_its_ran
     assert len(set(ports)) == 50 and all(10000 <= p < low for p in ports), (ports, low, high)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))  # free
+
+
+@pytest.mark.launched
+def test_two_processes_drawing_free_ports_never_get_the_same_one(tmp_path, monkeypatch):
+    """The suite's two workers drew ports each on its own: one drew a --master_port the other's ranks had bound
+    meanwhile, "--master_port 27367 (MASTER_PORT) is in use" (a fresh clone's `make test`, 2026-12-07). A drawn port
+    is reserved on the machine: 600 drawn here and 600 in another process (of ~22,000: 16 shared, expected, before)
+    are 1,200 ports."""
+    from ds_inference_integration.run import ranks
+
+    monkeypatch.setenv(ranks.PORTS_DIR_ENV, str(tmp_path / "ports"))  # (the other process reads it too)
+    other = subprocess.run([sys.executable, "-c", "from ds_inference_integration.run.ranks import free_port\n"
+                            "print(' '.join(str(free_port()) for _ in range(600)))"],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    theirs = set(map(int, other.stdout.split()))
+    ours = {ranks.free_port() for _ in range(600)}
+    assert len(theirs) == 600 and len(ours) == 600 and not theirs & ours, sorted(theirs & ours)

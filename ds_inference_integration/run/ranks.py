@@ -14,6 +14,7 @@ as a user starts them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -24,28 +25,65 @@ from pathlib import Path
 from ..topology import threads_per_rank
 from .template import DS_PARENT_ENV, template
 
-_GIVEN: set[int] = set()  # the ports free_port gave in this process
+# Where the starters on this machine reserve the ports they draw (one empty file per port, made with O_EXCL), for
+# RESERVED_SECONDS: long enough for the rank or launcher given it to bind it
+PORTS_DIR_ENV = "DS_INFERENCE_PORTS_DIR"
+RESERVED_SECONDS = 600
+_pruned = False
 
 
 def free_port() -> int:
-    """A port free now on 127.0.0.1 for a process started later to bind (a world's rendezvous store, a launcher's
-    --master_port), not one this process gave before: drawn at random from 10000 up to the kernel's ephemeral range
-    (`ip_local_port_range`), which the kernel never hands to a bind to port 0 or to an outgoing connection. A port
-    from the kernel's own draw (bind to port 0, as this did before) is one the next connection anywhere on the
-    machine may take in the seconds until the rank binds it: a test's server found its port in use so, failing a CI
-    run (2026-12-06). Here only another explicit choice can take it: two starters drawing the same port of ~22,000
-    at once. Where that range is not there (another kernel, a range from 10000 or lower), the kernel's draw."""
+    """A port free now for a process started later to bind (a world's rendezvous store, a launcher's --master_port),
+    drawn at random from 10000 up to the kernel's ephemeral range (`ip_local_port_range`), which the kernel never
+    hands to a bind to port 0 or to an outgoing connection, and reserved on this machine for `RESERVED_SECONDS`: no
+    other starter (another process of this user's: the suite's second worker) draws it meanwhile. A port from the
+    kernel's own draw (bind to port 0, as this did first) is one the next connection anywhere on the machine may
+    take in the seconds until the rank binds it: a test's server found its port in use so, failing a CI run
+    (2026-12-06); and two workers drawing the same of ~22,000 ports, each reserving nothing, met about once in a
+    dozen suites ("--master_port 27367 ... is in use", a fresh clone's `make test`, 2026-12-07). Where that range is
+    not there (another kernel, a range from 10000 or lower), the kernel's draw."""
     import random
 
+    global _pruned
+    if not _pruned:  # once a process: reservations older than RESERVED_SECONDS go
+        _pruned = True
+        for path in (_ports_dir().glob("[0-9]*") if _ports_dir().is_dir() else ()):
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > RESERVED_SECONDS:
+                    path.unlink()
     low = _ephemeral_low()
     for _ in range(200 if low > 11000 else 0):
         port = random.SystemRandom().randrange(10000, low)
-        if port not in _GIVEN and _bindable(port):
-            _GIVEN.add(port)
+        if _bindable(port) and _reserve(port):
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ports_dir() -> Path:
+    import tempfile
+
+    return Path(os.environ.get(PORTS_DIR_ENV) or Path(tempfile.gettempdir()) / f"ds_inference_ports_{os.getuid()}")
+
+
+def _reserve(port: int) -> bool:
+    """Whether this process now holds `port`'s reservation (made here, or found older than `RESERVED_SECONDS`)."""
+    where = _ports_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / str(port)
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime <= RESERVED_SECONDS:
+                    return False
+                path.unlink()  # stale: whoever reserved it has bound it or given up long ago
+            except FileNotFoundError:
+                pass
+    return False
 
 
 def _ephemeral_low() -> int:
@@ -56,9 +94,11 @@ def _ephemeral_low() -> int:
 
 
 def _bindable(port: int) -> bool:
+    """Free on every address (a rendezvous store listens on all of them; a listener there makes a bind to 127.0.0.1
+    fail too, which the check before did alone)."""
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind(("", port))
         except OSError:
             return False
     return True
