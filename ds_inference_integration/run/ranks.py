@@ -14,7 +14,6 @@ as a user starts them."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -25,65 +24,48 @@ from pathlib import Path
 from ..topology import threads_per_rank
 from .template import DS_PARENT_ENV, template
 
-# Where the starters on this machine reserve the ports they draw (one empty file per port, made with O_EXCL), for
+# The ports this process drew, each held by a socket bound to a name of its own in Linux's abstract namespace
+# (nothing on disk: the kernel frees the name when the socket closes, at the latest when the process ends), for
 # RESERVED_SECONDS: long enough for the rank or launcher given it to bind it
-PORTS_DIR_ENV = "DS_INFERENCE_PORTS_DIR"
 RESERVED_SECONDS = 600
-_pruned = False
+_held: dict[int, tuple[socket.socket, float]] = {}
 
 
 def free_port() -> int:
     """A port free now for a process started later to bind (a world's rendezvous store, a launcher's --master_port),
     drawn at random from 10000 up to the kernel's ephemeral range (`ip_local_port_range`), which the kernel never
-    hands to a bind to port 0 or to an outgoing connection, and reserved on this machine for `RESERVED_SECONDS`: no
-    other starter (another process of this user's: the suite's second worker) draws it meanwhile. A port from the
-    kernel's own draw (bind to port 0, as this did first) is one the next connection anywhere on the machine may
-    take in the seconds until the rank binds it: a test's server found its port in use so, failing a CI run
-    (2026-12-06); and two workers drawing the same of ~22,000 ports, each reserving nothing, met about once in a
-    dozen suites ("--master_port 27367 ... is in use", a fresh clone's `make test`, 2026-12-07). Where that range is
-    not there (another kernel, a range from 10000 or lower), the kernel's draw."""
+    hands to a bind to port 0 or to an outgoing connection, and reserved on this machine while this process holds it
+    (`RESERVED_SECONDS`): no other starter (the suite's second worker) draws it meanwhile. A port from the kernel's
+    own draw (bind to port 0, as this did first) is one the next connection anywhere on the machine may take in the
+    seconds until the rank binds it: a test's server found its port in use so, failing a CI run (2026-12-06); and
+    two workers drawing the same of ~22,000 ports, neither reserving it, met about once in a dozen suites
+    ("--master_port 27367 ... is in use", a fresh clone's `make test`, 2026-12-07). Where that range is not there
+    (another kernel, a range from 10000 or lower), the kernel's draw."""
     import random
 
-    global _pruned
-    if not _pruned:  # once a process: reservations older than RESERVED_SECONDS go
-        _pruned = True
-        for path in (_ports_dir().glob("[0-9]*") if _ports_dir().is_dir() else ()):
-            with contextlib.suppress(OSError):
-                if time.time() - path.stat().st_mtime > RESERVED_SECONDS:
-                    path.unlink()
+    now = time.monotonic()
+    for port in [p for p, (_, since) in _held.items() if now - since > RESERVED_SECONDS]:
+        _held.pop(port)[0].close()
     low = _ephemeral_low()
     for _ in range(200 if low > 11000 else 0):
         port = random.SystemRandom().randrange(10000, low)
-        if _bindable(port) and _reserve(port):
+        if port not in _held and _bindable(port) and _reserve(port):
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _ports_dir() -> Path:
-    import tempfile
-
-    return Path(os.environ.get(PORTS_DIR_ENV) or Path(tempfile.gettempdir()) / f"ds_inference_ports_{os.getuid()}")
-
-
 def _reserve(port: int) -> bool:
-    """Whether this process now holds `port`'s reservation (made here, or found older than `RESERVED_SECONDS`)."""
-    where = _ports_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    path = where / str(port)
-    for _ in range(2):
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-            return True
-        except FileExistsError:
-            try:
-                if time.time() - path.stat().st_mtime <= RESERVED_SECONDS:
-                    return False
-                path.unlink()  # stale: whoever reserved it has bound it or given up long ago
-            except FileNotFoundError:
-                pass
-    return False
+    """Whether this process now holds `port`'s name (no other process holds it)."""
+    name = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        name.bind(f"\0ds-inference-port-{os.getuid()}-{port}")
+    except OSError:
+        name.close()
+        return False
+    _held[port] = (name, time.monotonic())
+    return True
 
 
 def _ephemeral_low() -> int:
