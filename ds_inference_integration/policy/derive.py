@@ -171,14 +171,10 @@ def _what_the_layers_hold(model: nn.Module) -> str:
     """What a policy would be written from, for the refusal's line: each outermost layer class with its linears and
     the modules holding weights that are not linears (JetMoE's `JetMoeParallelExperts`, its attention's and MLP's
     experts as [experts, out, in] parameters, which no rule here splits)."""
-    first: dict[str, nn.Module] = {}
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                first.setdefault(type(child).__name__, child)
+    kinds = layer_kinds(model)
     parts = []
-    for name in sorted(outermost_layer_classes(model) & set(first)):
-        layer = first[name]
+    for name in sorted(outermost_layer_classes(model) & set(kinds)):
+        layer = kinds[name][0]
         linears = sorted(_linears(layer))
         other = sorted({type(m).__name__ for _, m in layer.named_modules() if not is_linear(m)
                         and any(p.ndim >= 2 for p in m.parameters(recurse=False))})
@@ -642,10 +638,10 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
     if any(isinstance(m, nn.Conv1d) for m in module.modules()):
         return "a mixer with a convolution over its channels: its packed input projection does not split by rows"
     linears = _linears(module)
-    if not linears and not is_linear(module) and any(p.ndim >= 2 for p in module.parameters()):
+    if _bare_parameters(module):
         # XLNet's relative attention: q, k, v, o, r as [d_model, heads, d_head] parameters (held whole and not
         # placed: its weight share failed, 53.6% per rank at tp 2, `policy sweep`, 2026-12-06)
-        return "its weights are bare parameters, not linears: DeepSpeed splits linears only"
+        return BARE_PARAMETERS
     # DeepSpeed makes any `down_proj` row-parallel whatever the policy says (deepspeed_compat's note)
     row = {q: m for q, m in linears.items() if _row_parallel(path, q, rows)}
     columns = {q: m for q, m in linears.items() if q not in row}
@@ -706,6 +702,14 @@ def _gathered_widths(layer: nn.Module, rows: set[str], hidden: int | None) -> se
             if _row_parallel("", q, rows) and m.weight.shape[1] != hidden}
 
 
+BARE_PARAMETERS = "its weights are bare parameters, not linears: DeepSpeed splits linears only"
+
+
+def _bare_parameters(module: nn.Module) -> bool:
+    """Whether the module holds weights (2-D or more) and no linear, nor is one."""
+    return not _linears(module) and not is_linear(module) and any(p.ndim >= 2 for p in module.parameters())
+
+
 def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | None) -> dict[str, str]:
     """{path: why} of the modules nested in a split module (not linears themselves) whose linears no row-parallel
     linear gathers: DeepSpeed would split each by output rows and every rank would read a part as the whole
@@ -720,12 +724,12 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
             if _row_parallel(path, q, rows) and m.weight.shape[1] != hidden}
     for name, child in module.named_children():
         linears = _linears(child)
-        if not linears and not is_linear(child) and not is_experts(child) and any(p.ndim >= 2 for p in child.parameters()) \
-                and not any(isinstance(m, nn.Embedding) for m in child.modules()):
+        if _bare_parameters(child) and not is_experts(child) and not any(isinstance(m, nn.Embedding)
+                                                                         for m in child.modules()):
             # weights DeepSpeed does not split, beside a split module's linears (Ergo's experts as bare [experts,
             # ...] parameters beside its shared expert): held whole, and counted so (an embedding DeepSpeed slices
             # itself: T5's relative attention bias)
-            found[f"{path}.{name}"] = "its weights are bare parameters, not linears: DeepSpeed splits linears only"
+            found[f"{path}.{name}"] = BARE_PARAMETERS
             continue
         if not linears or is_linear(child) or is_ssm_mixer(child) or _expert_count(child) is not None:
             continue

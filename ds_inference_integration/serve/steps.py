@@ -103,8 +103,9 @@ class StepEngine:
         # sliding-window attention: every key kept, the window the step's mask's; the sliding layers' mask passed as
         # the model's mapping by layer type where its config names its layers' types (Qwen2, Gemma 2/3...), as the
         # one mask where the window is the whole model's (Mistral); the probe checks what was chosen
-        self.window = getattr(text_config(model.config), "sliding_window", None)
-        self.mapping = bool(getattr(text_config(model.config), "layer_types", None))
+        text = text_config(model.config)
+        self.window = getattr(text, "sliding_window", None)
+        self.mapping = bool(getattr(text, "layer_types", None))
         self.positions = DecoderPositions(model) if self.encoder_decoder else None
         # a decoding step over every slot and the cache's whole width (`SlotCache.decode(fixed=True)`): its shapes
         # change only when the cache grows, as CUDA graphs and `torch.compile` need; by default on a GPU only. On

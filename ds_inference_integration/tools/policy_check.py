@@ -291,7 +291,9 @@ def _reference(cls, model_dir, inputs, topology, groups, torch, dtype=None) -> d
                 found["names"] = hidden_state_names(model, found["encoder_states"], len(found["hidden"]))
             return found
         except Exception as e:  # its peers wait in the broadcast: send them the failure, not nothing
-            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            from ..errors import first_line
+
+            return {"error": f"{type(e).__name__}: {first_line(e)}"}
 
     found = _from_first_rank(compute, topology, groups)
     if "error" in found:

@@ -40,6 +40,7 @@ def build(model_type: str, root: Path) -> tuple[Path | None, str]:
     """A tiny random model of `model_type` saved under `root`: (directory, "") or (None, why not)."""
     from transformers import AutoConfig
 
+    from ..errors import first_line
     from .architecture_zoo import tiny_model
 
     try:
@@ -51,8 +52,7 @@ def build(model_type: str, root: Path) -> tuple[Path | None, str]:
             return None, f"still {count / 1e6:.0f}M parameters after shrinking (sizes under names of its own)"
         model.save_pretrained(root / model_type)
     except Exception as e:  # noqa: BLE001 (any failure to build is this type's verdict, said in the table)
-        # (a validator's error says what failed on its second line: the first only names the validator)
-        return None, _default_fails(model_type) or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return None, _default_fails(model_type) or f"{type(e).__name__}: {first_line(e)[:200]}"
     return root / model_type, ""
 
 
