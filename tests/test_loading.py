@@ -651,6 +651,48 @@ def test_load_model_names_a_model_its_auto_class_does_not_build_in_one_line(tmp_
         load_model(AutoModelForSeq2SeqLM, tmp_path / "llama")
 
 
+@pytest.mark.parametrize("model_type, architectures, says", [
+    ("gemma4_unified_assistant", None, r"\(Gemma4UnifiedAssistantForCausalLM\), a speculative-decoding assistant: its "
+                                       r"forward reads its target model's states \(shared_kv_states\)"),
+    ("musicgen", ["MusicgenForConditionalGeneration"], r"\(MusicgenForCausalLM\), whose generate makes audio codes"),
+    ("musicgen_melody", None, r"\(MusicgenMelodyForCausalLM\), whose generate makes audio codes"),
+    ("dia", ["DiaForConditionalGeneration"], r"\(DiaForConditionalGeneration\), whose generate makes audio codes"),
+    ("vibevoice", None, r"\(VibeVoiceForConditionalGeneration\), whose generate makes audio codes"),
+])
+def test_a_model_that_generates_no_text_by_itself_is_refused_before_its_weights_are_read(tmp_path, model_type,
+                                                                                        architectures, says):
+    """A speculative-decoding assistant reads its target's key/value states (alone, its forward raised after the
+    whole model had loaded); a text-to-speech or text-to-music model generates audio codes (MusicGen's class failed
+    on a config attribute it lacks, Dia's forward on its codes' shape). One line from the loader, before any weight
+    is read (the directory holds none): predict, the server and `policy check` load through it."""
+    from transformers import AutoConfig
+
+    from ds_inference_integration import InferenceSetupError
+    from ds_inference_integration.load.loaders import load_model
+    from ds_inference_integration.load.skeleton import model_class_for
+
+    config = AutoConfig.for_model(model_type)
+    config.architectures = architectures
+    config.save_pretrained(tmp_path)
+    with pytest.raises(InferenceSetupError, match=f"holds a '{model_type}' model {says}.*; valid: "):
+        load_model(model_class_for(config), tmp_path)
+
+
+def test_the_targets_of_assistants_and_speech_to_text_models_generate_text():
+    """What the refusal above leaves alone: Gemma 4 itself (the assistant's target), speech-to-text classes of types
+    that also make audio (SeamlessM4T's text classes, VibeVoice's ASR), streaming speech-to-text (Kyutai)."""
+    import transformers as tr
+
+    from ds_inference_integration.load.skeleton import check_generates_text
+
+    for name in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "SeamlessM4TForTextToText",
+                 "SeamlessM4TForSpeechToText", "VibeVoiceAsrForConditionalGeneration",
+                 "KyutaiSpeechToTextForConditionalGeneration", "WhisperForConditionalGeneration"):
+        model_class = getattr(tr, name)
+        config = model_class.config_class()
+        check_generates_text(config, model_class, "d")  # raises for one that does not
+
+
 def test_a_pre_sharded_tensor_of_another_split_is_refused_naming_it(tmp_path):
     """A pre-sharded directory written by a version that split a tensor otherwise (DeepSpeed's 64-row blocks, before
     the run passed an even `tp_grain_size`: a 128-wide expert at tp 4 was 64/64/0/0, now 32 each) holds this rank's

@@ -51,6 +51,16 @@ def test_a_type_transformers_cannot_build_from_its_own_default_is_said_so(tmp_pa
     assert directory is None and why.startswith("transformers builds no model of its default config either"), why
 
 
+def test_a_type_that_generates_no_text_by_itself_is_said_refused_not_built():
+    """Gemma 4's assistants (one whose default config its own validator refuses), MusicGen, VibeVoice and Dia were
+    "not built" or "unsharded model fails": they are refused in the loader's one line, which the table says."""
+    for model_type in ("gemma4_assistant", "gemma4_unified_assistant", "musicgen", "vibevoice", "dia"):
+        assert sweep.refusal(model_type).startswith(f"{model_type} holds a '{model_type}' model ("), model_type
+    assert sweep.refusal("llama") is None and sweep.refusal("vibevoice_asr") is None
+    row = sweep.table({"dia": "speech-seq2seq"}, {}, {2: {}}, {}, {"dia": "dia holds ..."}).splitlines()[-1]
+    assert row == "| dia | speech-seq2seq | refused before loading: dia holds ... |"
+
+
 @pytest.mark.parametrize("model_type", ["encoder-decoder", "speech-encoder-decoder"])
 def test_a_composite_encoder_decoder_gets_the_start_token_a_saved_one_has(model_type):
     """EncoderDecoder's and SpeechEncoderDecoder's default configs have no decoder start token, which a saved model

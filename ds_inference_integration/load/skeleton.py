@@ -1,7 +1,7 @@
 """The skeleton: a model built on `meta` (no memory, no random initialisation) with real buffers, and the
 bookkeeping the loaders fill it by: which names each parameter has, which modules own it, which parameters wait
 for DeepSpeed's split (`not_deferred`), and `replace_meta`, the one place a meta parameter becomes a real tensor.
-Also which Auto class builds a config's model (`model_class_for`, `check_model_kind`)."""
+Also which Auto class builds a config's model (`model_class_for`, `check_model_kind`, `check_generates_text`)."""
 
 from __future__ import annotations
 
@@ -140,12 +140,50 @@ def model_class_for(config):
 def check_model_kind(config, model_cls, model_dir) -> None:
     """One `InferenceSetupError` before anything loads when the Auto class `model_cls` builds no model of this
     config's type (a decoder-only model given to a seq2seq script: an AttributeError on decoder_start_token_id, or
-    transformers' ValueError listing every class, otherwise)."""
+    transformers' ValueError listing every class, otherwise), or builds one that generates no text by itself
+    (`check_generates_text`)."""
     mapping = model_cls._model_mapping
     if type(config) in mapping:
+        check_generates_text(config, mapping[type(config)], model_dir)
         return
     names = sorted(mapping._model_mapping)
     familiar = [n for n in ("t5", "bart", "mbart", "marian", "pegasus", "led", "whisper", "speech_to_text",
                             "speech-encoder-decoder", "llama", "gpt2") if n in names] or names[:8]
     raise InferenceSetupError(f"{model_dir} holds a {config.model_type!r} model, which {model_cls.__name__} does not "
                               f"build; valid: one of its {len(names)} types, such as {', '.join(familiar)}")
+
+
+# forward inputs that are another model's states: a model whose forward reads them generates only beside that model
+BORROWED_STATES = ("shared_kv_states",)
+# classes whose generate makes audio (codec codes), not text, beyond transformers' text-to-waveform and
+# text-to-spectrogram mappings: Dia's, which the speech-to-text mapping names; MusicGen's decoders alone
+AUDIO_MAKERS = ("DiaForConditionalGeneration", "MusicgenForCausalLM", "MusicgenMelodyForCausalLM")
+
+
+def check_generates_text(config, model_class, model_dir) -> None:
+    """One `InferenceSetupError` before anything loads where `model_class` (what a checkpoint of `config` is built
+    as) generates no text by itself:
+    - a speculative-decoding assistant (Gemma 4's) reads its target's key/value states in its forward
+      (`shared_kv_states`); transformers runs it only inside its target's `generate(assistant_model=...)`. Alone, its
+      forward raised "inputs_embeds and shared_kv_states cannot be None" once the whole model had loaded;
+    - a text-to-speech or text-to-music model (MusicGen, VibeVoice, Dia) generates audio codes: MusicGen's class
+      failed on a config attribute it lacks, Dia's teacher-forced forward on the shape of its codes.
+    Predict and the server decode text; neither has an audio output to give these."""
+    import inspect
+
+    from transformers.models.auto import modeling_auto as auto
+
+    borrowed = [n for n in BORROWED_STATES if n in inspect.signature(model_class.forward).parameters]
+    if borrowed:
+        raise InferenceSetupError(
+            f"{model_dir} holds a {config.model_type!r} model ({model_class.__name__}), a speculative-decoding "
+            f"assistant: its forward reads its target model's states ({borrowed[0]}), so it generates only beside "
+            "that model; valid: the target model's checkpoint")
+    audio = set(AUDIO_MAKERS) | set(auto.MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES.values()) | set(
+        auto.MODEL_FOR_TEXT_TO_SPECTROGRAM_MAPPING_NAMES.values())
+    maker = next((c for c in [model_class.__name__, *(getattr(config, "architectures", None) or ())] if c in audio), None)
+    if maker:
+        raise InferenceSetupError(
+            f"{model_dir} holds a {config.model_type!r} model ({maker}), whose generate makes audio codes, not text; "
+            "ds-inference predicts and serves text; valid: a model that generates text (speech-to-text ones "
+            "included)")

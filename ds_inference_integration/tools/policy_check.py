@@ -349,7 +349,8 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from transformers import AutoConfig
 
     from ..arguments import DeepSpeedInferenceArguments
-    from ..load.skeleton import model_class_for
+    from ..errors import InferenceSetupError
+    from ..load.skeleton import check_generates_text, model_class_for
     from ..policy.derive import policy_for_model
     from ..policy.schema import check_head_counts, resolve_policy
     from ..policy.verify import main_input_name
@@ -363,9 +364,13 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     try:  # before any collective, every rank alike: a model that does not load is this model's one line
         config = AutoConfig.from_pretrained(model_dir)
         cls = model_class_for(config)
+        if type(config) in cls._model_mapping:  # one that generates no text by itself: refused before it loads
+            check_generates_text(config, cls._model_mapping[type(config)], name)
         model = cls.from_pretrained(model_dir, dtype=dtype).eval()
+    except InferenceSetupError:
+        raise
     except Exception as e:  # noqa: BLE001 (Emu3's and Mllama's text configs: no Auto class builds them)
-        from ..errors import InferenceSetupError, first_line
+        from ..errors import first_line
 
         raise InferenceSetupError(f"{name}: transformers does not load it as a generating model "
                                   f"({type(e).__name__}: {first_line(e)[:200]})") from None

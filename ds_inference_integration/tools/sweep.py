@@ -73,6 +73,36 @@ def published_class(model_type: str) -> list[str] | None:
     return None if reloads else [both]
 
 
+def refusal(model_type: str) -> str | None:
+    """The one line predict, the server and `policy check` refuse a checkpoint of the type in before it loads, where
+    the class its default config builds generates no text by itself (`load.skeleton.check_generates_text`: Gemma 4's
+    assistants, MusicGen, VibeVoice, Dia), else None: such a type is said refused, not built first."""
+    import types
+
+    import transformers
+    from transformers import AutoConfig
+
+    from ..errors import InferenceSetupError
+    from ..load.skeleton import check_generates_text, model_class_for
+
+    try:
+        config = AutoConfig.for_model(model_type)
+        auto_class = model_class_for(config)
+        model_class = auto_class._model_mapping[type(config)]
+    except Exception:  # noqa: BLE001 (a default config its own validator refuses, Gemma 4-assistant's: the class by name)
+        from transformers.models.auto import modeling_auto as auto
+
+        config = types.SimpleNamespace(model_type=model_type, architectures=None)
+        names = (auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                 auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        model_class = getattr(transformers, next(m[model_type] for m in names if model_type in m))
+    try:
+        check_generates_text(config, model_class, model_type)
+    except InferenceSetupError as e:
+        return str(e)
+    return None
+
+
 def _default_fails(model_type: str) -> str | None:
     """Why transformers builds no model of the type's own default config (on the meta device: no memory), or None:
     the small config is then not the cause (MusicGen's config, which its causal-LM class reads `dropout` from)."""
@@ -132,12 +162,15 @@ def check_all(dirs: dict[str, Path], tp: int, timeout: float, out: Path) -> dict
     return cells
 
 
-def table(kinds: dict[str, str], built: dict[str, str], cells: dict[int, dict[str, str]], zoo: dict[str, str]) -> str:
+def table(kinds: dict[str, str], built: dict[str, str], cells: dict[int, dict[str, str]], zoo: dict[str, str],
+          refused: dict[str, str] | None = None) -> str:
     sizes = sorted(cells)
     lines = ["| model_type | kind | " + " | ".join(f"tp {tp}" for tp in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
     for model_type, kind in kinds.items():
         if model_type in zoo:
             row = [f"in the architecture table ({zoo[model_type]})"] * len(sizes)
+        elif (refused or {}).get(model_type):
+            row = [f"refused before loading: {refused[model_type]}"] * len(sizes)
         elif built.get(model_type):
             row = [f"not built: {built[model_type]}"] * len(sizes)
         else:
@@ -164,9 +197,12 @@ def run_sweep(tp_sizes: list[int], out_path: str | None, only: list[str] | None,
         zoo.setdefault(make().model_type, name)
     cells: dict[int, dict[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="ds_inference_sweep_") as tmp:
-        built, dirs = {}, {}
+        built, dirs, refused = {}, {}, {}
         for model_type in kinds:
             if model_type in zoo and not only:
+                continue
+            if line := refusal(model_type):
+                refused[model_type] = line
                 continue
             directory, why = build(model_type, Path(tmp) / "models")
             if directory is None:
@@ -177,7 +213,7 @@ def run_sweep(tp_sizes: list[int], out_path: str | None, only: list[str] | None,
         out.mkdir(parents=True, exist_ok=True)
         for tp in tp_sizes:
             cells[tp] = check_all(dirs, tp, timeout, out)
-    text = table(kinds, built, cells, {} if only else zoo)
+    text = table(kinds, built, cells, {} if only else zoo, refused)
     print(text, end="")
     if out_path:
         import datetime
