@@ -518,6 +518,22 @@ def test_an_attention_whose_heads_need_every_heads_values_is_kept_whole_and_said
     assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_a_linear_outside_the_layers_reading_as_many_inputs_as_there_are_heads_keeps_no_attention_whole(caplog):
+    """A per-head table outside the layers keeps the attention whole (CPM-Ant, above); a linear whose inputs happen
+    to number the heads is not one (VibeVoice-ASR's audio tokenizer reads 4 channels beside 4 heads at the sweep's
+    size: its Qwen2 decoder's attention was kept whole on every rank, said as "one column per head")."""
+    import logging
+
+    from ds_inference_integration.policy.derive import derive_policy
+
+    model = zoo_model("llama")  # 4 heads
+    model.model.audio_stem = torch.nn.Sequential(torch.nn.Conv1d(1, 4, 3), torch.nn.Linear(4, 16))
+    with caplog.at_level(logging.WARNING):
+        policy = derive_policy(model)
+    assert not policy.replicated and policy.attention is not None, policy.replicated
+    assert not any("one column per head" in r.getMessage() for r in caplog.records)
+
+
 def test_per_head_parameters_of_an_attention_deepspeed_split_alone_are_split_with_its_heads():
     """HY-V4's latent attention is DeepSpeed's to split (no table names it), which sets its `num_heads` to this
     rank's and leaves `sinks` (one value per query head) whole: "Expected size 2 but got size 4" at tp 2. Each rank

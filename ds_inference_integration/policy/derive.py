@@ -341,12 +341,14 @@ def _per_head_outside_layers(model: nn.Module, layers: dict[str, tuple[str, ...]
     """A parameter outside the layers with one column per head, made into a per-head input of every layer (CPM-Ant's
     `position_bias.relative_attention_bias`, [buckets, heads]: the bias of all heads reached attentions holding
     some, "(2) must match ... (4)" at tp 2, `policy sweep` 2026-12-06). T5's is inside its first layer, where
-    DeepSpeed splits it with the heads."""
+    DeepSpeed splits it with the heads. A linear's or convolution's weight is not one: its second dimension is what
+    it reads (VibeVoice-ASR's audio tokenizer, whose first stage reads 4 channels at the sweep's size, kept a
+    Qwen2 decoder's attention whole on every rank, 70% per rank at tp 2)."""
     inside = {id(m) for list_ in model.modules() if isinstance(list_, nn.ModuleList)
               for layer in list_ if type(layer).__name__ in layers for m in layer.modules()}
     hidden = getattr(text_config(model.config), "hidden_size", None)
     for name, module in model.named_modules():
-        if id(module) in inside:
+        if id(module) in inside or isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
             continue
         for pname, param in module.named_parameters(recurse=False):
             if param.ndim == 2 and param.shape[1] in {q, kv} - {1, hidden} and "embed" not in f"{name}.{pname}":

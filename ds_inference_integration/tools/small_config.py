@@ -87,6 +87,16 @@ OWN = {
     "emu3": dict(vocabulary_map={"<image>": 2, "<|extra_200|>": 2}),
     # its image tokenizer's channels (256 x up to 4, convolutions of 1024 x 1024 x 3 x 3)
     "emu3_vqgan": dict(base_channels=32, codebook_size=VOCAB),
+    # VibeVoice-ASR's two audio tokenizers' encoders: channels that double at each of 7 stages from 32 (2048 at the
+    # last, 343M parameters each), 3 to 8 blocks a stage
+    "vibevoice_acoustic_tokenizer_encoder": dict(num_filters=4, depths=[1] * 7),
+    # Kyutai's speech-to-text: an embedding of text and every codebook's codes (its codec's codes and a start code
+    # each), the audio pad token its last row; its codec (Mimi) as many codebooks of as many codes, and upsampling
+    # groups that divide its width
+    "kyutai_speech_to_text": dict(codebook_vocab_size=33, num_codebooks=4, audio_bos_token_id=32,
+                                  audio_pad_token_id=VOCAB + 4 * 33),
+    "mimi": dict(codebook_size=32, num_quantizers=4, codebook_dim=32, vector_quantization_hidden_dimension=32,
+                 upsample_groups=WIDTH["hidden_size"]),
     # axial position embeddings whose widths sum to the hidden size, and heads of 32 (4 x 32 = 128)
     "reformer": dict(axial_pos_embds_dim=[64, 64], attention_head_size=32, feed_forward_size=256),
 }
