@@ -289,6 +289,10 @@ def lm_head_tied_as_the_model_ties(model: nn.Module):
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         head = embedding = None
+    if embedding is not None and not isinstance(getattr(embedding, "weight", None), torch.Tensor):
+        # a module of the model's own around its table (Kyutai's speech-to-text: text and codec codes in one
+        # embedding, summed): the table is what DeepSpeed finds by its name (before: AttributeError, every rank)
+        embedding = next((m for m in embedding.modules() if isinstance(m, nn.Embedding)), None)
     if head is None or embedding is None:
         yield
         return

@@ -179,6 +179,37 @@ def test_the_probe_forward_fits_each_speech_model(kind, tmp_path):
     assert out.logits.shape[:2] == (1, 4)
 
 
+@pytest.mark.parametrize("name, audio, shape", [
+    ("kyutai_speech_to_text", "input_values", (3, 1, 1920 * 9)),  # a codec frame per new token, and one more
+    ("voxtral_realtime", "input_features", (3, 128, 8 * (10 + 8))),  # 8 mel frames per token: prompt and new ones
+    ("pop2piano", "input_features", (3, 16, 128))])  # features in place of the encoder's token embeddings
+def test_a_model_that_generates_only_from_audio_is_given_audio_and_checked(name, audio, shape):
+    """Models whose main input is token ids but which generate only from audio: Kyutai's speech-to-text encodes raw
+    samples step by step as it generates, Voxtral-realtime adds audio to its tokens position by position, Pop2Piano
+    reads audio features in place of its encoder's token embeddings. Given text alone, `policy check`'s unsharded
+    reference failed for each ("unsharded model fails", `policy sweep` 2026-12-07), and the probe of a derived
+    policy at load with it. Now each gets audio of the shape it reads (with the prompts where its audio goes with
+    them), its logits and hidden states read at generate's first step where its forward takes the audio in a form
+    its generate makes; a model that places audio at audio tokens (Qwen2-Audio) still generates from text."""
+    import torch
+
+    from ds_inference_integration.policy.verify import _probe_pass, audio_driven_input
+    from ds_inference_integration.tools import policy_check
+    from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model
+
+    model = tiny_model(ZOO[name]()).eval()
+    assert audio_driven_input(model) == audio
+    inputs = policy_check._inputs(model.config, torch, audio, model)
+    assert tuple(inputs[audio].shape) == shape
+    assert ("input_ids" in inputs) == (name == "voxtral_realtime")
+    found = policy_check._run_model(model, inputs, torch, reference=True)
+    assert not found["unable"] and found["logits"].shape[0] == 3 and len(found["hidden"]) >= 2
+    assert all(found[mode].shape[0] == 3 for mode in ("greedy", "beam", "sample"))
+    _probe_pass(model, torch.device("cpu"))  # the check of a derived policy at load (predict, serve)
+    assert audio_driven_input(tiny_model(ZOO["qwen2_audio"]()).eval()) is None
+    assert audio_driven_input(tiny_model(ZOO["llama"]()).eval()) is None
+
+
 # All three are make test-all's: in make test, what differs by model is test_the_probe_forward_fits_each_speech_model
 # (in process: the input each reads, where wav2vec2 + BART and Speech2Text failed) and the example at tp 2 is
 # test_speech_recognition_at_tp2_and_dp2_x_tp2_equals_one_process's (wav2vec2 + BART here cost 19 CPU-s of a suite over

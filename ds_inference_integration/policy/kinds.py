@@ -77,7 +77,10 @@ def ssm_layout(module: nn.Module) -> str | None:
             "lightning" if _is_lightning(module) else "packed_mlp" if packed_mlp_names(module) else None)
 
 
-_CHUNKED_HALVES = re.compile(r"\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)")
+# a forward that reads its first linear's output as two halves: `.chunk(2, dim=-1)` (Moonshine), or a view of its last
+# axis as [2, -1] (Moshi's and Kyutai's gating MLPs: `.view(batch_size, sequence_length, 2, -1)`, then [..., 0, :] and
+# [..., 1, :]; their MLPs were kept whole on every rank, "no row-parallel linear gathers what fc1, fc2 compute")
+_CHUNKED_HALVES = re.compile(r"\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)|\.view\([^()]*,\s*2\s*,\s*-1\s*\)")
 
 
 def packed_mlp_names(module: nn.Module) -> tuple[str, str] | None:

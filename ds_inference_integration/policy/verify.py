@@ -99,16 +99,55 @@ def main_input_name(model: nn.Module) -> str:
     return name
 
 
-def random_speech_inputs(config, name: str, batch: int, generator: torch.Generator) -> dict:
+def audio_driven_input(model: nn.Module) -> str | None:
+    """The audio input a model cannot generate without, or None where token ids are its input: its main input (a
+    speech encoder's), or one its token ids do not stand in for although they are its main input: audio its
+    generation encodes step by step (Kyutai's speech-to-text: `input_values` in `prepare_inputs_for_generation`),
+    or audio its forward reads with no placeholder token to place it among the ids (Pop2Piano's features in place
+    of the encoder's token embeddings, Voxtral-realtime's added to the tokens' position by position). A model that
+    places audio at its audio tokens (Qwen2-Audio, Voxtral, Gemma 4) generates from text alone. The three were
+    "unsharded model fails" in `policy sweep` (2026-12-07): given text alone, their own forward or generate refused."""
+    import inspect
+
+    name = main_input_name(model)
+    if name in SPEECH_INPUTS:
+        return name
+    stepwise = inspect.signature(model.prepare_inputs_for_generation).parameters
+    read = inspect.signature(model.forward).parameters
+    found = [n for n in SPEECH_INPUTS if n in stepwise] or [n for n in SPEECH_INPUTS if n in read]
+    if not found:
+        return None
+    if found[0] in stepwise:
+        return found[0]
+    configs = [model.config, *(getattr(model.config, n, None) for n in (getattr(model.config, "sub_configs", None) or {}))]
+    placed = any(k.startswith("audio_token_") and isinstance(v, int) for c in configs if c is not None
+                 for k, v in vars(c).items())
+    return None if placed else found[0]
+
+
+def random_speech_inputs(config, name: str, batch: int, generator: torch.Generator, new_tokens: int = 8,
+                         prompt: int = 0) -> dict:
     """Random audio inputs of the shape a model with `config` and main input `name` reads, for a probe forward:
     Whisper-style log-mel frames ([batch, mel bins, 2 x max_source_positions]), Speech2Text-style frames
-    ([batch, frames, features per frame]) or raw samples (`input_values`, a wav2vec2-style encoder). One
-    `InferenceSetupError` for any other."""
+    ([batch, frames, features per frame]) or raw samples (`input_values`, a wav2vec2-style encoder); audio that
+    goes with the tokens (a codec's frames, one a token: Kyutai's; mel frames `audio_length_per_tok` a token:
+    Voxtral-realtime's) long enough for `prompt` tokens and `new_tokens` more. One `InferenceSetupError` for any
+    other."""
     # a SpeechEncoderDecoderModel's encoder config; Canary's and Cohere ASR's Parakeet encoder (`encoder_config`)
     encoder = next((c for c in (getattr(config, a, None) for a in ("encoder", "encoder_config", "audio_config"))
                     if c is not None and hasattr(c, "to_dict")), config)
+    codec = getattr(config, "codec_config", None)
+    if name == "input_values" and codec is not None and isinstance(getattr(config, "frame_size", None), int):
+        # [batch, channels, samples]: one codec frame per generated token, and one more (Kyutai's generate stops
+        # at the audio's frames)
+        return {name: torch.randn((batch, getattr(codec, "audio_channels", 1), config.frame_size * (new_tokens + 1)),
+                                  generator=generator)}
     if name == "input_values":
         return {name: torch.randn((batch, 4000), generator=generator)}  # 0.25 s at 16 kHz
+    per_token = getattr(config, "audio_length_per_tok", None)
+    if name == "input_features" and isinstance(per_token, int) and hasattr(encoder, "num_mel_bins"):
+        frames = per_token * (prompt + new_tokens)
+        return {name: torch.randn((batch, encoder.num_mel_bins, frames), generator=generator)}
     if name == "input_features" and hasattr(encoder, "num_mel_bins") and hasattr(encoder, "max_source_positions"):
         return {name: torch.randn((batch, encoder.num_mel_bins, 2 * encoder.max_source_positions), generator=generator)}
     if name == "input_features" and hasattr(encoder, "input_feat_per_channel"):
@@ -121,6 +160,10 @@ def random_speech_inputs(config, name: str, batch: int, generator: torch.Generat
     width = getattr(encoder, "feature_projection_input_dim", None) or getattr(encoder, "num_mel_bins", None)
     if name == "input_features" and isinstance(width, int):
         return {name: torch.randn((batch, 64, width), generator=generator)}
+    # features of the model's own width, in place of its token embeddings (Pop2Piano's encoder: a T5's)
+    width = getattr(config, "d_model", None)
+    if name == "input_features" and isinstance(width, int):
+        return {name: torch.randn((batch, 16, width), generator=generator)}
     raise InferenceSetupError(f"{config.model_type}: no probe input is known for its {name!r}; known: token ids, "
                               "Whisper- and Speech2Text-style log-mel features, frames of mel bins, raw samples")
 
@@ -139,6 +182,30 @@ def _probe_inputs(model: nn.Module, device) -> dict:
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = torch.cat([torch.full((1, 1), start, device=device), ids[:, :3]], dim=1)
     return inputs
+
+
+def with_aligned_tokens(model: nn.Module, audio: dict, ids: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
+    """`audio` (for `audio_driven_input`), with the token ids `ids` where the model adds its audio to its tokens
+    position by position (Voxtral-realtime, `audio_length_per_tok` frames a token: its forward reads both)."""
+    if not isinstance(getattr(model.config, "audio_length_per_tok", None), int):
+        return audio
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids) if mask is None else mask, **audio}
+
+
+def _probe_pass(model: nn.Module, device) -> None:
+    """The probe: a forward on `_probe_inputs`, or, where the model's audio goes with its token ids as it generates
+    (`audio_driven_input` of a model whose main input is token ids: its forward takes the audio in a form its
+    generate makes, Kyutai's codec codes), generate's first step."""
+    name = audio_driven_input(model)
+    if name is None or main_input_name(model) in SPEECH_INPUTS:
+        model(**_probe_inputs(model, device))
+        return
+    g = torch.Generator().manual_seed(0)
+    audio = random_speech_inputs(model.config, name, 1, g, new_tokens=1, prompt=PROBE_TOKENS)
+    vocab = getattr(text_config(model.config), "vocab_size", None) or 32
+    ids = torch.randint(min(3, vocab - 1), vocab, (1, PROBE_TOKENS), generator=g)
+    inputs = {k: v.to(device) for k, v in with_aligned_tokens(model, audio, ids).items()}
+    model.generate(**inputs, max_new_tokens=1, do_sample=False, num_beams=1)
 
 
 class track_modules:
@@ -201,7 +268,7 @@ def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what
     inside = track_modules(sharded)
     try:
         with torch.no_grad(), inside:
-            sharded(**_probe_inputs(sharded, device))
+            _probe_pass(sharded, device)
     except Exception as e:  # any type: ProphetNet's mask check raised ValueError, HunYuan's RuntimeError
         if not sharding_failure(e):
             raise

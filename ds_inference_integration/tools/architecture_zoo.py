@@ -352,6 +352,15 @@ ZOO = {
     "moshi": lambda: _swept("moshi"),
     # a decoder behind an audio encoder, named by transformers' seq2seq mapping only (checked on text)
     "qwen2_audio": lambda: _swept("qwen2_audio"),
+    # models that generate only from audio, whose main input is token ids: audio their generate encodes step by step
+    # (Kyutai's speech-to-text: raw samples through its Mimi codec; a packed [gate | up] MLP read as a [2, -1] view;
+    # its input embedding a module of its own around the table), audio added to the tokens position by position
+    # (Voxtral-realtime), audio features in place of the encoder's token embeddings (Pop2Piano)
+    "kyutai_speech_to_text": lambda: _swept("kyutai_speech_to_text"),
+    "voxtral_realtime": lambda: _swept("voxtral_realtime"),
+    "pop2piano": lambda: _swept("pop2piano"),
+    # audio tokenizers whose first stage reads as many channels as the decoder has heads (not a per-head table)
+    "vibevoice_asr": lambda: _swept("vibevoice_asr"),
     # a type whose causal-LM class is its text model alone, whose checkpoints are of its image-and-text class (built by
     # AutoModelForImageTextToText from `architectures`; checked on text: a vision tower and cross-attention layers)
     "mllama": lambda: _swept("mllama", architectures=["MllamaForConditionalGeneration"]),
@@ -414,11 +423,15 @@ def tiny_model(config):
     import torch
 
     from ..load.skeleton import model_class_for
+    from .small_config import GENERATION
 
     torch.manual_seed(0)
     model = model_class_for(config).from_config(config)
     if config.is_encoder_decoder:
         model.generation_config.max_length = 12
+    for name, value in GENERATION.get(config.model_type, {}).items():  # (`update` sets only attributes it has)
+        setattr(model.generation_config, name, value)
+        model.generation_config._from_model_config = False  # else made again from the config when loaded
     return model
 
 

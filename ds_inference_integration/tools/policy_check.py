@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 from ..policy.configs import text_config
@@ -124,14 +125,22 @@ def _pad_id(config) -> int:
     return int(pad)
 
 
-def _inputs(config, torch, main_input: str = "input_ids"):
-    """Three prompts of different lengths; decoder-only prompts are left-padded. A speech model gets three
-    random audio inputs of the shape it reads (`verify_policy.random_speech_inputs`)."""
-    from ..policy.verify import SPEECH_INPUTS, random_speech_inputs
+def _inputs(config, torch, audio: str | None = None, model=None):
+    """Three prompts of different lengths; decoder-only prompts are left-padded. A model that cannot generate
+    without audio (`verify.audio_driven_input`: a speech encoder's, or audio that goes with the tokens) gets three
+    random audio inputs of the shape it reads (`verify.random_speech_inputs`), with the prompts where its audio is
+    added to them position by position (`verify.with_aligned_tokens`)."""
+    from ..policy.verify import random_speech_inputs, with_aligned_tokens
 
-    g = torch.Generator().manual_seed(0)
-    if main_input in SPEECH_INPUTS:
-        return random_speech_inputs(config, main_input, 3, g)
+    ids = _prompts(config, torch, torch.Generator().manual_seed(0))
+    if audio is not None:
+        g = torch.Generator().manual_seed(0)
+        found = random_speech_inputs(config, audio, 3, g, new_tokens=NEW_TOKENS, prompt=ids["input_ids"].shape[1])
+        return found if model is None else with_aligned_tokens(model, found, ids["input_ids"], ids["attention_mask"])
+    return ids
+
+
+def _prompts(config, torch, g):
     # a composite config (Gemma 3, Voxtral, Fuyu) keeps the vocabulary in its text config
     vocab = getattr(config, "vocab_size", None) or text_config(config).vocab_size
     pad = _pad_id(config)
@@ -149,13 +158,35 @@ def _inputs(config, torch, main_input: str = "input_ids"):
 
 
 def _forward(model, inputs, torch) -> dict:
-    """Teacher-forced logits and every hidden state (float), and how many of those are the encoder's."""
+    """Teacher-forced logits and every hidden state (float), and how many of those are the encoder's. A model whose
+    audio goes with its tokens as it generates (`verify.audio_driven_input`, main input token ids: Kyutai's forward
+    reads codec codes its generate makes, Voxtral-realtime's as many audio frames as tokens) is read at generate's
+    first step: the logits of the next token and the hidden states of the prompt."""
+    from ..policy.verify import SPEECH_INPUTS, audio_driven_input, main_input_name
+
+    if audio_driven_input(model) is not None and main_input_name(model) not in SPEECH_INPUTS:
+        return _first_step(model, inputs, torch)
     with torch.no_grad():
         kwargs = dict(inputs, output_hidden_states=True)
         if model.config.is_encoder_decoder:
             batch = next(iter(inputs.values())).shape[0]
             kwargs["decoder_input_ids"] = torch.zeros((batch, 1), dtype=torch.long) + _decoder_start(model)
         out = model(**kwargs)
+    return _outputs(model, out)
+
+
+def _first_step(model, inputs, torch) -> dict:
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=1, do_sample=False, num_beams=1, pad_token_id=_pad_id(model.config),
+                             return_dict_in_generate=True, output_logits=True, output_hidden_states=True,
+                             generation_config=_own_settings(model))
+    first = (out.decoder_hidden_states if model.config.is_encoder_decoder else out.hidden_states)[0]
+    return _outputs(model, types.SimpleNamespace(  # as a forward's output
+        logits=out.logits[0][:, None], encoder_hidden_states=getattr(out, "encoder_hidden_states", None),
+        decoder_hidden_states=first, hidden_states=first))
+
+
+def _outputs(model, out) -> dict:
     encoder = list(out.encoder_hidden_states or []) if model.config.is_encoder_decoder else []
     hidden = encoder + list(out.decoder_hidden_states or []) if model.config.is_encoder_decoder else list(
         out.hidden_states)
@@ -175,12 +206,21 @@ def _decoder_start(model) -> int:
     return 0
 
 
+def _own_settings(model):
+    """A copy of the model's generation config for one generate call: Pop2Piano's generate updates the config it is
+    given with the call's settings, its own where it is given none (a first call's `return_dict_in_generate` made
+    every later call's output a dict)."""
+    import copy
+
+    return copy.deepcopy(model.generation_config)
+
+
 def _generate(model, inputs, torch, steps: bool, **settings):
     """Token ids; with `steps`, also each row's logits at each new token, on that row's own prefix (for beam
     search, the beam its final sequence came through), as `rounding.token_verdict` reads them."""
     if not steps:
-        return model.generate(**inputs, **settings)
-    out = model.generate(**inputs, return_dict_in_generate=True, output_logits=True,
+        return model.generate(**inputs, **settings, generation_config=_own_settings(model))
+    out = model.generate(**inputs, return_dict_in_generate=True, output_logits=True, generation_config=_own_settings(model),
                          output_scores=settings.get("num_beams", 1) > 1, **settings)
     logits = torch.stack([step.float() for step in out.logits], 1)  # [rows (x beams), new tokens, vocab]
     # one row per beam, to be followed through `beam_indices`; Whisper's generate gives the final sequences' own rows
@@ -353,7 +393,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from ..load.skeleton import check_generates_text, model_class_for
     from ..policy.derive import policy_for_model
     from ..policy.schema import check_head_counts, resolve_policy
-    from ..policy.verify import main_input_name
+    from ..policy.verify import audio_driven_input
     from ..shard.inject import shard_model
     from ..shard.weight_share import TOLERANCE
     from .rounding import DTYPES, HALF
@@ -374,7 +414,8 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
 
         raise InferenceSetupError(f"{name}: transformers does not load it as a generating model "
                                   f"({type(e).__name__}: {first_line(e)[:200]})") from None
-    inputs = _inputs(config, torch, main_input_name(model))  # first: no known probe input is refused before any work
+    # first: no known probe input is refused before any work
+    inputs = _inputs(config, torch, audio_driven_input(model), model)
     # audio features in the model's dtype, as a feature extractor's output is cast for a half-precision model
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     policy = resolve_policy(policy_spec, config)

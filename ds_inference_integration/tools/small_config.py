@@ -102,6 +102,14 @@ OWN = {
 }
 
 
+# generation settings a published checkpoint's generation_config.json holds and its generate needs: {model_type:
+# {attribute: value}}, set on the built model's generation config
+GENERATION = {
+    # Pop2Piano's composers, one per row of its conditioner's embedding (21 by default), each a token its generate
+    # puts before the audio's features ("`composer_to_feature_token` was not found!" without)
+    "pop2piano": dict(composer_to_feature_token={f"composer{i + 1}": 2052 + i for i in range(21)}),
+}
+
 PER_LAYER = ("layer_types", "mlp_layer_types", "block_types")
 
 
