@@ -712,6 +712,27 @@ def _bare_parameters(module: nn.Module) -> bool:
     return not _linears(module) and not is_linear(module) and any(p.ndim >= 2 for p in module.parameters())
 
 
+def _wraps_a_linear(module: nn.Module) -> bool:
+    """A module of the model's own around one linear and nothing else that holds parameters (Moshi's `MoshiLinear`,
+    Kyutai's: `self_attn.q_proj.linear`)."""
+    linears = _linears(module)
+    return (len(linears) == 1 and not module._parameters
+            and all(not any(True for _ in m.parameters()) for n, m in module.named_children() if n not in linears))
+
+
+def _wrapped_linears(path: str, module: nn.Module, rows: set[str], read: set[int]) -> set[str]:
+    """The names of the module's children that wrap one linear each (`_wraps_a_linear`), to be judged as those
+    linears: all of them, where each is row-parallel or writes a width a row-parallel linear of the module reads (or
+    the model's); else none. Judged as modules nested in the attention, Moshi's and Kyutai's projections were each
+    kept whole on every rank, and the attention with them (Moshi 100% per rank at tp 2, Kyutai 59%; 50% now). All
+    or none: a key projection of fewer heads than the query's (grouped-query attention) writes another width, and
+    kept whole beside a split query it gave wrong logits (no table describes an attention through its wrappers)."""
+    found = {n: c for n, c in module.named_children() if not is_linear(c) and _wraps_a_linear(c)}
+    fits = all(any(_row_parallel(f"{path}.{n}", q, rows) or m.weight.shape[0] in read for q, m in _linears(c).items())
+               for n, c in found.items())
+    return set(found) if fits else set()
+
+
 def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | None) -> dict[str, str]:
     """{path: why} of the modules nested in a split module (not linears themselves) whose linears no row-parallel
     linear gathers: DeepSpeed would split each by output rows and every rank would read a part as the whole
@@ -724,6 +745,7 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
     # `policy sweep`, 2026-12-07), as `_gathered_widths` finds it among the layer's own modules
     read = {m.weight.shape[1] for q, m in _linears(module).items()
             if _row_parallel(path, q, rows) and m.weight.shape[1] != hidden}
+    wrapped = _wrapped_linears(path, module, rows, read | {hidden})
     for name, child in module.named_children():
         linears = _linears(child)
         if _bare_parameters(child) and not is_experts(child) and not any(isinstance(m, nn.Embedding)
@@ -738,6 +760,8 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
         if any(not p for p, *_ in _attention_modules(child)):  # q/k/v gathered by its parent (BigBird's `self`)
             continue
         where = f"{path}.{name}"
+        if name in wrapped:
+            continue  # a linear in a module of the model's own: judged as that linear
         if all(m.weight.shape[0] in read and not _row_parallel(where, q, rows) for q, m in linears.items()):
             continue
         # a row-parallel linear gathers the module when it writes the model's width back (AutoTP names the

@@ -93,9 +93,10 @@ OWN = {
     # Kyutai's speech-to-text: an embedding of text and every codebook's codes (its codec's codes and a start code
     # each), the audio pad token its last row; its codec (Mimi) as many codebooks of as many codes, and upsampling
     # groups that divide its width
-    "kyutai_speech_to_text": dict(codebook_vocab_size=33, num_codebooks=4, audio_bos_token_id=32,
-                                  audio_pad_token_id=VOCAB + 4 * 33),
-    "mimi": dict(codebook_size=32, num_quantizers=4, codebook_dim=32, vector_quantization_hidden_dimension=32,
+    # (8 codebooks: Moshi's default, which its config refuses above its Mimi's quantizers)
+    "kyutai_speech_to_text": dict(codebook_vocab_size=33, num_codebooks=8, audio_bos_token_id=32,
+                                  audio_pad_token_id=VOCAB + 8 * 33),
+    "mimi": dict(codebook_size=32, num_quantizers=8, codebook_dim=32, vector_quantization_hidden_dimension=32,
                  upsample_groups=WIDTH["hidden_size"]),
     # axial position embeddings whose widths sum to the hidden size, and heads of 32 (4 x 32 = 128)
     "reformer": dict(axial_pos_embds_dim=[64, 64], attention_head_size=32, feed_forward_size=256),
