@@ -566,6 +566,38 @@ def test_linears_inside_modules_of_the_models_own_are_split_as_linears_all_or_no
     assert {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"} <= set(whole), whole
 
 
+def test_experts_packed_without_a_gate_are_split_by_their_inner_rows():
+    """NemotronH's MoE (Nemotron 3; Nemotron-3.5-Transcribe's decoder) packs its experts as `up_proj` [experts,
+    inner, hidden] and `down_proj` [experts, hidden, inner], no gate: not recognised, they were held whole on every
+    rank as bare parameters. Derived as experts, each rank keeps 1/tp of every expert's inner rows; the split's
+    partial output, all-reduced, is the whole module's (checked here by summing the ranks' parts)."""
+    import copy
+
+    from ds_inference_integration.policy.derive import derive_policy
+    from ds_inference_integration.policy.kinds import is_ungated_experts
+    from ds_inference_integration.shard import experts as split
+
+    model = zoo_model("nemotron_h_moe")
+    policy = derive_policy(model)
+    assert dict(policy.experts)["NemotronHBlock"] == ("mixer.experts",), policy.experts
+    assert not any("experts" in p for p in dict(policy.replicated).get("NemotronHBlock", ())), policy.replicated
+    module = next(m for n, m in model.named_modules() if n.endswith("mixer.experts"))
+    assert is_ungated_experts(module)
+    x, index = torch.randn(5, 128), torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
+    weights = torch.rand(5, 2)
+    with torch.no_grad():
+        whole = module(x, index, weights)
+        parts = []
+        for rank in range(2):
+            mine = copy.deepcopy(module)
+            split.split_experts(mine, 2, rank, None)  # tp 2; the all-reduce (a forward hook) is the sum below
+            assert len(mine._forward_hooks) == 1
+            mine._forward_hooks.clear()
+            parts.append(mine(x, index, weights))
+            assert mine.up_proj.shape == (4, 64, 128) and mine.down_proj.shape == (4, 128, 64)
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
+
+
 def test_an_input_embedding_inside_a_module_of_the_models_own_is_found_for_the_head():
     """Kyutai's input embedding is a module of its own around one table (text and codec codes, summed): reading its
     `weight` raised AttributeError on every rank while DeepSpeed was to shard. The table is the embedding; the head,

@@ -90,7 +90,7 @@ UNLISTED = ("phi3", "gemma", "mixtral")
 # check) and at tp 4
 MECHANISMS_44 = ["zaya", "minicpm5_moe", "mimo_v2_flash", "gemma4_text_kv", "kimi_linear", "zamba", "rwkv", "dbrx",
                  "bert", "gemma3", "fuyu", "doge", "cpmant",
-                 "hy_v4", "big_bird", "hrm_text", "moshi"]
+                 "hy_v4", "big_bird", "hrm_text", "moshi", "nemotron_h_moe"]
 # the checks the unsharded model cannot do (RWKV's and xLSTM's cache cannot be reordered for beam search): skipped
 # and said; any other skipped check fails `assert_all_pass`
 SKIPS = {("rwkv", "beam"), ("xlstm", "beam")}
@@ -362,6 +362,11 @@ def test_the_mechanisms_of_2026_12_match_the_unsharded_model(tp, tmp_path, reque
     # Moshi's projections inside modules of its own (`MoshiLinear`) and its MLP's [gate | up] `fc1` read as a [2, -1]
     # view, split as linears and as a packed MLP (before: each kept whole, 100% per rank at tp 2)
     assert not share["moshi"]["by_design"] and share["moshi"]["target"] < (0.51 if tp == 2 else 0.26), share["moshi"]
+    # NemotronH's experts without a gate (up_proj and down_proj, 3-D) split by their inner rows, read shard-aware from
+    # the checkpoint's per-expert tensors (before: held whole as bare parameters); only the router whole
+    assert list(share["nemotron_h_moe"]["by_design"]) == ["NemotronHBlock.mixer.gate"], share["nemotron_h_moe"]
+    assert share["nemotron_h_moe"]["target"] < (0.51 if tp == 2 else 0.26), share["nemotron_h_moe"]
+    assert "loaded shard-aware" in checks["nemotron_h_moe"]["loading_shard-aware"]["line"]
     # RWKV's beam search, which its unsharded model cannot do, skipped and said with the model's reason; its other
     # checks run (before: the reference failed, "0 of 1 checks passed")
     line = checks["rwkv"]["beam"]["line"]

@@ -32,7 +32,7 @@ from torch import nn
 from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
 from ..errors import InferenceSetupError
 from .configs import text_config
-from .kinds import is_experts, is_packed_experts, is_router, is_ssm_mixer, row_packed_experts
+from .kinds import is_experts, is_packed_experts, is_router, is_ssm_mixer, is_ungated_experts, row_packed_experts
 from .layers import layer_kinds
 from .schema import (
     DERIVE,
@@ -551,6 +551,8 @@ def _expert_count(module: nn.Module) -> int | None:
     for _, m in module.named_modules():
         if is_packed_experts(m):
             return m.gate_up_proj.shape[0]
+        if is_ungated_experts(m):
+            return m.up_proj.shape[0]
         row_packed = row_packed_experts(m)
         if row_packed:
             return row_packed[0]

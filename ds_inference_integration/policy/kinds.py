@@ -20,6 +20,26 @@ def is_packed_experts(module: nn.Module) -> bool:
     return all(isinstance(params.get(n), torch.Tensor) and params[n].ndim == 3 for n in PACKED)
 
 
+UNGATED = ("up_proj", "down_proj")
+_EXPERT_AS_LINEAR = re.compile(r"linear\([^()]*self\.up_proj\[")  # F.linear(x, self.up_proj[e]): [experts, out, in]
+
+
+def is_ungated_experts(module: nn.Module) -> bool:
+    """Experts packed as two 3-D parameters without a gate, `up_proj` [experts, inner, hidden] and `down_proj`
+    [experts, hidden, inner], each expert applied with `F.linear(x, W[e])` (NemotronH's MoE: Nemotron 3, and
+    Nemotron-3.5-Transcribe's decoder). Not recognised, they were held whole on every rank as bare parameters (57%
+    per rank at tp 2 for Nemotron-3.5-Transcribe's tiny model, `policy sweep` 2026-12-07). A module with a third 3-D
+    parameter (a gate apart) is not: its gate would stay whole beside a split up."""
+    params = {n: p for n, p in module._parameters.items() if isinstance(p, torch.Tensor)}
+    if "gate_up_proj" in params or not all(n in params and params[n].ndim == 3 for n in UNGATED):
+        return False
+    if sum(p.ndim == 3 for p in params.values()) != 2:
+        return False
+    up, down = params["up_proj"].shape, params["down_proj"].shape
+    return (up[0] == down[0] and up[1] == down[2] and up[2] == down[1]
+            and bool(_EXPERT_AS_LINEAR.search(class_source(type(module)))))
+
+
 EXPERT_COUNTS = ("num_experts", "moe_num_experts", "num_local_experts")
 EXPERT_INNER = ("ffn_hidden_size", "expert_dim", "moe_intermediate_size", "intermediate_size")
 
@@ -45,8 +65,9 @@ def row_packed_experts(module: nn.Module) -> tuple[int, int, list[str]] | None:
 
 
 def is_experts(module: nn.Module) -> bool:
-    """Packed experts of either form: 3-D gate_up_proj and down_proj, or 2-D row-packed (`row_packed_experts`)."""
-    return is_packed_experts(module) or row_packed_experts(module) is not None
+    """Packed experts of any form: 3-D gate_up_proj and down_proj, 3-D up_proj and down_proj without a gate
+    (`is_ungated_experts`), or 2-D row-packed (`row_packed_experts`)."""
+    return is_packed_experts(module) or is_ungated_experts(module) or row_packed_experts(module) is not None
 
 
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate", "shared_experts_gate", "expert_bias")

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import InferenceSetupError
 from ..load.slices import record, take
-from ..policy.kinds import is_experts, is_packed_experts
+from ..policy.kinds import is_experts, is_packed_experts, is_ungated_experts
 
 
 def expert_layout(module: nn.Module) -> tuple[bool, bool]:
@@ -52,6 +52,8 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     """Keep this rank's 1/tp of every expert's inner dimension (in place; meta tensors stay meta) and all-reduce
     the module's output over `group`. Per-expert biases: gate_up's split with it; down's (added after the
     partial product, so once per rank) kept on the first rank of the group and zero on the others."""
+    if is_ungated_experts(module):
+        return split_ungated_experts(module, tp_size, tp_rank, group)
     if not is_packed_experts(module):
         return split_row_packed_experts(module, tp_size, tp_rank, group)
     transposed, interleaved = expert_layout(module)
@@ -79,6 +81,25 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
         with torch.no_grad():
             module.down_proj_bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
         record(module.down_proj_bias, 1, (), tuple(bias.shape))  # no part: zeros
+    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+        if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
+            setattr(module, attr, part)
+    _reduce_output(module, tp_size, group)
+
+
+def split_ungated_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
+    """Experts without a gate (`kinds.is_ungated_experts`: up_proj [experts, inner, hidden], down_proj [experts,
+    hidden, inner]): each rank keeps, of every expert, the same 1/tp of the inner rows of up_proj and those columns
+    of down_proj, its output a partial sum all-reduced as `split_experts`'s."""
+    up, down = module.up_proj, module.down_proj
+    inner = up.shape[1]
+    part = _part(module, inner, tp_size)
+    mine = ((tp_rank * part, (tp_rank + 1) * part),)
+    with torch.no_grad():
+        module.up_proj = nn.Parameter(take(up, 1, mine), requires_grad=False)
+        module.down_proj = nn.Parameter(take(down, 2, mine), requires_grad=False)
+    record(module.up_proj, 1, mine, tuple(up.shape))
+    record(module.down_proj, 2, mine, tuple(down.shape))
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
             setattr(module, attr, part)

@@ -361,6 +361,11 @@ ZOO = {
     "pop2piano": lambda: _swept("pop2piano"),
     # audio tokenizers whose first stage reads as many channels as the decoder has heads (not a per-head table)
     "vibevoice_asr": lambda: _swept("vibevoice_asr"),
+    # experts packed without a gate (up_proj and down_proj, 3-D: NemotronH's MoE, Nemotron 3's), beside Mamba2
+    # mixers, attention and a dense MLP: split by each expert's inner rows
+    "nemotron_h_moe": lambda: _swept("nemotron_h"),
+    # Nemotron-3.5-Transcribe: that decoder behind an audio encoder, a diarization head and a word-timestamp head
+    "nemo_speechlm": lambda: _swept("nemo_speechlm"),
     # a type whose causal-LM class is its text model alone, whose checkpoints are of its image-and-text class (built by
     # AutoModelForImageTextToText from `architectures`; checked on text: a vision tower and cross-attention layers)
     "mllama": lambda: _swept("mllama", architectures=["MllamaForConditionalGeneration"]),

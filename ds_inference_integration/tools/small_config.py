@@ -98,6 +98,10 @@ OWN = {
                                   audio_pad_token_id=VOCAB + 8 * 33),
     "mimi": dict(codebook_size=32, num_quantizers=8, codebook_dim=32, vector_quantization_hidden_dimension=32,
                  upsample_groups=WIDTH["hidden_size"]),
+    # Nemotron-3.5-Transcribe's diarization head reads its audio encoder's width, which its validator checks, and its
+    # word-timestamp head's blank token is the last of its vocabulary
+    "nemotron3_diarization": {"head_config.audio_hidden_size": WIDTH["hidden_size"]},
+    "nemotron3_5_transcribe_word_timestamp": dict(blank_token_id=VOCAB - 1),
     # axial position embeddings whose widths sum to the hidden size, and heads of 32 (4 x 32 = 128)
     "reformer": dict(axial_pos_embds_dim=[64, 64], attention_head_size=32, feed_forward_size=256),
 }
