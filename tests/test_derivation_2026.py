@@ -598,6 +598,32 @@ def test_experts_packed_without_a_gate_are_split_by_their_inner_rows():
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
 
 
+def test_a_module_whose_output_joins_a_split_linears_keeps_its_module_whole():
+    """Zamba2's shared MLP adds low-rank adapters' outputs (hidden -> rank -> 2 x inner) to its `gate_up_proj`'s: the
+    adapters, kept whole beside the split `gate_up_proj`, failed the sharded forward ("(256) must match ... (512)" at
+    tp 2). No rank can add its part of the linear to the adapters' whole output: the MLP is kept whole, said."""
+    from ds_inference_integration.policy.derive import derive_policy
+
+    policy = derive_policy(zoo_model("zamba2"))
+    whole = dict(policy.replicated)["Zamba2HybridLayer"]
+    assert "shared_transformer.feed_forward" in whole, whole
+    assert not any(p.startswith("shared_transformer.feed_forward.") for p in whole), whole
+    assert "shared_transformer.self_attn.o_proj" in dict(policy.layers)["Zamba2HybridLayer"] or \
+        "self_attn.o_proj" in dict(policy.layers)["Zamba2HybridLayer"], policy.layers
+
+
+def test_the_sweeps_small_config_maps_lists_of_layer_indices_to_its_layers():
+    """Zamba2's `hybrid_layer_ids` ([6, 12, ...] of 54 layers) stayed the default's while its layer types were cut
+    to two: its adapters were looked up for layer 1 in a map of layers 6 to 51, "KeyError: 1" in the unsharded
+    model (`policy sweep`: "unsharded model fails")."""
+    from transformers import AutoConfig
+
+    from ds_inference_integration.tools.small_config import shrink
+
+    config = shrink(AutoConfig.for_model("zamba2"))
+    assert config.hybrid_layer_ids == [i for i, t in enumerate(config.layers_block_type) if t == "hybrid"] != []
+
+
 def test_an_input_embedding_inside_a_module_of_the_models_own_is_found_for_the_head():
     """Kyutai's input embedding is a module of its own around one table (text and codec codes, summed): reading its
     `weight` raised AttributeError on every rank while DeepSpeed was to shard. The table is the embedding; the head,

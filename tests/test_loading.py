@@ -693,6 +693,24 @@ def test_the_targets_of_assistants_and_speech_to_text_models_generate_text():
         check_generates_text(config, model_class, "d")  # raises for one that does not
 
 
+def test_a_rank_file_holds_parameters_that_share_memory_each_as_its_own(tmp_path):
+    """Zamba2's shared block, read shard-aware, is a parameter of its own in each place over one memory: safetensors
+    refused to save them ("Some tensors share memory"), a traceback on every rank of `ds-inference shard`. Each is
+    saved as a copy, read back equal; one parameter in two places is still saved once."""
+    from ds_inference_integration.load.presharded import new_identity, write_rank_file
+
+    memory = torch.arange(8.0).reshape(2, 4)
+    model = torch.nn.Module()
+    model.a, model.b, model.c = (torch.nn.Linear(4, 2, bias=False) for _ in range(3))
+    model.a.weight = torch.nn.Parameter(memory, requires_grad=False)
+    model.b.weight = torch.nn.Parameter(memory.view(2, 4), requires_grad=False)  # another parameter, one memory
+    model.c.weight = model.a.weight  # one parameter in two places
+    record = write_rank_file(model, tmp_path, 0, new_identity(1, "p", torch.float32))
+    saved = load_file(str(tmp_path / record["name"]))
+    assert sorted(saved) == ["a.weight", "b.weight"]
+    assert torch.equal(saved["a.weight"], memory) and torch.equal(saved["b.weight"], memory)
+
+
 def test_a_pre_sharded_tensor_of_another_split_is_refused_naming_it(tmp_path):
     """A pre-sharded directory written by a version that split a tensor otherwise (DeepSpeed's 64-row blocks, before
     the run passed an even `tp_grain_size`: a 128-wide expert at tp 4 was 64/64/0/0, now 32 each) holds this rank's

@@ -102,16 +102,28 @@ def write_rank_file(model: nn.Module, out_dir: Path, tp_rank: int, identity: dic
     a temporary name, hash them, and rename into place. Returns the manifest's record of the file."""
     from safetensors.torch import save_file
 
-    tensors, seen = {}, set()
+    tensors, seen, stored = {}, set(), set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # parameters of their own over one memory (Zamba2's shared block in each of its places, read shard-aware
+        # into views of one tensor): safetensors refuses to save those ("Some tensors share memory", a traceback on
+        # every rank of `ds-inference shard` and of policy check's pre-sharded check); each is saved as a copy
+        t = t.detach().to("cpu").contiguous()
+        where = t.untyped_storage().data_ptr() if t.numel() else None
+        if where in stored:
+            return t.clone()
+        stored.add(where)
+        return t
+
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
         seen.add(id(p))
-        tensors[name] = p.detach().to("cpu").contiguous()
+        tensors[name] = own(p)
     persistent = set(model.state_dict().keys())
     for name, buf in model.named_buffers():
         if name in persistent:
-            tensors[name] = buf.detach().to("cpu").contiguous()
+            tensors[name] = own(buf)
     name = rank_file(tp_rank, identity["tp_size"])
     tmp = out_dir / f".{name}.{identity['shard_id']}.tmp"
     metadata = {"format": FORMAT, "tp_rank": str(tp_rank), **{k: str(v) for k, v in identity.items()}}

@@ -773,6 +773,14 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
         gathered = any(_row_parallel(where, q, rows) and m.weight.shape[0] == hidden and m.weight.shape[1] != hidden
                        or autotp_keeps_whole(f"{where}.{q}") for q, m in linears.items())
         if not gathered:
+            # its output joins a column-split linear's of the module (Zamba2's low-rank adapters, added to its shared
+            # MLP's `gate_up_proj`: kept whole beside the split linear, "(256) must match ... (512)" at tp 2): no
+            # rank could add its part of that linear to the whole, so the module is kept whole with it
+            beside = [q for q, m in _linears(module).items() if "." not in q and not _row_parallel(path, q, rows)
+                      and m.weight.shape[0] in {c.weight.shape[0] for c in linears.values()}]
+            if beside:
+                return {path: f"{where} adds its output to {beside[0]}'s, which a split would cut: the module is "
+                              "computed whole on every rank"}
             found[where] = ("a module inside a split one whose linears no row-parallel linear gathers: each rank "
                             "computes it whole")
     return found

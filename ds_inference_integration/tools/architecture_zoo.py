@@ -22,10 +22,7 @@ from .small_config import VOCAB
 
 TABLE_START = "<!-- architecture-table: written by `ds-inference policy matrix --readme docs/policies.md` -->"
 TABLE_END = "<!-- end of architecture-table -->"
-NOT_IN_ZOO = {  # tried, and why each is not in the table yet
-    "zamba2": "its shared block, kept whole, is read shard-aware into tensors that share memory between its places, "
-              "which the pre-sharded writer refuses (the other checks pass)",
-}
+NOT_IN_ZOO: dict[str, str] = {}  # tried, and why each is not in the table yet (Zamba2 until 2026-12-07)
 
 
 def _decoder(cls_name: str, **kw):
@@ -366,6 +363,10 @@ ZOO = {
     "nemotron_h_moe": lambda: _swept("nemotron_h"),
     # Nemotron-3.5-Transcribe: that decoder behind an audio encoder, a diarization head and a word-timestamp head
     "nemo_speechlm": lambda: _swept("nemo_speechlm"),
+    # Zamba2: a shared attention-and-MLP block in two hybrid layers, each place with low-rank adapters of its own added
+    # to the block's `gate_up_proj` (that MLP kept whole with them), saved pre-sharded though its places share memory
+    "zamba2": lambda: _swept("zamba2", layers_block_type=["hybrid", "linear_attention", "hybrid"],
+                             hybrid_layer_ids=[0, 2], num_hidden_layers=3),
     # a type whose causal-LM class is its text model alone, whose checkpoints are of its image-and-text class (built by
     # AutoModelForImageTextToText from `architectures`; checked on text: a vision tower and cross-attention layers)
     "mllama": lambda: _swept("mllama", architectures=["MllamaForConditionalGeneration"]),
@@ -490,7 +491,8 @@ def table(reports: dict[int, dict]) -> str:
             else:
                 cells.append(f"FAIL ({sum(results)}/{len(results)} checks)")
         lines.append(f"| {name} | {row['model_type']} | {row['policy']} | " + " | ".join(cells) + " |")
-    lines += ["", "Tried and not in the table: " + "; ".join(f"{k}: {v}" for k, v in NOT_IN_ZOO.items()) + "."]
+    if NOT_IN_ZOO:
+        lines += ["", "Tried and not in the table: " + "; ".join(f"{k}: {v}" for k, v in NOT_IN_ZOO.items()) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -136,6 +136,12 @@ def _per_layer_lists(config) -> dict:
     found = {a: [v[i % len(v)] for i in picked] for a, v in lists.items()}
     layers = [n for n in LAYERS if isinstance(getattr(config, n, None), int) and not isinstance(getattr(config, n), bool)]
     found.update({n: len(picked) for n in layers})
+    # lists of layer indices the default derived from its layer types (Zamba2's `hybrid_layer_ids`, [6, 12, ...]:
+    # left as they were, its shared block's adapters were looked up for layer 1 in a map of layers 6 to 51,
+    # "KeyError: 1" in the unsharded model): the picked layers' new indices
+    for name, ids in vars(config).items():
+        if name.endswith("_layer_ids") and isinstance(ids, (list, tuple)) and all(isinstance(i, int) for i in ids):
+            found[name] = [k for k, i in enumerate(picked) if i in set(ids)]
     return found
 
 
