@@ -730,9 +730,28 @@ def _wrapped_linears(path: str, module: nn.Module, rows: set[str], read: set[int
     or none: a key projection of fewer heads than the query's (grouped-query attention) writes another width, and
     kept whole beside a split query it gave wrong logits (no table describes an attention through its wrappers)."""
     found = {n: c for n, c in module.named_children() if not is_linear(c) and _wraps_a_linear(c)}
-    fits = all(any(_row_parallel(f"{path}.{n}", q, rows) or m.weight.shape[0] in read for q, m in _linears(c).items())
-               for n, c in found.items())
-    return set(found) if fits else set()
+    # only a module made of such wrappers, a row-parallel one gathering the others (an attention's projections): a
+    # wrapped linear beside a module kept whole (Reformer's `attention.output.dense`, row-parallel by the name of
+    # the layer's MLP output, after its whole `self_attention`) reads a whole input, which a split cannot
+    others = [c for n, c in module.named_children() if n not in found and not is_linear(c)
+              and any(True for _ in c.parameters())]
+    row = {n for n, c in found.items() if any(_row_parallel(f"{path}.{n}", q, rows) for q in _linears(c))}
+    fits = all(n in row or any(m.weight.shape[0] in read for m in _linears(c).values()) for n, c in found.items())
+    return set(found) if fits and not others and row and len(row) < len(found) else set()
+
+
+def _low_rank_adapter(module: nn.Module, width: int, hidden: int | None) -> bool:
+    """Whether the module holds low-rank adapters to `width` and nothing else: linears from the model's width to a
+    narrow rank, and from that rank to `width` (Zamba2's `gate_up_proj_adapter_list`, Sequentials of hidden -> 128
+    -> 2 x inner, added to `gate_up_proj`'s output). The width is not the model's: a module whose output merely has
+    the width of a sibling linear's (the model's, in a tiny model) is not taken for one (DeepSeek-V3.2's indexer)."""
+    linears = list(_linears(module).values())
+    held = {id(p) for m in linears for p in m.parameters()}
+    if not linears or width == hidden or any(id(p) not in held for p in module.parameters()):
+        return False
+    down = [m for m in linears if m.weight.shape[1] == hidden and m.weight.shape[0] < width]
+    up = [m for m in linears if m.weight.shape[0] == width and m.weight.shape[1] < width]
+    return bool(down) and bool(up) and len(down) + len(up) == len(linears)
 
 
 def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | None) -> dict[str, str]:
@@ -777,7 +796,7 @@ def _whole_inside(path: str, module: nn.Module, rows: set[str], hidden: int | No
             # MLP's `gate_up_proj`: kept whole beside the split linear, "(256) must match ... (512)" at tp 2): no
             # rank could add its part of that linear to the whole, so the module is kept whole with it
             beside = [q for q, m in _linears(module).items() if "." not in q and not _row_parallel(path, q, rows)
-                      and m.weight.shape[0] in {c.weight.shape[0] for c in linears.values()}]
+                      and _low_rank_adapter(child, m.weight.shape[0], hidden)]
             if beside:
                 return {path: f"{where} adds its output to {beside[0]}'s, which a split would cut: the module is "
                               "computed whole on every rank"}
