@@ -195,7 +195,7 @@ def test_a_model_that_generates_only_from_audio_is_given_audio_and_checked(name,
 
     from ds_inference_integration.policy.verify import _probe_pass, audio_driven_input
     from ds_inference_integration.tools import policy_check
-    from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model
+    from ds_inference_integration.tools.architecture_zoo import ZOO, _swept, tiny_model
 
     model = tiny_model(ZOO[name]()).eval()
     assert audio_driven_input(model) == audio
@@ -207,6 +207,7 @@ def test_a_model_that_generates_only_from_audio_is_given_audio_and_checked(name,
     assert all(found[mode].shape[0] == 3 for mode in ("greedy", "beam", "sample"))
     _probe_pass(model, torch.device("cpu"))  # the check of a derived policy at load (predict, serve)
     assert audio_driven_input(tiny_model(ZOO["qwen2_audio"]()).eval()) is None
+    assert audio_driven_input(tiny_model(_swept("voxtral")).eval()) is None  # its audio token declared, left None
     assert audio_driven_input(tiny_model(ZOO["llama"]()).eval()) is None
 
 

@@ -99,6 +99,9 @@ def main_input_name(model: nn.Module) -> str:
     return name
 
 
+AUDIO_TOKEN = ("audio_token_id", "audio_token_index")  # the token a model's audio is placed at among its ids
+
+
 def audio_driven_input(model: nn.Module) -> str | None:
     """The audio input a model cannot generate without, or None where token ids are its input: its main input (a
     speech encoder's), or one its token ids do not stand in for although they are its main input: audio its
@@ -119,9 +122,9 @@ def audio_driven_input(model: nn.Module) -> str | None:
         return None
     if found[0] in stepwise:
         return found[0]
+    # an audio token declared by the config, set or not (Voxtral's default config leaves it None, a checkpoint sets it)
     configs = [model.config, *(getattr(model.config, n, None) for n in (getattr(model.config, "sub_configs", None) or {}))]
-    placed = any(k.startswith("audio_token_") and isinstance(v, int) for c in configs if c is not None
-                 for k, v in vars(c).items())
+    placed = any(hasattr(c, n) for c in configs if c is not None for n in AUDIO_TOKEN)
     return None if placed else found[0]
 
 

@@ -177,9 +177,9 @@ def _forward(model, inputs, torch) -> dict:
 
 def _first_step(model, inputs, torch) -> dict:
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=1, do_sample=False, num_beams=1, pad_token_id=_pad_id(model.config),
-                             return_dict_in_generate=True, output_logits=True, output_hidden_states=True,
-                             generation_config=_own_settings(model))
+        out = _generate_with(model, inputs, max_new_tokens=1, do_sample=False, num_beams=1,
+                             pad_token_id=_pad_id(model.config), return_dict_in_generate=True, output_logits=True,
+                             output_hidden_states=True)
     first = (out.decoder_hidden_states if model.config.is_encoder_decoder else out.hidden_states)[0]
     return _outputs(model, types.SimpleNamespace(  # as a forward's output
         logits=out.logits[0][:, None], encoder_hidden_states=getattr(out, "encoder_hidden_states", None),
@@ -206,21 +206,23 @@ def _decoder_start(model) -> int:
     return 0
 
 
-def _own_settings(model):
-    """A copy of the model's generation config for one generate call: Pop2Piano's generate updates the config it is
-    given with the call's settings, its own where it is given none (a first call's `return_dict_in_generate` made
-    every later call's output a dict)."""
+def _generate_with(model, inputs: dict, **settings):
+    """`model.generate` with `settings` on a copy of the model's generation config: Pop2Piano's generate updates the
+    config it is given with the call's settings, its own where it is given none (a first call's
+    `return_dict_in_generate` made every later call's output a dict)."""
     import copy
 
-    return copy.deepcopy(model.generation_config)
+    config = copy.deepcopy(model.generation_config)
+    rest = config.update(**settings)  # what is not a generation setting goes to generate as it is
+    return model.generate(**inputs, generation_config=config, **rest)
 
 
 def _generate(model, inputs, torch, steps: bool, **settings):
     """Token ids; with `steps`, also each row's logits at each new token, on that row's own prefix (for beam
     search, the beam its final sequence came through), as `rounding.token_verdict` reads them."""
     if not steps:
-        return model.generate(**inputs, **settings, generation_config=_own_settings(model))
-    out = model.generate(**inputs, return_dict_in_generate=True, output_logits=True, generation_config=_own_settings(model),
+        return _generate_with(model, inputs, **settings)
+    out = _generate_with(model, inputs, return_dict_in_generate=True, output_logits=True,
                          output_scores=settings.get("num_beams", 1) > 1, **settings)
     logits = torch.stack([step.float() for step in out.logits], 1)  # [rows (x beams), new tokens, vocab]
     # one row per beam, to be followed through `beam_indices`; Whisper's generate gives the final sequences' own rows
