@@ -501,7 +501,10 @@ def test_per_head_sinks_of_an_attention_deepspeed_would_split_alone_are_split_by
     ("deepseek_v4", "DeepseekV4DecoderLayer", "self_attn", "self_attn (q_a_norm normalises"),
     # a relative-position attention's per-head bias rows ([heads, head_dim]) beside a view by the config's head count
     # (Canary's Parakeet encoder; before: "shape '[1, 2, 1, 32]' is invalid for input of size 128" at tp 2)
-    ("canary", "ParakeetEncoderBlock", "self_attn", "self_attn.bias_u holds one row per head")])
+    ("canary", "ParakeetEncoderBlock", "self_attn", "self_attn.bias_u holds one row per head"),
+    # a parameter of the attention scaling each feature of its query's width (Dory's `sqk` and `s_gate`), which no
+    # split cuts with the heads (before: "(2) must match ... (4)" at tp 2); its MLP likewise (`suv_gate`), below
+    ("dory", "DoryDecoderLayer", "self_attn", "self_attn.sqk scales each of the 128 features")])
 def test_an_attention_whose_heads_need_every_heads_values_is_kept_whole_and_said(name, layer, whole, why, caplog):
     """Doge: `dt_proj` (every value head's features -> one value per head) is row-parallel in its tp plan, so each
     rank got all heads' values beside its own heads' scores; CPM-Ant: the position bias of all heads, made once
@@ -635,6 +638,18 @@ def test_an_input_embedding_inside_a_module_of_the_models_own_is_found_for_the_h
     head.weight = torch.nn.Parameter(torch.empty(head.weight.shape, device="meta"), requires_grad=False)
     with lm_head_tied_as_the_model_ties(model):
         assert not head.weight.is_meta and tuple(head.weight.shape) == (96, 128)
+
+
+def test_an_mlp_scaling_its_split_features_by_a_parameter_of_its_own_is_kept_whole():
+    """Dory's MLP multiplies `gate_proj`'s output by `suv_gate` ([inner]): DeepSpeed split the linear and left the
+    parameter whole, "(128) must match ... (256)" at tp 2. Kept whole, the reason said."""
+    from ds_inference_integration.policy.derive import derive_policy, derive_whole_modules
+
+    model = zoo_model("dory")
+    policy = derive_policy(model)
+    assert "mlp" in dict(policy.replicated)["DoryDecoderLayer"], policy.replicated
+    whole, _ = derive_whole_modules(model, {"DoryDecoderLayer": ("mlp.down_proj", "self_attn.o_proj")}, {})
+    assert whole["DoryDecoderLayer"]["mlp"].startswith("suv_gate scales each of the 256 features"), whole
 
 
 def test_per_head_parameters_of_an_attention_deepspeed_split_alone_are_split_with_its_heads():

@@ -61,6 +61,31 @@ def test_a_type_that_generates_no_text_by_itself_is_said_refused_not_built():
     assert row == "| dia | speech-seq2seq | refused before loading: dia holds ... |"
 
 
+def test_a_model_that_fails_on_padded_prompts_is_checked_on_prompts_of_one_length(tmp_path, monkeypatch):
+    """Dory's own forward fails on a left-padded batch with its cache; it generates from prompts of one length. The
+    checker's reference said "unsharded model fails" of it: now it is computed on prompts of one length, the failure
+    kept to be said on the logits line (and the sharded model given the same prompts). Llama keeps its padded ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_inference_integration.tools import policy_check
+    from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model
+
+    monkeypatch.setattr(policy_check, "_from_first_rank", lambda compute, topology, groups: compute())
+    for name in ("dory", "llama"):
+        config = ZOO[name]()
+        tiny_model(config).save_pretrained(tmp_path / name)
+        inputs = policy_check._inputs(config, torch)
+        assert not bool(inputs["attention_mask"].all())
+        unpadded = policy_check._prompts(config, torch, torch.Generator().manual_seed(0), lengths=(7, 7, 7))
+        want = policy_check._reference(AutoModelForCausalLM, tmp_path / name, inputs, None, None, torch, None, unpadded)
+        assert want["greedy"].shape == (3, 7 + policy_check.NEW_TOKENS if name == "dory" else 10 + 8)
+        if name == "dory":
+            assert "must match the size of tensor b" in want["unpadded"], want["unpadded"]
+        else:
+            assert "unpadded" not in want
+
+
 @pytest.mark.parametrize("model_type", ["encoder-decoder", "speech-encoder-decoder"])
 def test_a_composite_encoder_decoder_gets_the_start_token_a_saved_one_has(model_type):
     """EncoderDecoder's and SpeechEncoderDecoder's default configs have no decoder start token, which a saved model

@@ -447,6 +447,15 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                            model_type, layer_name, prefix, tables[0])
             replicated.setdefault(layer_name, []).append(path)
             continue
+        widths = {m.weight.shape[0] for m in projections}
+        scales = [n for n, t in attention._parameters.items() if isinstance(t, torch.Tensor) and t.ndim == 1
+                  and t.shape[0] in widths and t.shape[0] not in {q, kv}]
+        if scales:  # (one value per head, attention sinks, is split with the heads below)
+            logger.warning("%s: %s.%s%s scales each of the %d features of a projection, a parameter neither "
+                           "DeepSpeed nor a table splits with the heads: so that attention is kept whole on every rank",
+                           model_type, layer_name, prefix, scales[0], attention._parameters[scales[0]].shape[0])
+            replicated.setdefault(layer_name, []).append(path)
+            continue
         mixing = _row_parallel_per_head(attention, path, layers.get(layer_name, ()), q, kv)
         if mixing:
             logger.warning("%s: %s.%s%s writes one value per head from every head's features, row-parallel (all-reduced "
@@ -674,6 +683,13 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
                 f"{kv_heads} key/value heads of the {width // q_heads} features its output projection reads")
     if not columns:
         return None
+    # a parameter of the module itself scaling what a split linear writes (Dory's `suv_gate`, [inner]): DeepSpeed
+    # leaves it whole beside the split output ("(128) must match ... (256)"); Dory's attention likewise, below
+    scale = next((n for n, t in module._parameters.items() if isinstance(t, torch.Tensor) and t.ndim == 1
+                  and t.shape[0] in {m.weight.shape[0] for m in columns.values()} - {hidden}), None)
+    if scale:
+        return (f"{scale} scales each of the {module._parameters[scale].shape[0]} features a split linear writes, a "
+                "parameter DeepSpeed does not split")
     norm = _norm_over(module, {m.weight.shape[0] for m in columns.values()} - {hidden})
     if norm:
         return (f"{norm} normalises the {getattr(module.get_submodule(norm), 'weight').shape[0]} features its linears "

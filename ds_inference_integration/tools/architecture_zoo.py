@@ -363,6 +363,10 @@ ZOO = {
     "nemotron_h_moe": lambda: _swept("nemotron_h"),
     # Nemotron-3.5-Transcribe: that decoder behind an audio encoder, a diarization head and a word-timestamp head
     "nemo_speechlm": lambda: _swept("nemo_speechlm"),
+    # Dory (nGPT-style): per-feature scales of its attention's query and gate and of its MLP's gate and up, L2 norms
+    # over their whole widths: both kept whole, said; its own forward fails on left-padded prompts, so the checker
+    # uses prompts of one length, said
+    "dory": lambda: _swept("dory"),
     # Zamba2: a shared attention-and-MLP block in two hybrid layers, each place with low-rank adapters of its own added
     # to the block's `gate_up_proj` (that MLP kept whole with them), saved pre-sharded though its places share memory
     "zamba2": lambda: _swept("zamba2", layers_block_type=["hybrid", "linear_attention", "hybrid"],
