@@ -832,9 +832,10 @@ def test_an_embedding_in_a_layer_whose_columns_are_not_its_heads_is_kept_whole()
 
 
 def test_a_model_with_nothing_to_split_is_refused_naming_its_layers_and_what_they_hold():
-    """JetMoE holds its attention's and MLP's experts as [experts, out, in] parameters of a module of its own
-    (`JetMoeParallelExperts`); its only linears are routers and a shared key/value projection. The refusal said
-    only "no row-parallel linear found": it names the layer class and what it holds."""
+    """A JetMoE whose MLP experts are in no layout known here (its `output_linear` made 2-D): its attention's and
+    MLP's experts are parameters of a module of its own (`JetMoeParallelExperts`), its only linears routers and a
+    shared key/value projection. The refusal said only "no row-parallel linear found": it names the layer class
+    and what it holds. (JetMoE as published splits its MLP's experts: the next test.)"""
     from transformers import AutoConfig
 
     from ds_inference_integration.tools.small_config import shrink
@@ -842,8 +843,41 @@ def test_a_model_with_nothing_to_split_is_refused_naming_its_layers_and_what_the
     config = shrink(AutoConfig.for_model("jetmoe"))
     with torch.device("meta"):
         model = model_class_for(config).from_config(config)
+        for layer in model.model.layers:
+            layer.mlp.output_linear.weight = torch.nn.Parameter(torch.empty(4 * 128, 128))
     with pytest.raises(InferenceSetupError) as caught:
         derive_policy(model)
     line = str(caught.value)
     assert "\n" not in line and "JetMoeDecoderLayer: linears mlp.router.layer" in line, line
     assert "weights in JetMoeParallelExperts (not linears" in line and "policy suggest" in line, line
+
+
+def test_experts_held_by_two_modules_of_their_own_are_split_and_the_attention_of_experts_kept_whole():
+    """JetMoE's MLP holds its experts in two modules, `input_linear` [experts, 2 x inner, hidden] (gate and up,
+    chunked) and `output_linear` [experts, hidden, inner], plus a bias added after them: refused before (nothing a
+    rule splits). Each rank keeps 1/tp of every expert's inner rows, the bias on the first rank only; the ranks'
+    outputs sum to the whole module's. Its mixture of attention heads (two such modules without a gate, around
+    attention) is kept whole, said."""
+    import copy
+
+    from ds_inference_integration.policy.kinds import experts_in_two_modules
+    from ds_inference_integration.shard import experts as split
+
+    model = zoo_model("jetmoe")
+    policy = derive_policy(model)
+    assert dict(policy.experts)["JetMoeDecoderLayer"] == ("mlp",) and "JetMoeDecoderLayer" in dict(policy.layers)
+    assert "self_attention" in dict(policy.replicated)["JetMoeDecoderLayer"], policy.replicated
+    mlp = model.model.layers[0].mlp
+    assert experts_in_two_modules(mlp) == ("input_linear", "output_linear")
+    assert experts_in_two_modules(model.model.layers[0].self_attention.experts) is None
+    with torch.no_grad():
+        mlp.bias.normal_()
+        x = torch.randn(1, 5, 128)
+        whole, parts = mlp(x), []
+        for rank in range(2):
+            mine = copy.deepcopy(mlp)
+            split.split_experts(mine, 2, rank, None)
+            mine._forward_hooks.clear()  # the all-reduce: the sum below
+            parts.append(mine(x))
+            assert mine.input_linear.weight.shape == (4, 256, 128) and mine.output_linear.weight.shape == (4, 128, 128)
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)

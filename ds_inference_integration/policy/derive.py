@@ -32,7 +32,15 @@ from torch import nn
 from ..deepspeed_compat import autotp_keeps_whole, autotp_row_parallel, head_grain
 from ..errors import InferenceSetupError
 from .configs import text_config
-from .kinds import is_experts, is_packed_experts, is_router, is_ssm_mixer, is_ungated_experts, row_packed_experts
+from .kinds import (
+    experts_in_two_modules,
+    is_experts,
+    is_packed_experts,
+    is_router,
+    is_ssm_mixer,
+    is_ungated_experts,
+    row_packed_experts,
+)
 from .layers import layer_kinds
 from .schema import (
     DERIVE,
@@ -562,6 +570,9 @@ def _expert_count(module: nn.Module) -> int | None:
             return m.gate_up_proj.shape[0]
         if is_ungated_experts(m):
             return m.up_proj.shape[0]
+        two = experts_in_two_modules(m)
+        if two:
+            return getattr(m, two[0]).weight.shape[0]
         row_packed = row_packed_experts(m)
         if row_packed:
             return row_packed[0]
@@ -951,6 +962,10 @@ def _derive_policy(model: nn.Module) -> Policy:
                                     for layer, q in places)
 
     layers = {name: tuple(r for r in rows if not inside_whole(name, r)) for name, rows in layers.items()}
+    # a layer whose experts are all that is split (JetMoE: its attention of experts and its routers whole) is named
+    # with no row-parallel linear: left out, DeepSpeed parsed the model itself and refused its activation ("Unsupported
+    # activation function: silu")
+    layers.update({name: () for name in experts if name not in layers})
     q_attr, _ = _head_counts(model.config)
     heads = (q_attr,) if q_attr else ()
     return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",

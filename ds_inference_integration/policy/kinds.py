@@ -64,10 +64,30 @@ def row_packed_experts(module: nn.Module) -> tuple[int, int, list[str]] | None:
     return experts, inner, [n for n, _ in params]
 
 
+def experts_in_two_modules(module: nn.Module) -> tuple[str, str] | None:
+    """(the [gate | up] child's name, the down child's name) of experts held by two child modules of one 3-D
+    `weight` each, [experts, 2 x inner, hidden] and [experts, hidden, inner], the first's output read as halves
+    (JetMoE's MoE: `input_linear` and `output_linear`, `JetMoeParallelExperts`, applied with `F.linear(x, W[e])`);
+    else None. Not recognised, JetMoE was refused: nothing a rule splits. Its mixture of attention heads holds two
+    such modules too, without a gate ([experts, kv width, hidden], [experts, hidden, kv width]): not these."""
+    held = {n: c for n, c in module.named_children() if list(c._parameters) == ["weight"]
+            and isinstance(c.weight, torch.Tensor) and c.weight.ndim == 3 and not any(True for _ in c.children())}
+    if len(held) != 2 or not _CHUNKED_HALVES.search(class_source(type(module))):
+        return None
+    (a, first), (b, second) = held.items()
+    if first.weight.shape[1] != 2 * second.weight.shape[2]:
+        (a, first), (b, second) = (b, second), (a, first)
+    up, down = first.weight.shape, second.weight.shape
+    if up[0] == down[0] and up[1] == 2 * down[2] and up[2] == down[1]:
+        return a, b
+    return None
+
+
 def is_experts(module: nn.Module) -> bool:
     """Packed experts of any form: 3-D gate_up_proj and down_proj, 3-D up_proj and down_proj without a gate
     (`is_ungated_experts`), or 2-D row-packed (`row_packed_experts`)."""
-    return is_packed_experts(module) or is_ungated_experts(module) or row_packed_experts(module) is not None
+    return (is_packed_experts(module) or is_ungated_experts(module) or experts_in_two_modules(module) is not None
+            or row_packed_experts(module) is not None)
 
 
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate", "shared_experts_gate", "expert_bias")

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import InferenceSetupError
 from ..load.slices import record, take
-from ..policy.kinds import is_experts, is_packed_experts, is_ungated_experts
+from ..policy.kinds import experts_in_two_modules, is_experts, is_packed_experts, is_ungated_experts
 
 
 def expert_layout(module: nn.Module) -> tuple[bool, bool]:
@@ -54,6 +54,8 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
     partial product, so once per rank) kept on the first rank of the group and zero on the others."""
     if is_ungated_experts(module):
         return split_ungated_experts(module, tp_size, tp_rank, group)
+    if experts_in_two_modules(module):
+        return split_experts_in_two_modules(module, tp_size, tp_rank, group)
     if not is_packed_experts(module):
         return split_row_packed_experts(module, tp_size, tp_rank, group)
     transposed, interleaved = expert_layout(module)
@@ -103,6 +105,36 @@ def split_ungated_experts(module: nn.Module, tp_size: int, tp_rank: int, group) 
     for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
         if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
             setattr(module, attr, part)
+    _reduce_output(module, tp_size, group)
+
+
+def split_experts_in_two_modules(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
+    """Experts held by two child modules (`kinds.experts_in_two_modules`: JetMoE's `input_linear` [experts, 2 x inner,
+    hidden] and `output_linear` [experts, hidden, inner]): each rank keeps, of every expert, its gate rows and the
+    matching up rows of the first, those columns of the second; the module's own bias added to the output ([hidden],
+    after the experts' partial sums) stays on the group's first rank, zero on the others; the output all-reduced as
+    `split_experts`'s."""
+    first, second = (getattr(module, n) for n in experts_in_two_modules(module))
+    up, down = first.weight, second.weight
+    inner = down.shape[2]
+    part = _part(module, inner, tp_size)
+    a, b = tp_rank * part, (tp_rank + 1) * part
+    rows = ((a, b), (inner + a, inner + b))
+    with torch.no_grad():
+        first.weight = nn.Parameter(take(up, 1, rows), requires_grad=False)
+        second.weight = nn.Parameter(take(down, 2, ((a, b),)), requires_grad=False)
+    record(first.weight, 1, rows, tuple(up.shape))
+    record(second.weight, 2, ((a, b),), tuple(down.shape))
+    for child, sizes in ((first, {"output_size": 2 * inner}), (second, {"input_size": inner})):
+        for attr, full in sizes.items():
+            if getattr(child, attr, None) == full:
+                setattr(child, attr, full * part // inner)
+    hidden = up.shape[2]
+    for name, bias in list(module._parameters.items()):
+        if isinstance(bias, torch.Tensor) and bias.ndim == 1 and bias.shape[0] == hidden and tp_rank > 0:
+            with torch.no_grad():
+                setattr(module, name, nn.Parameter(torch.zeros_like(bias), requires_grad=False))
+            record(getattr(module, name), 0, (), tuple(bias.shape))  # no part: zeros
     _reduce_output(module, tp_size, group)
 
 

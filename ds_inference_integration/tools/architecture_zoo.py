@@ -367,6 +367,9 @@ ZOO = {
     # over their whole widths: both kept whole, said; its own forward fails on left-padded prompts, so the checker
     # uses prompts of one length, said
     "dory": lambda: _swept("dory"),
+    # JetMoE: its MLP's experts held by two modules of their own (`input_linear`, `output_linear`) split; its
+    # mixture of attention heads kept whole
+    "jetmoe": lambda: _swept("jetmoe"),
     # Zamba2: a shared attention-and-MLP block in two hybrid layers, each place with low-rank adapters of its own added
     # to the block's `gate_up_proj` (that MLP kept whole with them), saved pre-sharded though its places share memory
     "zamba2": lambda: _swept("zamba2", layers_block_type=["hybrid", "linear_attention", "hybrid"],
