@@ -85,7 +85,8 @@ def experts_in_two_modules(module: nn.Module) -> tuple[str, str] | None:
 
 def is_experts(module: nn.Module) -> bool:
     """Packed experts of any form: 3-D gate_up_proj and down_proj, 3-D up_proj and down_proj without a gate
-    (`is_ungated_experts`), or 2-D row-packed (`row_packed_experts`)."""
+    (`is_ungated_experts`), two modules of one 3-D weight each (`experts_in_two_modules`), or 2-D row-packed
+    (`row_packed_experts`)."""
     return (is_packed_experts(module) or is_ungated_experts(module) or experts_in_two_modules(module) is not None
             or row_packed_experts(module) is not None)
 

@@ -14,6 +14,10 @@ DeepSpeed skips by name) is not split.
 
 Each split parameter records which rows or columns of the packed tensor it holds (`tensor_slices`), read by
 shard-aware loading to convert, from the checkpoint's per-expert tensors, only this rank's part.
+
+The other layouts split alike, by each expert's inner rows: 2-D row-packed experts (DBRX), experts without a gate
+(NemotronH's `up_proj` and `down_proj`) and experts held by two modules of their own (JetMoE's `input_linear` and
+`output_linear`); `kinds.is_experts` recognises each.
 """
 
 from __future__ import annotations
@@ -201,7 +205,8 @@ def experts_modules(layer: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]
     for name, module in layer.named_modules():
         if name and any(names_module(p, name) for p in paths):
             if not is_experts(module):
-                raise InferenceSetupError(f"experts {name!r} in {type(layer).__name__} holds no packed gate_up_proj "
-                                          "and down_proj parameters, nor 2-D [experts x inner, hidden] ones")
+                raise InferenceSetupError(f"experts {name!r} in {type(layer).__name__} holds no packed experts; valid: "
+                                          "3-D gate_up_proj and down_proj, 3-D up_proj and down_proj, two modules of "
+                                          "one 3-D weight each, or 2-D [experts x inner, hidden] parameters")
             found.append(module)
     return found
