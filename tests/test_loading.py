@@ -332,6 +332,27 @@ def test_shard_command_rejects_bad_input(tmp_path):
     assert proc.returncode == 2 and "--dtype 'fp8' is invalid; valid: fp32, fp16, bf16" in proc.stderr
 
 
+@pytest.mark.parametrize("name", ["t5", "kyutai_speech_to_text"])
+@pytest.mark.launched
+def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name):
+    """What predict and the server run before using a derived policy (`verify_sharded_layers`, here through
+    `ds-inference shard`, tp 2): T5's later blocks read the position bias its first block makes, split with the
+    heads, which the unsharded copy of the second block could not add (refused: "gives wrong results ... the
+    unsharded layer fails on the inputs the sharded model gives it", though `policy check` passes the policy); each
+    rank's part is gathered for the copy now. Kyutai's speech-to-text generates only from audio: its probe is two
+    steps of its generate, each layer compared on its first call (the second's cache holds this rank's heads), and
+    its codec's decoder, which speech-to-text never runs, said as not checked."""
+    from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model
+
+    tiny_model(ZOO[name]()).save_pretrained(tmp_path / "model")
+    proc = cli("shard", str(tmp_path / "model"), "--tp-size", "2", "--policy", "derive", str(tmp_path / "out"),
+               env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checked numerically" in proc.stdout + proc.stderr and (tmp_path / "out" / "manifest.json").is_file()
+    if name == "kyutai_speech_to_text":
+        assert "not run by the model's generate, so not checked: codec_model.decoder" in proc.stdout + proc.stderr
+
+
 @pytest.mark.slow  # 5 launches, about 50 s: `make test-all` runs it
 @pytest.mark.launched
 def test_bench_memory_runs_every_path_and_compares_tokens(tmp_path):
