@@ -332,14 +332,14 @@ def test_shard_command_rejects_bad_input(tmp_path):
     assert proc.returncode == 2 and "--dtype 'fp8' is invalid; valid: fp32, fp16, bf16" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["t5", "kyutai_speech_to_text"])
+@pytest.mark.parametrize("name", ["t5", "mpt", "kyutai_speech_to_text"])
 @pytest.mark.launched
 def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name):
     """What predict and the server run before using a derived policy (`verify_sharded_layers`, here through
     `ds-inference shard`, tp 2): T5's later blocks read the position bias its first block makes, split with the
-    heads, which the unsharded copy of the second block could not add (refused: "gives wrong results ... the
-    unsharded layer fails on the inputs the sharded model gives it", though `policy check` passes the policy); each
-    rank's part is gathered for the copy now. Kyutai's speech-to-text generates only from audio: its probe is two
+    heads, and MPT's blocks the ALiBi bias of this rank's heads, which the unsharded copy could not add (refused:
+    "gives wrong results ... the unsharded layer fails on the inputs the sharded model gives it", though `policy
+    check` passes the policy); each rank's part is gathered for the copy now. Kyutai's speech-to-text generates only from audio: its probe is two
     steps of its generate, each layer compared on its first call (the second's cache holds this rank's heads), and
     its codec's decoder, which speech-to-text never runs, said as not checked."""
     from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model

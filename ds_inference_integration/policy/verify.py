@@ -260,21 +260,24 @@ def _on_gathered_heads(layer: nn.Module, args: tuple, kwargs: dict, group) -> to
     group along its head axis (T5's `position_bias`, [batch, this rank's heads, queries, keys], made by the first
     block's relative bias, split with the heads, and passed to every later block: the unsharded copy of the second
     block could not add it, and the check refused a derived policy the sharded model computed right, `ds-inference
-    shard --policy derive` on T5, Pop2Piano, 2026-12-07). None where there is no such tensor (a 4-D one of one head
-    is taken for a mask) or the layer fails on them too. Every rank of the group gets here alike: the copy, the
-    shapes and the failure are the same on each."""
+    shard --policy derive` on T5, Pop2Piano, 2026-12-07; MPT's ALiBi bias, [heads, queries, keys], likewise). None
+    where there is no such tensor (one of one head is taken for a mask) or the layer fails on them too. Every rank
+    of the group gets here alike: the copy, the shapes and the failure are the same on each."""
     import torch.distributed as dist
 
     if group is None or not dist.is_initialized():
         return None
 
+    axis = {4: 1, 3: 0}  # [batch, heads, queries, keys] (T5); [heads, queries, keys] (MPT's ALiBi bias)
+
     def per_head(v) -> bool:
-        return isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim == 4 and v.shape[1] > 1
+        return (isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim in axis
+                and v.shape[axis[v.ndim]] > 1)
 
     def gathered(v: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(v) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, v.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=axis[v.ndim])
 
     if not any(per_head(v) for v in (*args[1:], *kwargs.values())):
         return None
