@@ -339,9 +339,9 @@ def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name
     `ds-inference shard`, tp 2): T5's later blocks read the position bias its first block makes, split with the
     heads, and MPT's blocks the ALiBi bias of this rank's heads, which the unsharded copy could not add (refused:
     "gives wrong results ... the unsharded layer fails on the inputs the sharded model gives it", though `policy
-    check` passes the policy); each rank's part is gathered for the copy now. Kyutai's speech-to-text generates only from audio: its probe is two
-    steps of its generate, each layer compared on its first call (the second's cache holds this rank's heads), and
-    its codec's decoder, which speech-to-text never runs, said as not checked."""
+    check` passes the policy); each rank's part is gathered for the copy now. Kyutai's speech-to-text generates only
+    from audio: its probe is two steps of its generate, each layer compared on its first call (the second's cache
+    holds this rank's heads), and its codec's decoder, which speech-to-text never runs, said as not checked."""
     from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model
 
     tiny_model(ZOO[name]()).save_pretrained(tmp_path / "model")
@@ -351,6 +351,24 @@ def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name
     assert "checked numerically" in proc.stdout + proc.stderr and (tmp_path / "out" / "manifest.json").is_file()
     if name == "kyutai_speech_to_text":
         assert "not run by the model's generate, so not checked: codec_model.decoder" in proc.stdout + proc.stderr
+
+
+@pytest.mark.launched
+def test_shard_command_loads_full_a_checkpoint_that_needs_a_conversion(tmp_path):
+    """Kimi-Linear's convolutions are converted by transformers at load, so they cannot be read shard-aware: the
+    command refused the model, its error naming `--loading full`, an option it does not have. It loads such a
+    checkpoint full on every rank, as a run's `--loading auto` does, says so in one warning line, and writes the
+    rank files."""
+    from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model
+
+    tiny_model(ZOO["kimi_linear"]()).save_pretrained(tmp_path / "model")
+    proc = cli("shard", str(tmp_path / "model"), "--tp-size", "2", str(tmp_path / "out"), env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "k_conv1d.weight needs conversion" in warnings[0], warnings
+    assert warnings[0].endswith(": loaded full on every rank") and "--loading" not in warnings[0], warnings
+    assert sorted(p.name for p in (tmp_path / "out").glob("rank-*")) == ["rank-00000-of-00002.safetensors",
+                                                                         "rank-00001-of-00002.safetensors"]
 
 
 @pytest.mark.slow  # 5 launches, about 50 s: `make test-all` runs it

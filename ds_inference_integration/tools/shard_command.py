@@ -99,7 +99,18 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size,
                                            injection_policy=policy_spec)
         policy = None if policy_spec == "autotp" else policy_for_run(policy_spec, config, topology.tp_size)
-        model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware")
+        try:
+            model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware")
+        except InferenceSetupError as e:
+            if not getattr(e, "needs_conversion", False):
+                raise
+            # a checkpoint transformers converts at load, not only slices (Kimi-Linear's and OLMo-Hybrid's
+            # convolutions, HRM's gqkv_proj, DeepSeek-V4's experts): loaded full on every rank, as a run's `--loading
+            # auto` loads it. The command refused it before, naming `--loading full`, an option it does not have.
+            if topology.rank == 0:
+                why = str(e).split(f"{src}: ", 1)[-1].split("; valid here:", 1)[0]
+                print(f"warning: {src}: {why}: loaded full on every rank", file=sys.stderr)
+            model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="full")
         policy = policy_for_model(policy, model, topology.tp_size)
         model, report = shard_model(model, args, topology, groups, policy, dtype, device=device, pending=pending_load(model))
         manifest = write_presharded(model, Path(src), Path(out), topology, groups,
