@@ -332,7 +332,7 @@ def test_shard_command_rejects_bad_input(tmp_path):
     assert proc.returncode == 2 and "--dtype 'fp8' is invalid; valid: fp32, fp16, bf16" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["t5", "mpt", "kyutai_speech_to_text"])
+@pytest.mark.parametrize("name", ["t5", "mpt", "kyutai_speech_to_text", "gemma3", "big_bird"])
 @pytest.mark.launched
 def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name):
     """What predict and the server run before using a derived policy (`verify_sharded_layers`, here through
@@ -341,7 +341,10 @@ def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name
     "gives wrong results ... the unsharded layer fails on the inputs the sharded model gives it", though `policy
     check` passes the policy); each rank's part is gathered for the copy now. Kyutai's speech-to-text generates only
     from audio: its probe is two steps of its generate, each layer compared on its first call (the second's cache
-    holds this rank's heads), and its codec's decoder, which speech-to-text never runs, said as not checked."""
+    holds this rank's heads), and its codec's decoder, which speech-to-text never runs, said as not checked; Gemma
+    3's vision tower, which a text probe does not run, likewise (its run was refused: "not reached by the probe").
+    BigBird's model switches its layers to full attention for a short input while it runs: the copy, left
+    block-sparse, refused the probe's 8 tokens; it is switched as its sharded twin was."""
     from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model
 
     tiny_model(ZOO[name]()).save_pretrained(tmp_path / "model")
@@ -350,7 +353,10 @@ def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checked numerically" in proc.stdout + proc.stderr and (tmp_path / "out" / "manifest.json").is_file()
     if name == "kyutai_speech_to_text":
-        assert "not run by the model's generate, so not checked: codec_model.decoder" in proc.stdout + proc.stderr
+        assert "not run by the probe (the model's generate), so not checked: codec_model.decoder" in proc.stdout + \
+            proc.stderr
+    if name == "gemma3":
+        assert "not run by the probe, so not checked: model.vision_tower" in proc.stdout + proc.stderr
 
 
 @pytest.mark.launched
