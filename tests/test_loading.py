@@ -332,17 +332,21 @@ def test_shard_command_rejects_bad_input(tmp_path):
     assert proc.returncode == 2 and "--dtype 'fp8' is invalid; valid: fp32, fp16, bf16" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["t5", "mpt", "kyutai_speech_to_text", "gemma3", "big_bird"])
+# make test keeps one model per mechanism (T5: a gathered bias; Kyutai: the generate probe and a layer it never runs;
+# BigBird: the switched attention); MPT's and LongT5's other bias layouts and Gemma 3's tower are make test-all's
+@pytest.mark.parametrize("name", ["t5", "kyutai_speech_to_text", "big_bird",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in ("mpt", "longt5", "gemma3"))])
 @pytest.mark.launched
 def test_the_check_of_a_derived_policy_at_load_passes_a_right_one(tmp_path, name):
     """What predict and the server run before using a derived policy (`verify_sharded_layers`, here through
     `ds-inference shard`, tp 2): T5's later blocks read the position bias its first block makes, split with the
-    heads, and MPT's blocks the ALiBi bias of this rank's heads, which the unsharded copy could not add (refused:
-    "gives wrong results ... the unsharded layer fails on the inputs the sharded model gives it", though `policy
-    check` passes the policy); each rank's part is gathered for the copy now. Kyutai's speech-to-text generates only
-    from audio: its probe is two steps of its generate, each layer compared on its first call (the second's cache
-    holds this rank's heads), and its codec's decoder, which speech-to-text never runs, said as not checked; Gemma
-    3's vision tower, which a text probe does not run, likewise (its run was refused: "not reached by the probe").
+    heads, MPT's blocks the ALiBi bias of this rank's heads and LongT5's its local attention's bias, which the
+    unsharded copy could not add (refused: "gives wrong results ... the unsharded layer fails on the inputs the
+    sharded model gives it", though `policy check` passes the policy); each rank's part is gathered for the copy.
+    Kyutai's speech-to-text generates only from audio: its probe is two steps of its generate, each layer compared on
+    its first call (the second's cache holds this rank's heads), and its codec's decoder, which speech-to-text never
+    runs, said as not checked; Gemma 3's vision tower, which a text probe does not run, likewise (its run was
+    refused: "not reached by the probe").
     BigBird's model switches its layers to full attention for a short input while it runs: the copy, left
     block-sparse, refused the probe's 8 tokens; it is switched as its sharded twin was."""
     from ds_inference_integration.tools.architecture_zoo import ZOO, tiny_model

@@ -268,7 +268,9 @@ def _on_gathered_heads(layer: nn.Module, args: tuple, kwargs: dict, group) -> to
     if group is None or not dist.is_initialized():
         return None
 
-    axis = {4: 1, 3: 0}  # [batch, heads, queries, keys] (T5); [heads, queries, keys] (MPT's ALiBi bias)
+    # [batch, heads, queries, keys] (T5); [heads, queries, keys] (MPT's ALiBi bias); [batch, blocks, heads, block,
+    # 3 x block] (LongT5's local attention)
+    axis = {4: 1, 3: 0, 5: 2}
 
     def per_head(v) -> bool:
         return (isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim in axis
