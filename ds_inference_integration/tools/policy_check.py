@@ -323,7 +323,7 @@ def _reference(cls, model_dir, inputs, topology, groups, torch, dtype=None, unpa
         try:
             half = (dtype or torch.float32) != torch.float32
             model = cls.from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
-            given, why = inputs, None
+            given = inputs
             try:
                 found = _run_model(model, inputs, torch, steps=half, reference=True)
             except Exception as e:  # noqa: BLE001 (any failure on padding: tried once more without)
@@ -331,9 +331,9 @@ def _reference(cls, model_dir, inputs, topology, groups, torch, dtype=None, unpa
                     raise
                 from ..errors import first_line
 
-                given, why = unpadded, f"{type(e).__name__}: {first_line(e)}"
+                given = unpadded
                 found = _run_model(model, given, torch, steps=half, reference=True)
-                found["unpadded"] = why
+                found["unpadded"] = f"{type(e).__name__}: {first_line(e)}"
             if half:
                 wide = {k: v.float() if v.is_floating_point() else v for k, v in given.items()}
                 wide_model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
