@@ -455,9 +455,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                            model_type, layer_name, prefix, tables[0])
             replicated.setdefault(layer_name, []).append(path)
             continue
-        widths = {m.weight.shape[0] for m in projections}
-        scales = [n for n, t in attention._parameters.items() if isinstance(t, torch.Tensor) and t.ndim == 1
-                  and t.shape[0] in widths and t.shape[0] not in {q, kv}]
+        scales = _feature_scales(attention, {m.weight.shape[0] for m in projections} - {q, kv})
         if scales:  # (one value per head, attention sinks, is split with the heads below)
             logger.warning("%s: %s.%s%s scales each of the %d features of a projection, a parameter neither "
                            "DeepSpeed nor a table splits with the heads: so that attention is kept whole on every rank",
@@ -643,6 +641,13 @@ def _norm_over(module: nn.Module, widths: set[int]) -> str | None:
     return None
 
 
+def _feature_scales(module: nn.Module, widths: set[int]) -> list[str]:
+    """The module's own 1-D parameters of one of `widths` (a value per feature a split linear writes: Dory's `sqk`,
+    `s_gate`, `suv_gate`), which neither DeepSpeed nor a table splits."""
+    return [n for n, t in module._parameters.items() if isinstance(t, torch.Tensor) and t.ndim == 1
+            and t.shape[0] in widths]
+
+
 def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths: set[str],
                   heads: tuple[int, int] | None, gathered_elsewhere: set[int] = frozenset(),
                   hidden: int | None = None) -> str | None:
@@ -696,8 +701,7 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
         return None
     # a parameter of the module itself scaling what a split linear writes (Dory's `suv_gate`, [inner]): DeepSpeed
     # leaves it whole beside the split output ("(128) must match ... (256)"); Dory's attention likewise, below
-    scale = next((n for n, t in module._parameters.items() if isinstance(t, torch.Tensor) and t.ndim == 1
-                  and t.shape[0] in {m.weight.shape[0] for m in columns.values()} - {hidden}), None)
+    scale = next(iter(_feature_scales(module, {m.weight.shape[0] for m in columns.values()} - {hidden})), None)
     if scale:
         return (f"{scale} scales each of the {module._parameters[scale].shape[0]} features a split linear writes, a "
                 "parameter DeepSpeed does not split")

@@ -87,9 +87,7 @@ def split_experts(module: nn.Module, tp_size: int, tp_rank: int, group) -> None:
         with torch.no_grad():
             module.down_proj_bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
         record(module.down_proj_bias, 1, (), tuple(bias.shape))  # no part: zeros
-    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
-        if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
-            setattr(module, attr, part)
+    _inner_size_is(module, inner, part)
     _reduce_output(module, tp_size, group)
 
 
@@ -106,9 +104,7 @@ def split_ungated_experts(module: nn.Module, tp_size: int, tp_rank: int, group) 
         module.down_proj = nn.Parameter(take(down, 2, mine), requires_grad=False)
     record(module.up_proj, 1, mine, tuple(up.shape))
     record(module.down_proj, 2, mine, tuple(down.shape))
-    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
-        if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
-            setattr(module, attr, part)
+    _inner_size_is(module, inner, part)
     _reduce_output(module, tp_size, group)
 
 
@@ -140,6 +136,13 @@ def split_experts_in_two_modules(module: nn.Module, tp_size: int, tp_rank: int, 
                 setattr(module, name, nn.Parameter(torch.zeros_like(bias), requires_grad=False))
             record(getattr(module, name), 0, (), tuple(bias.shape))  # no part: zeros
     _reduce_output(module, tp_size, group)
+
+
+def _inner_size_is(module: nn.Module, inner: int, part: int) -> None:
+    """The module's own record of its experts' inner size, where it keeps one, made this rank's."""
+    for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+        if isinstance(getattr(module, attr, None), int) and getattr(module, attr) == inner:
+            setattr(module, attr, part)
 
 
 def _part(module: nn.Module, inner: int, tp_size: int) -> int:
