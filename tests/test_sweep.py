@@ -170,8 +170,14 @@ def test_the_checker_says_a_model_it_cannot_load_in_one_line_and_goes_on(tmp_pat
     whose `vision_embed_tokens` DeepSpeed's `set_lm_head` took for the input embedding: its bias became the
     shard-aware skeleton's output head ("IndexError: tuple index out of range")."""
     from test_policies_tp import KINDS, policy_check
+    from transformers import AutoConfig
 
-    dirs = [sweep.build(t, tmp_path / "models")[0] for t in ("emu3", "fuyu")]
+    from ds_inference_integration.tools.architecture_zoo import tiny_model
+
+    # Emu3 saved by its causal-LM class, its text model alone: the sweep builds it as published now (its image-and-text
+    # class, `sweep.published_class`), which loads, and this test failed with it from 2026-12-07
+    tiny_model(sweep.shrink(AutoConfig.for_model("emu3"))).save_pretrained(tmp_path / "models" / "emu3")
+    dirs = [tmp_path / "models" / "emu3", sweep.build("fuyu", tmp_path / "models")[0]]
     proc, report = policy_check(dirs, 2, tmp_path)
     assert report is not None and report["rank_failure"] is None, proc.stdout[-3000:] + proc.stderr[-3000:]
     by_model = {}
