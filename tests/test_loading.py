@@ -707,13 +707,17 @@ def test_load_model_names_a_model_its_auto_class_does_not_build_in_one_line(tmp_
     ("musicgen_melody", None, r"\(MusicgenMelodyForCausalLM\), whose generate makes audio codes"),
     ("dia", ["DiaForConditionalGeneration"], r"\(DiaForConditionalGeneration\), whose generate makes audio codes"),
     ("vibevoice", None, r"\(VibeVoiceForConditionalGeneration\), whose generate makes audio codes"),
+    # generate's key/value cache, built from a config without `num_hidden_layers` (BLT's are in its sub-configs)
+    ("blt", None, r"\(BltForCausalLM\) whose key/value cache transformers [0-9.]+ cannot build from its config "
+                  r"\(AttributeError: .*num_hidden_layers.*unsharded too"),
 ])
 def test_a_model_that_generates_no_text_by_itself_is_refused_before_its_weights_are_read(tmp_path, model_type,
                                                                                         architectures, says):
     """A speculative-decoding assistant reads its target's key/value states (alone, its forward raised after the
     whole model had loaded); a text-to-speech or text-to-music model generates audio codes (MusicGen's class failed
-    on a config attribute it lacks, Dia's forward on its codes' shape). One line from the loader, before any weight
-    is read (the directory holds none): predict, the server and `policy check` load through it."""
+    on a config attribute it lacks, Dia's forward on its codes' shape); a model whose generate cannot build its cache
+    (BLT: unsharded too). One line from the loader, before any weight is read (the directory holds none): predict,
+    the server and `policy check` load through it."""
     from transformers import AutoConfig
 
     from ds_inference_integration import InferenceSetupError

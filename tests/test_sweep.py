@@ -202,6 +202,39 @@ def test_a_hybrid_keeps_a_layer_of_each_kind_and_latent_attention_fits():
     assert (config.qk_rope_head_dim, config.qk_nope_head_dim, config.kv_lora_rank) == (16, 16, 32)
 
 
+def test_per_layer_lists_are_cut_with_the_layers_and_shared_key_values_kept_valid():
+    """Gemma 3n's default: 35 layers, per-layer inner sizes and activation sparsities, its last 15 layers reading
+    earlier layers' keys and values. Its lists stayed 35 long and 15 shared layers of 2 refused the config ("The set
+    of layer types producing a cache is different ..."): every list of one value per layer is cut to the picked
+    layers (inner sizes made small), a consumer of each kind kept after its producers, as published (its first
+    layers sparse). Lists of layer indices (Llama 4's `moe_layers`) are not taken for per-layer values."""
+    from transformers import AutoConfig
+
+    config = sweep.shrink(AutoConfig.for_model("gemma3n_text"))
+    assert config.num_hidden_layers == 4 and config.num_kv_shared_layers == 2
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert config.intermediate_size == [256] * 4 and config.activation_sparsity_pattern == [0.95, 0.95, 0.0, 0.0]
+    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    llama4 = sweep.shrink(AutoConfig.for_model("llama4_text"))
+    assert all(i < llama4.num_hidden_layers for i in llama4.moe_layers), llama4.moe_layers
+
+
+def test_the_small_config_is_the_one_its_checkpoint_loads_back(tmp_path):
+    """BLT's top config derives `encoder_cross_output_size` (a projection of the local encoder's width to the global
+    transformer's) from its sub-configs in its own `__init__`: shrunk after it ran, the model was built without the
+    projection and loaded with it ("MISSING", drawn again at each load); and the local encoder and decoder read the
+    global width as `hidden_size_global` (left 2048: "mat1 and mat2 shapes cannot be multiplied")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = sweep.shrink(AutoConfig.for_model("blt"))
+    assert config.encoder_config.hidden_size_global == config.global_config.hidden_size == 128
+    assert config.global_config.encoder_cross_output_size == 2 * config.encoder_config.hidden_size
+    directory, why = sweep.build("blt", tmp_path)
+    built = dict(AutoModelForCausalLM.from_config(config).state_dict())
+    loaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert sorted(built) == sorted(loaded) and all(built[k].shape == loaded[k].shape for k in built)
+
+
 def test_the_sweep_command_refuses_bad_input_in_one_line(capsys):
     from ds_inference_integration.tools.cli import main
 

@@ -187,3 +187,31 @@ def check_generates_text(config, model_class, model_dir) -> None:
             f"{model_dir} holds a {config.model_type!r} model ({maker}), whose generate makes audio codes, not text; "
             "ds-inference predicts and serves text; valid: a model that generates text (speech-to-text ones "
             "included)")
+    _check_cache_builds(config, model_class, model_dir)
+
+
+def _check_cache_builds(config, model_class, model_dir) -> None:
+    """One `InferenceSetupError` where transformers' generate cannot build the key/value cache it builds before the
+    first step: `DynamicCache(config=...)` of the config's decoder, as `_prepare_cache_for_generation` makes it for a
+    model that takes one and makes no cache of its own. BLT's config (transformers 5.25) has no `num_hidden_layers`
+    (its three stacks' counts are in its sub-configs), so its generate raised AttributeError unsharded too, once the
+    whole model had loaded; predict and the server (which always steps with a cache) cannot run it."""
+    from transformers import DynamicCache, GenerationMixin, PretrainedConfig
+
+    from ..errors import first_line
+
+    if not isinstance(config, PretrainedConfig) or not issubclass(model_class, GenerationMixin):
+        return
+    if (not model_class._supports_default_dynamic_cache()
+            or model_class._prepare_cache_for_generation is not GenerationMixin._prepare_cache_for_generation):
+        return  # a cache of its own (Mamba's, RWKV's) or one it prepares itself: nothing of transformers' to build
+    try:
+        DynamicCache(config=config.get_text_config(decoder=True))
+    except Exception as e:  # noqa: BLE001 (whatever the cache's constructor raises: the model's one line)
+        import transformers
+
+        raise InferenceSetupError(
+            f"{model_dir} holds a {config.model_type!r} model ({model_class.__name__}) whose key/value cache "
+            f"transformers {transformers.__version__} cannot build from its config ({type(e).__name__}: "
+            f"{first_line(e)[:120]}): its generate fails before the first token, unsharded too; valid: a "
+            "transformers whose generate builds this model's cache") from None

@@ -56,6 +56,7 @@ from .attention import HeadLayout, split_fused_qkv, split_heads, whole
 from .experts import experts_modules, split_experts
 from .mixers import split_ssm_mixer, ssm_mixers
 from .reduction import reduce_in_fp32
+from .statistics import statistics_across_ranks
 from .weight_share import WeightShare, full_sizes, measure
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,8 @@ def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, ro
         shard, head_dim = split_fused_qkv(layer.get_submodule(spec.fused_qkv), spec.layout, heads)
         return _replace(layer, spec.fused_qkv, shard), head_dim, heads
     if not _has(layer, spec.key):
+        if heads.replicated and _has(layer, spec.query):
+            return _split_query_only(layer, spec, heads, rows)
         return None
     heads, head_dim = layer_heads(layer, spec, heads)
     if not heads.replicated and not heads.own:
@@ -212,15 +215,34 @@ def split_attention(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, ro
         _replace(layer, spec.value, v)
     _replace(layer, spec.query, q)
     attention = _replace(layer, spec.key, k)
-    # DeepSpeed would cut such a gate in 64-row blocks, not by this rank's heads (AFMoE at tp 4: "The size of tensor
-    # a (32) must match the size of tensor b (64)")
-    prefix = spec.key.rpartition(".")[0]
+    _split_query_gates(layer, spec.key.rpartition(".")[0], heads, attention, query, rows)
+    return attention, head_dim, heads
+
+
+def _split_query_only(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, rows: tuple[str, ...]
+                      ) -> tuple[nn.Module, int, HeadLayout]:
+    """A layer whose attention has a query and no key or value of its own: it reads the keys and values an earlier
+    layer made (Gemma 3n's last `num_kv_shared_layers`). Its query keeps this rank's heads as the other layers'
+    queries do here (where the KV heads are copied: fewer than ranks). Left to DeepSpeed, its 64-row blocks gave
+    one rank two heads of 32 and another none (Gemma 3n at tp 4: "mat1 and mat2 shapes cannot be multiplied
+    (30x64 and 32x128)" in the shared layer's `o_proj`)."""
+    query = layer.get_submodule(spec.query)
+    q, head_dim = split_heads(query, heads.q_heads(), heads.query_heads)
+    attention = _replace(layer, spec.query, q)
+    _split_query_gates(layer, spec.query.rpartition(".")[0], heads, attention, query, rows)
+    return attention, head_dim, heads
+
+
+def _split_query_gates(layer: nn.Module, prefix: str, heads: HeadLayout, attention: nn.Module, query: nn.Module,
+                       rows: tuple[str, ...]) -> None:
+    """Any other linear of the attention that writes the query's width (a per-head output gate), split with the
+    query's heads: DeepSpeed would cut such a gate in 64-row blocks, not by this rank's heads (AFMoE at tp 4: "The
+    size of tensor a (32) must match the size of tensor b (64)"). `prefix`: the attention's path in the layer."""
     for name, child in list(attention.named_children()):
         path = f"{prefix}.{name}" if prefix else name
         if (isinstance(child, nn.Linear) and child.weight.shape[0] == query.weight.shape[0]
                 and child.weight.shape[1] == query.weight.shape[1] and not any(names_module(r, path) for r in rows)):
             _replace(layer, path, split_heads(child, heads.q_heads(), heads.query_heads)[0])
-    return attention, head_dim, heads
 
 
 def layer_heads(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout) -> tuple[HeadLayout, int]:
@@ -434,6 +456,8 @@ def shard_model(
                        "this model in %s and tells rounding from a wrong split", half, topology.tp_size,
                        "fp32" if args.reduce_dtype == "fp32" else half, topology.tp_size, half)
     lm_head_reads_any_rank(engine.module)
+    if topology.tp_size > 1:
+        statistics_across_ranks(engine.module, groups.tp)
     for attention, head_dim, own_heads in attentions:
         _set_local_attributes(attention, policy, own_heads, head_dim)
         split_per_head_parameters(attention, own_heads)

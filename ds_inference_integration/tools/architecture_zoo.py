@@ -244,10 +244,14 @@ ZOO = {
                                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
                                        attention_k_eq_v=True, num_global_key_value_heads=2, sliding_window=16,
                                        layer_types=["sliding_attention", "full_attention"]),
+    # as published: an activation sparsity in its first layers (the MLP's mean and std of its split inner features
+    # taken across the ranks), its last layers reading earlier layers' keys and values (a query and no key: split
+    # by heads where KV heads are copied, at tp 4)
     "gemma3n_text": lambda: _decoder("Gemma3nTextConfig", **GQA, head_dim=32, hidden_size_per_layer_input=16,
-                                     vocab_size_per_layer_input=96, layer_types=["sliding_attention", "full_attention"],
-                                     sliding_window=16, num_kv_shared_layers=0, laurel_rank=8, altup_num_inputs=2,
-                                     intermediate_size=[256, 256], activation_sparsity_pattern=[0.0, 0.0]),
+                                     vocab_size_per_layer_input=96, num_hidden_layers=4,
+                                     layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
+                                     num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2,
+                                     intermediate_size=[256] * 4, activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0]),
     "kimi_linear": lambda: _decoder("KimiLinearConfig", num_key_value_heads=4, num_local_experts=4,
                                     num_experts_per_tok=2, moe_intermediate_size=128, kv_lora_rank=32,
                                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, linear_head_dim=32,

@@ -7,7 +7,9 @@ import contextlib
 
 VOCAB = 96
 
-WIDTH = {"hidden_size": 128, "d_model": 128, "n_embd": 128, "embed_dim": 128, "dim": 128, "emb_dim": 128}
+# (`hidden_size_global`: BLT's local encoder and decoder read the width of its global transformer under that name)
+WIDTH = {"hidden_size": 128, "d_model": 128, "n_embd": 128, "embed_dim": 128, "dim": 128, "emb_dim": 128,
+         "hidden_size_global": 128}
 INNER = {"intermediate_size": 256, "ffn_dim": 256, "d_ff": 256, "encoder_ffn_dim": 256, "decoder_ffn_dim": 256,
          "n_inner": 256, "ffn_hidden_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
          "expert_intermediate_size": 128}
@@ -102,6 +104,9 @@ OWN = {
     # word-timestamp head's blank token is the last of its vocabulary
     "nemotron3_diarization": {"head_config.audio_hidden_size": WIDTH["hidden_size"]},
     "nemotron3_5_transcribe_word_timestamp": dict(blank_token_id=VOCAB - 1),
+    # Gemma 3n's vision tower, timm's MobileNetV5 (300M parameters, its output 2048 channels wide): its channels
+    # scaled to the small width
+    "gemma3n_vision": dict(model_args={"channel_multiplier": WIDTH["hidden_size"] / 2048}),
     # axial position embeddings whose widths sum to the hidden size, and heads of 32 (4 x 32 = 128)
     "reformer": dict(axial_pos_embds_dim=[64, 64], attention_head_size=32, feed_forward_size=256),
 }
@@ -121,21 +126,44 @@ PER_LAYER = ("layer_types", "mlp_layer_types", "block_types")
 def _per_layer_lists(config) -> dict:
     """The per-layer lists (`layer_types` and its kin) cut to one layer of each kind they hold (two to four layers,
     in the model's order), and the layer counts to match: a hybrid keeps a layer of each of its mixers (two layers
-    of the default's first kinds were often both linear attention, which the model's own cache refuses)."""
+    of the default's first kinds were often both linear attention, which the model's own cache refuses). Any other
+    list of one value per layer is cut to the same layers (Gemma 3n's inner sizes and activation sparsities: left
+    35 long beside 2 layers, its config refused them). Where the last layers reuse earlier layers' key/value cache
+    (`num_kv_shared_layers`), a consumer of each kind is kept after its producers, and the count set to them."""
     lists = {a: list(v) for a in PER_LAYER if isinstance(v := getattr(config, a, None), (list, tuple)) and v}
     if not lists:
         return {}
+    count = next((getattr(config, n) for n in LAYERS if isinstance(getattr(config, n, None), int)), None)
+    shared = getattr(config, "num_kv_shared_layers", None)
+    shared = shared if isinstance(shared, int) and count and 0 < shared < count else 0
     picked: list[int] = []
     for values in lists.values():
-        for kind in dict.fromkeys(values):
-            if values.index(kind) not in picked and len(picked) < 4:
-                picked.append(values.index(kind))
+        producers = values[:len(values) - shared] if shared and len(values) == count else values
+        for kind in dict.fromkeys(producers):
+            if producers.index(kind) not in picked and len(picked) < 4:
+                picked.append(producers.index(kind))
     picked = sorted(picked)
     while len(picked) < 2:
         picked.append(picked[-1] + 1)
+    if shared:  # the first layer of each picked kind among the consumers
+        kinds = lists.get("layer_types") or next(iter(lists.values()))
+        consumers = {kinds[i]: i for i in range(count - 1, count - shared - 1, -1) if i < len(kinds)}
+        consumers = sorted(i for kind, i in consumers.items() if kind in {kinds[p] for p in picked})
+        picked += consumers
+    if count:  # other lists of one value per layer: inner sizes, floats, strings; not lists of ints otherwise,
+        # which were lists of layer indices as often (Llama 4's `moe_layers`, Kolibri's `index_layers`: their lengths
+        # the layer count where every layer is one)
+        lists.update({a: list(v) for a, v in vars(config).items() if a not in lists and isinstance(v, (list, tuple))
+                      and len(v) == count > 2 and (all(isinstance(x, (float, str)) for x in v)
+                                                   or (a in INNER and all(isinstance(x, int) for x in v)))})
     found = {a: [v[i % len(v)] for i in picked] for a, v in lists.items()}
+    for name, size in INNER.items():  # per-layer inner sizes made small as a single one is
+        if name in found and all(isinstance(x, int) for x in found[name]):
+            found[name] = [min(x, size) for x in found[name]]
     layers = [n for n in LAYERS if isinstance(getattr(config, n, None), int) and not isinstance(getattr(config, n), bool)]
     found.update({n: len(picked) for n in layers})
+    if shared:
+        found["num_kv_shared_layers"] = len(picked) - len(set(picked) - set(range(count - shared, count)))
     # lists of layer indices the default derived from its layer types (Zamba2's `hybrid_layer_ids`, [6, 12, ...]:
     # left as they were, its shared block's adapters were looked up for layer 1 in a map of layers 6 to 51,
     # "KeyError: 1" in the unsharded model): the picked layers' new indices
@@ -207,4 +235,23 @@ def shrink(config, rebuild: bool = True, top: bool = True):
         config.decoder_start_token_id = start
         if getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = start
-    return config
+    return _as_loaded(config) if top else config
+
+
+def _as_loaded(config):
+    """The config as a checkpoint of it loads back: what the top config's own `__init__` derives from its sub-configs,
+    which changing them after it ran left as the default's (BLT's `encoder_cross_output_size`, a projection of the
+    local encoder's width to the global transformer's: absent in the model built, its weight "MISSING" and drawn again
+    at each load). A config that does not load back (its validator refuses the saved one) is kept as it is."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            config.save_pretrained(d)
+            loaded = AutoConfig.from_pretrained(d)
+        except Exception:  # noqa: BLE001 (the config as built, which the sweep's save then tries and says)
+            return config
+    loaded._name_or_path = config._name_or_path
+    return loaded
