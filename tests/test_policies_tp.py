@@ -417,6 +417,11 @@ def test_unlisted_architectures_get_a_derived_policy(tp2_check, tmp_path):
     configs = UNLISTED
     checks = assert_all_pass(proc, report, list(configs), 2)
     assert "no policy file for model_type 'phi3': derived row-parallel linears" in proc.stdout + proc.stderr
+    # the check predict and the server run on a derived policy before using it, run by the checker too (it was not:
+    # ten right policies it refused went unseen, 2026-12-07)
+    for name in configs:
+        assert re.search(rf"the policy derived for model_type '{name}' .* checked numerically: \d+ layer type\(s\) "
+                         "within tolerance", proc.stdout + proc.stderr), name
     for name in configs:  # the weight share, experts counted, within 5% of its target (a copy of KV heads, or the
         data = checks[name]["weights_per_rank"]["data"]  # attention kept whole, counted in it)
         assert all(abs(s - data["target"]) <= 0.05 * data["target"] for s in data["shares"]), (name, data)

@@ -254,43 +254,48 @@ def _is_cache(value) -> bool:
     return isinstance(value, Cache)
 
 
-def _on_gathered_heads(layer: nn.Module, args: tuple, kwargs: dict, group) -> torch.Tensor | None:
-    """The unsharded layer's output on its inputs with each per-head tensor made by a split part gathered over the TP
-    group along its head axis (T5's `position_bias`, [batch, this rank's heads, queries, keys], made by the first
-    block's relative bias, split with the heads, and passed to every later block: the unsharded copy of the second
-    block could not add it, and the check refused a derived policy the sharded model computed right, `ds-inference
-    shard --policy derive` on T5, Pop2Piano, 2026-12-07; MPT's ALiBi bias, [heads, queries, keys], likewise). None
-    where there is no such tensor (one of one head is taken for a mask) or the layer fails on them too. Every rank
-    of the group gets here alike: the copy, the shapes and the failure are the same on each."""
+def _with_heads_gathered(args: tuple, kwargs: dict, group, same_too: bool = False) -> tuple[tuple, dict]:
+    """The layer's inputs with each per-head tensor made by a split part gathered over the TP group along its head
+    axis, for its unsharded copy: T5's `position_bias`, [batch, this rank's heads, queries, keys], made by the first
+    block's relative bias, split with the heads, and passed to every later block (the copy of the second block could
+    not add it, and the check refused a derived policy the sharded model computed right: T5, Pop2Piano, 2026-12-07);
+    MPT's ALiBi bias, [heads, queries, keys]; LongT5's local-attention bias, [batch, blocks, heads, block, 3 x block].
+    A tensor of those shapes is per-head where the ranks hold different values of it: a mask, the same on each, is
+    not. (Read from a failure of the copy before, a rank's one head at tp 4 broadcast over the copy's four without
+    one: the check refused MPT, LongT5 and Pop2Piano at tp 4, `policy matrix` with the check on, 2026-12-07.) With
+    `same_too`, for a copy that failed on those inputs, one the same on every rank with more than one value on its
+    head axis is taken for per-head too (T5's cross-attention bias: zeros and the mask, per head). Every rank of the
+    group gets here alike, with the same tensors' shapes; where those shapes differ between ranks (heads split
+    unevenly), the tensor is left as it is."""
     import torch.distributed as dist
 
     if group is None or not dist.is_initialized():
-        return None
-
-    # [batch, heads, queries, keys] (T5); [heads, queries, keys] (MPT's ALiBi bias); [batch, blocks, heads, block,
-    # 3 x block] (LongT5's local attention)
+        return args, kwargs
     axis = {4: 1, 3: 0, 5: 2}
+    ranks = dist.get_world_size(group)
 
-    def per_head(v) -> bool:
-        return (isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim in axis
-                and v.shape[axis[v.ndim]] > 1)
-
-    def gathered(v: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(v) for _ in range(dist.get_world_size(group))]
+    def gathered(v):
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim in axis):
+            return v
+        shape = torch.tensor([*v.shape, 0][:6], dtype=torch.int64)
+        shapes = [torch.empty_like(shape) for _ in range(ranks)]
+        dist.all_gather(shapes, shape, group=group)
+        if any(not torch.equal(t, shape) for t in shapes):
+            return v
+        parts = [torch.empty_like(v) for _ in range(ranks)]
         dist.all_gather(parts, v.contiguous(), group=group)
+        # element by element: a bias with a mask folded in holds finfo.min beside values of a few units, and a
+        # tolerance of the largest magnitude's took LongT5's per-head local bias, one head per rank at tp 4, for
+        # the same on every rank
+        first = torch.nan_to_num(parts[0].float(), posinf=1e30, neginf=-1e30)
+        same = all(torch.allclose(torch.nan_to_num(p.float(), posinf=1e30, neginf=-1e30), first, rtol=1e-4, atol=1e-6)
+                   for p in parts[1:])
+        if same and not (same_too and v.shape[axis[v.ndim]] > 1):
+            return v  # the same on every rank: not split by heads
         return torch.cat(parts, dim=axis[v.ndim])
 
-    if not any(per_head(v) for v in (*args[1:], *kwargs.values())):
-        return None
-    args = (args[0], *(gathered(v) if per_head(v) else v for v in args[1:])) if args else args
-    kwargs = {k: gathered(v) if per_head(v) else v for k, v in kwargs.items()}
-    try:
-        with torch.no_grad():
-            return _first_tensor(layer(*args, **kwargs))
-    except Exception as e:  # noqa: BLE001 (the caller says the first failure)
-        if not sharding_failure(e):
-            raise
-        return None
+    args = (args[0], *(gathered(v) for v in args[1:])) if args else args
+    return args, {k: gathered(v) for k, v in kwargs.items()}
 
 
 def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what: str, dtype: torch.dtype,
@@ -352,18 +357,22 @@ def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what
             # the model switched its layers' attention while it ran (BigBird: full attention for an input shorter
             # than its sparse blocks); the copy, left block-sparse, refused the probe's 8 tokens
             ref.set_attention_type(mode)
-        try:
-            with torch.no_grad():
-                want = _first_tensor(ref.to(device)(*args, **kwargs))
-        except Exception as e:  # inputs made outside the layer by a split part (CPM-Ant's per-head position bias)
-            if not sharding_failure(e):
-                raise
-            want = _on_gathered_heads(ref.to(device), args, kwargs, group)
-            if want is None:
-                ratios.append(float("inf"))
-                details.append(f"the unsharded layer fails on the inputs the sharded model gives it "
-                               f"({type(e).__name__}: {first_line(e)})")
-                continue
+        want = None
+        for same_too in (False, True):  # every rank alike: the copy's failure is one of shapes, the same on each
+            ref_args, ref_kwargs = _with_heads_gathered(args, kwargs, group, same_too)
+            try:
+                with torch.no_grad():
+                    want = _first_tensor(ref.to(device)(*ref_args, **ref_kwargs))
+                break
+            except Exception as e:  # inputs made outside the layer by a split part (CPM-Ant's per-head position bias)
+                if not sharding_failure(e):
+                    raise
+                failure = e
+        if want is None:
+            ratios.append(float("inf"))
+            details.append(f"the unsharded layer fails on the inputs the sharded model gives it "
+                           f"({type(failure).__name__}: {first_line(failure)})")
+            continue
         x = _first_tensor(args) if args else _first_tensor(next(iter(kwargs.values()), None))
         delta = want - x if isinstance(x, torch.Tensor) and x.shape == want.shape else want
         scale = max(delta.float().abs().max().item(), 1e-6)
