@@ -163,7 +163,7 @@ def _per_layer_lists(config) -> dict:
     layers = [n for n in LAYERS if isinstance(getattr(config, n, None), int) and not isinstance(getattr(config, n), bool)]
     found.update({n: len(picked) for n in layers})
     if shared:
-        found["num_kv_shared_layers"] = len(picked) - len(set(picked) - set(range(count - shared, count)))
+        found["num_kv_shared_layers"] = sum(i >= count - shared for i in picked)
     # lists of layer indices the default derived from its layer types (Zamba2's `hybrid_layer_ids`, [6, 12, ...]:
     # left as they were, its shared block's adapters were looked up for layer 1 in a map of layers 6 to 51,
     # "KeyError: 1" in the unsharded model): the picked layers' new indices
