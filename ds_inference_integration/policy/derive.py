@@ -73,6 +73,15 @@ logger = logging.getLogger(__name__)
 CONFIG_LOCAL = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head")
 
 
+# a derived policy's `source`: it has no file
+DERIVED = "<derived for {}>"
+
+
+def is_derived(policy) -> bool:
+    """Whether `policy` (a Policy, or None for autotp) was derived from the model, not read from a file."""
+    return policy is not None and str(policy.source).startswith(DERIVED.partition("{")[0])
+
+
 def _cannot_derive(model_type: str, why: str) -> InferenceSetupError:
     return InferenceSetupError(
         f"cannot derive a policy for model_type {model_type!r}: {why}; write one: "
@@ -972,7 +981,7 @@ def _derive_policy(model: nn.Module) -> Policy:
     layers.update({name: () for name in experts if name not in layers})
     q_attr, _ = _head_counts(model.config)
     heads = (q_attr,) if q_attr else ()
-    return Policy(source=Path(f"<derived for {model_type}>"), description=f"derived from {type(model).__name__}",
+    return Policy(source=Path(DERIVED.format(model_type)), description=f"derived from {type(model).__name__}",
                   model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention,
                   replicated=replicated, experts=experts, mixers=mixers)
 

@@ -254,7 +254,7 @@ def _is_cache(value) -> bool:
     return isinstance(value, Cache)
 
 
-def _with_heads_gathered(args: tuple, kwargs: dict, group, same_too: bool = False) -> tuple[tuple, dict]:
+def _with_heads_gathered(args: tuple, kwargs: dict, group) -> list[tuple[tuple, dict]]:
     """The layer's inputs with each per-head tensor made by a split part gathered over the TP group along its head
     axis, for its unsharded copy: T5's `position_bias`, [batch, this rank's heads, queries, keys], made by the first
     block's relative bias, split with the heads, and passed to every later block (the copy of the second block could
@@ -262,40 +262,44 @@ def _with_heads_gathered(args: tuple, kwargs: dict, group, same_too: bool = Fals
     MPT's ALiBi bias, [heads, queries, keys]; LongT5's local-attention bias, [batch, blocks, heads, block, 3 x block].
     A tensor of those shapes is per-head where the ranks hold different values of it: a mask, the same on each, is
     not. (Read from a failure of the copy before, a rank's one head at tp 4 broadcast over the copy's four without
-    one: the check refused MPT, LongT5 and Pop2Piano at tp 4, `policy matrix` with the check on, 2026-12-07.) With
-    `same_too`, for a copy that failed on those inputs, one the same on every rank with more than one value on its
-    head axis is taken for per-head too (T5's cross-attention bias: zeros and the mask, per head). Every rank of the
-    group gets here alike, with the same tensors' shapes; where those shapes differ between ranks (heads split
-    unevenly), the tensor is left as it is."""
+    one: the check refused MPT, LongT5 and Pop2Piano at tp 4, `policy matrix` with the check on, 2026-12-07.)
+    Returns the inputs so gathered, then, where there is one, a second form for a copy that fails on the first: one
+    the same on every rank with more than one value on its head axis taken for per-head too (T5's cross-attention
+    bias: zeros and the mask, per head). Every rank of the group gets here alike, with the same tensors' shapes;
+    where those shapes differ between ranks (heads split unevenly), the tensor is left as it is."""
     import torch.distributed as dist
 
     if group is None or not dist.is_initialized():
-        return args, kwargs
+        return [(args, kwargs)]
     axis = {4: 1, 3: 0, 5: 2}
     ranks = dist.get_world_size(group)
 
-    def gathered(v):
+    def gathered(v) -> tuple:  # (the first form's, the second's)
         if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim in axis):
-            return v
+            return v, v
         shape = torch.tensor([*v.shape, 0][:6], dtype=torch.int64)
         shapes = [torch.empty_like(shape) for _ in range(ranks)]
         dist.all_gather(shapes, shape, group=group)
         if any(not torch.equal(t, shape) for t in shapes):
-            return v
+            return v, v
         parts = [torch.empty_like(v) for _ in range(ranks)]
         dist.all_gather(parts, v.contiguous(), group=group)
+        whole = torch.cat(parts, dim=axis[v.ndim])
         # element by element: a bias with a mask folded in holds finfo.min beside values of a few units, and a
         # tolerance of the largest magnitude's took LongT5's per-head local bias, one head per rank at tp 4, for
         # the same on every rank
         first = torch.nan_to_num(parts[0].float(), posinf=1e30, neginf=-1e30)
-        same = all(torch.allclose(torch.nan_to_num(p.float(), posinf=1e30, neginf=-1e30), first, rtol=1e-4, atol=1e-6)
-                   for p in parts[1:])
-        if same and not (same_too and v.shape[axis[v.ndim]] > 1):
-            return v  # the same on every rank: not split by heads
-        return torch.cat(parts, dim=axis[v.ndim])
+        if not all(torch.allclose(torch.nan_to_num(p.float(), posinf=1e30, neginf=-1e30), first, rtol=1e-4,
+                                  atol=1e-6) for p in parts[1:]):
+            return whole, whole
+        return v, (whole if v.shape[axis[v.ndim]] > 1 else v)  # the same on every rank: per-head only if need be
 
-    args = (args[0], *(gathered(v) for v in args[1:])) if args else args
-    return args, {k: gathered(v) for k, v in kwargs.items()}
+    pairs = [gathered(v) for v in args[1:]]
+    named = {k: gathered(v) for k, v in kwargs.items()}
+    forms = [((args[0], *(p[i] for p in pairs)) if args else args, {k: p[i] for k, p in named.items()})
+             for i in (0, 1)]
+    changed = any(a is not b for a, b in (*pairs, *named.values()))
+    return forms if changed else forms[:1]
 
 
 def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what: str, dtype: torch.dtype,
@@ -338,17 +342,14 @@ def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what
     ratios, details, unreached = [], [], []
     rtol = RTOL.get(dtype, 1e-3)
     for path, ref in copies.items():
-        if error is None and len(seen.get(path, ())) != 3:
-            # the probe does not run it: the model's own generate does not (Kyutai's codec decoder: audio out, for
-            # speech-to-speech), or it reads what a text probe does not give (Gemma 3's SigLIP tower, Granite
-            # Speech's conformer: their runs were refused, "not reached by the probe"); said, not checked
+        if error is not None or len(seen.get(path, ())) != 3:
             ratios.append(0.0)
             details.append("")
-            unreached.append(path)
-            continue
-        if error is not None:
-            ratios.append(0.0)
-            details.append("")
+            if error is None:
+                # the probe does not run it: the model's own generate does not (Kyutai's codec decoder: audio out,
+                # for speech-to-speech), or it reads what a text probe does not give (Gemma 3's SigLIP tower, Granite
+                # Speech's conformer: their runs were refused, "not reached by the probe"); said, not checked
+                unreached.append(path)
             continue
         args, kwargs, got = seen[path]
         kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}  # its first call's: empty, or none
@@ -358,8 +359,8 @@ def verify_sharded_layers(sharded: nn.Module, copies: dict[str, nn.Module], what
             # than its sparse blocks); the copy, left block-sparse, refused the probe's 8 tokens
             ref.set_attention_type(mode)
         want = None
-        for same_too in (False, True):  # every rank alike: the copy's failure is one of shapes, the same on each
-            ref_args, ref_kwargs = _with_heads_gathered(args, kwargs, group, same_too)
+        # every rank tries the same forms: the copy's failure is one of shapes, the same on each
+        for ref_args, ref_kwargs in _with_heads_gathered(args, kwargs, group):
             try:
                 with torch.no_grad():
                     want = _first_tensor(ref.to(device)(*ref_args, **ref_kwargs))

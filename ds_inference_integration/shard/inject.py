@@ -39,7 +39,7 @@ from ..errors import first_line, sharding_failure
 from ..load.loaders import PendingLoad, is_skeleton, loaded, policy_id
 from ..load.readers import PreShardedLoader
 from ..load.slices import record
-from ..policy.derive import derive_policy, derived_summary, head_values
+from ..policy.derive import derive_policy, derived_summary, head_values, is_derived
 from ..policy.schema import (
     AttentionSpec,
     Policy,
@@ -339,7 +339,7 @@ def _unchecked(policy: Policy | None, model: nn.Module) -> str | None:
     model_type = getattr(model.config, "model_type", "?")
     if policy is None:
         return f"DeepSpeed's automatic policy (autotp) for model_type {model_type!r}"
-    if str(policy.source).startswith("<derived"):
+    if is_derived(policy):
         return f"the policy derived for model_type {model_type!r} ({derived_summary(policy)})"
     if policy.source.resolve().parent != POLICY_DIR.resolve():
         return f"policy {policy.source}"

@@ -385,11 +385,12 @@ def _run_model_naming_failures(model, inputs, torch, steps: bool = False, skip=(
 
 def _policy_name(policy) -> str:
     """How the report names the policy: a shipped file's name, "derived", "autotp", or the file's path."""
+    from ..policy.derive import is_derived
     from ..policy.schema import POLICY_DIR
 
     if policy is None:
         return "autotp"
-    if str(policy.source).startswith("<derived"):
+    if is_derived(policy):
         return "derived"
     if policy.source.resolve().parent == POLICY_DIR.resolve():
         return f"shipped {policy.source.name}"
@@ -405,7 +406,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     from ..arguments import DeepSpeedInferenceArguments
     from ..errors import InferenceSetupError
     from ..load.skeleton import check_generates_text, model_class_for
-    from ..policy.derive import policy_for_model
+    from ..policy.derive import is_derived, policy_for_model
     from ..policy.schema import check_head_counts, resolve_policy
     from ..policy.verify import audio_driven_input
     from ..shard.inject import shard_model
@@ -447,8 +448,7 @@ def _check_one(model_dir: str, policy_spec: str, topology, groups, records: list
     # refused ten right derived policies (T5's, MPT's, BigBird's...) unseen by the matrix until 2026-12-07. A file or
     # autotp is left to this command's own comparisons below, finer (a wrong file's failing module by name)
     policy = policy_for_model(policy, model, topology.tp_size)
-    derived = policy is not None and str(policy.source).startswith("<derived")
-    model, report = shard_model(model, args, topology, groups, policy, dtype, verify=derived)
+    model, report = shard_model(model, args, topology, groups, policy, dtype, verify=is_derived(policy))
     policy = report.policy_object
     unable = want["unable"]
     got = _run_model_naming_failures(model, inputs, torch, steps=half, skip=unable)
