@@ -112,14 +112,19 @@ def check_model_for_run(outputs) -> None:
     path = Path(getattr(model, "config_name", None) or model.model_name_or_path)
     if not (path / "config.json").is_file():
         return
-    from transformers import AutoConfig
-
+    from .load.own_code import check_trust, load_config
     from .policy.schema import policy_for_run
     from .predict.positions import check_lengths_fit
     from .topology import Topology
 
+    # a directory with its own code and no --trust_remote_code: one line here, before any data or model loads (each
+    # rank of a launched run says it; transformers would ask on every rank's stdin)
+    trust = bool(getattr(model, "trust_remote_code", False))
+    check_trust(Path(model.model_name_or_path), trust)
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=bool(getattr(model, "trust_remote_code", False)))
+        config = load_config(path, trust)
+    except InferenceSetupError:
+        raise
     except (OSError, ValueError):
         return  # the script's own loading says what is wrong with it, as without the flag
     if getattr(config, "is_encoder_decoder", False):

@@ -61,6 +61,7 @@ class GenerationArguments:
     top_p: float | None = field(default=None, metadata={"help": "Sampling: nucleus probability mass."})
     num_beams: int = field(default=1, metadata={"help": "Beam search width."})
     num_return_sequences: int = field(default=1, metadata={"help": "Outputs per prompt."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run the model's own code (its auto_map)"})
 
 
 def read_prompts(path: str, column: str, limit: int | None) -> list[str]:
@@ -116,16 +117,17 @@ def main(argv: list[str]) -> None:
     transformers.utils.logging.set_verbosity(log_level)
 
     prompts = read_prompts(gen_args.prompts_file, gen_args.prompt_column, gen_args.max_prompts)
-    config = AutoConfig.from_pretrained(gen_args.model_name_or_path)
+    trust = gen_args.trust_remote_code
+    config = AutoConfig.from_pretrained(gen_args.model_name_or_path, trust_remote_code=trust)
 
-    tokenizer = AutoTokenizer.from_pretrained(gen_args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(gen_args.model_name_or_path, trust_remote_code=trust)
     tokenizer.padding_side = "left"  # decoder-only batching: new tokens follow every prompt directly
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dataset = Dataset.from_dict(dict(tokenizer(prompts)))
     model_cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     model = load_model(model_cls, gen_args.model_name_or_path, config=config, inference_args=inference_args,
-                       training_args=training_args)
+                       training_args=training_args, trust_remote_code=trust)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     trainer = DeepSpeedInferenceSeq2SeqTrainer(

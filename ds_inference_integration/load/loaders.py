@@ -39,6 +39,7 @@ from ..policy.schema import Policy, policy_identity
 from ..run.collector import collector_paused
 from .checkpoint import SafetensorsCheckpoint
 from .keys import NeedsConversion, plan_keys
+from .own_code import check_trust, from_pretrained, load_config, never_ask, own_model_class
 from .presharded import MANIFEST, check_manifest, read_manifest, verify_in_group
 from .readers import Loader, PreShardedLoader, ShardAwareLoader
 from .skeleton import build_skeleton, check_model_kind
@@ -109,8 +110,6 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
     with only this rank's shard (see the module docstring). `mode` (default: `--loading`): auto, full,
     shard-aware, pre-sharded; auto takes the first that the directory allows, in the order pre-sharded,
     shard-aware, full."""
-    from transformers import AutoConfig
-
     model_dir = Path(model_dir)
     enabled = inference_args is not None and inference_args.deepspeed_inference
     mode = mode or (inference_args.loading if enabled else "full")
@@ -124,15 +123,21 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
         dtype = inference_args.resolve_dtype(fp16=getattr(training_args, "fp16", False),
                                              bf16=getattr(training_args, "bf16", False))
     dtype = dtype or torch.float32
-    config = config or AutoConfig.from_pretrained(model_dir)
+    # a directory with its own code: refused in one line without trust, its own classes with it (`own_code.py`)
+    trust = bool(from_pretrained_kwargs.get("trust_remote_code"))
+    check_trust(model_dir, trust)
+    never_ask()
+    config = config or load_config(model_dir, trust)
+    builder = model_cls  # what builds the skeleton: the Auto class, or the model's own class it maps the config to
     if hasattr(model_cls, "_model_mapping"):  # an Auto class: one line where it builds no model of this config
-        check_model_kind(config, model_cls, model_dir)
+        check_model_kind(config, model_cls, model_dir, trust)
+        builder = own_model_class(model_cls, config, trust) or model_cls
     start = time.perf_counter()
     reason = None
     if mode in ("auto", "pre-sharded"):
         manifest = read_manifest(model_dir)  # refuses a half-written or foreign-format directory
         if manifest is not None:
-            model = build_skeleton(model_cls, config, dtype, model_dir)
+            model = build_skeleton(builder, config, dtype, model_dir)
             return _skeleton(model, PendingLoad(start, manifest=manifest, model_dir=model_dir))  # opened per rank
         if mode == "pre-sharded":
             raise InferenceSetupError(f"{model_dir} has no {MANIFEST}: it was not written by `ds-inference shard`")
@@ -141,7 +146,7 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
         if ckpt is None:
             reason = "no safetensors weights"
         else:
-            model = build_skeleton(model_cls, config, dtype, model_dir)
+            model = build_skeleton(builder, config, dtype, model_dir)
             plan, reason = plan_keys(model, ckpt)
             if reason is None:
                 return _skeleton(model, PendingLoad(start, loader=ShardAwareLoader(model_dir, dtype, ckpt, plan)))
@@ -151,7 +156,8 @@ def load_model(model_cls, model_dir: str | Path, config=None, *, inference_args=
             raise refusal
     if enabled:  # in the run's dtype, as a one-device `from_pretrained(dtype=...)`: buffers made as it makes them
         from_pretrained_kwargs.setdefault("dtype", dtype)
-    model = model_cls.from_pretrained(model_dir, config=config, **from_pretrained_kwargs)
+    from_pretrained_kwargs.pop("trust_remote_code", None)
+    model = from_pretrained(model_cls, model_dir, trust, config=config, **from_pretrained_kwargs)
     if enabled:
         why = f" ({reason})" if reason else ""
         logger.warning("deepspeed_inference: model loaded full on every rank%s in %.2f s", why, time.perf_counter() - start)

@@ -82,7 +82,10 @@ def build_skeleton(model_cls, config, dtype: torch.dtype, model_dir: Path) -> nn
     # `_init_weights` on the meta parameters, which torch computes through its reference decompositions: 0.25 of the
     # 0.37 s this function took for a 32-layer Llama (cProfile, 2026-12-04), for tensors that are read, not drawn.
     with init_empty_weights(include_buffers=False), no_init_weights():
-        model = model_cls.from_config(config, dtype=dtype)
+        if hasattr(model_cls, "_model_mapping"):  # an Auto class
+            model = model_cls.from_config(config, dtype=dtype)
+        else:  # the class itself: a model's own code (`own_code.own_model_class`)
+            model = model_cls._from_config(config, dtype=dtype)
     # Buffers as `from_pretrained` makes them: it builds the model under the checkpoint's dtype, too, then computes
     # again every tensor the checkpoint did not fill with the model's own `_init_weights` (`initialize_weights`),
     # which makes some buffers in fp32. Without this, GPT-J's sinusoidal positions kept the values computed under
@@ -104,12 +107,22 @@ def build_skeleton(model_cls, config, dtype: torch.dtype, model_dir: Path) -> nn
     return model
 
 
-def model_class_for(config):
+def model_class_for(config, trust: bool = False):
     """The Auto class that builds a model of this config for generation: speech-to-text (Whisper), other
-    encoder-decoders, or decoder-only."""
+    encoder-decoders, or decoder-only. A config of a model's own code, trusted (`trust`), by the Auto classes its
+    `auto_map` names (ChatGLM's names AutoModelForSeq2SeqLM and AutoModelForCausalLM for one decoder-only class)."""
     import transformers as tr
     from transformers.models.auto import modeling_auto as auto
 
+    own = _own_auto_classes(config) if trust else []
+    if own:
+        if "AutoModelForSpeechSeq2Seq" in own:
+            return tr.AutoModelForSpeechSeq2Seq
+        if "AutoModelForSeq2SeqLM" in own and (getattr(config, "is_encoder_decoder", False)
+                                               or "AutoModelForCausalLM" not in own):
+            return tr.AutoModelForSeq2SeqLM
+        if "AutoModelForCausalLM" in own:
+            return tr.AutoModelForCausalLM
     model_type = getattr(config, "model_type", None)
     kinds = ((tr.AutoModelForSpeechSeq2Seq, auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
              (tr.AutoModelForSeq2SeqLM, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
@@ -137,11 +150,47 @@ def model_class_for(config):
     return tr.AutoModelForSeq2SeqLM if config.is_encoder_decoder else tr.AutoModelForCausalLM
 
 
-def check_model_kind(config, model_cls, model_dir) -> None:
+GENERATING_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq",
+                           "AutoModelForImageTextToText")
+
+
+def _own_auto_classes(config) -> list[str]:
+    """The generating Auto classes a config's `auto_map` names (a model's own code)."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    return [name for name in GENERATING_AUTO_CLASSES if isinstance(auto_map.get(name), str)]
+
+
+def concrete_class(model_cls, config, trust: bool = False) -> type:
+    """The class the Auto class `model_cls` builds for `config`: the model's own (its `auto_map`, trusted), else
+    transformers' (`check_model_kind` first: this one raises transformers' own error for a config it does not map)."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    from .own_code import own_model_class
+
+    own = own_model_class(model_cls, config, trust)
+    return own if own is not None else _get_model_class(config, model_cls._model_mapping)
+
+
+def check_model_kind(config, model_cls, model_dir, trust: bool = False) -> None:
     """One `InferenceSetupError` before anything loads when the Auto class `model_cls` builds no model of this
     config's type (a decoder-only model given to a seq2seq script: an AttributeError on decoder_start_token_id, or
     transformers' ValueError listing every class, otherwise), or builds one that generates no text by itself
-    (`check_generates_text`)."""
+    (`check_generates_text`). A model's own code (trusted) is judged by its `auto_map`, as the Auto classes build it:
+    matched by class name instead, its config was refused ("holds a 'chatglm' model, which AutoModelForSeq2SeqLM does
+    not build" where upstream's script ran it) or given transformers' class of the same name (DeepSeek-V2's)."""
+    from .own_code import own_model_class
+
+    own = own_model_class(model_cls, config, trust)
+    if own is not None:
+        check_generates_text(config, own, model_dir)
+        return
+    named = _own_auto_classes(config) if trust else []
+    if named:
+        auto_map = config.auto_map
+        raise InferenceSetupError(
+            f"{model_dir} holds a {config.model_type!r} model of its own code, whose auto_map names "
+            f"{', '.join(f'{auto_map[n]} for {n}' for n in named)}, and no class for {model_cls.__name__}; valid: "
+            f"a script that builds it with {' or '.join(named)}")
     mapping = model_cls._model_mapping
     if type(config) in mapping:
         check_generates_text(config, mapping[type(config)], model_dir)

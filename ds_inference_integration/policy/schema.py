@@ -18,6 +18,15 @@ split, no all-reduce): for an attention no rank can compute from its own heads (
 input's width; OLMo-2 normalises the whole query projection), while the rest of the layer is split.
 `experts = ["mlp.experts"]` names packed mixture-of-experts modules, each expert's MLP split (`shard/experts.py`).
 `mixers = ["mixer"]` names Mamba2-style state-space mixers (also "PATH@Class"), each split by its heads (`shard/mixers.py`).
+`packed = ["mlp.dense_h_to_4h"]` names linears whose output packs two equal halves that the module reads apart and
+pairs (ChatGLM's [gate | up], OLMo's [x | gate], a cross-attention's [key | value]): each rank keeps its share of
+each half (`shard/packed.py`), matching the row-parallel linear that reads them.
+
+At the top level, `head_biases = ["transformer.relative_pe"]` names modules outside the layers (paths from the model)
+that make a bias for every head, which every layer's attention adds to its scores (JAIS's ALiBi slopes): each rank
+keeps its heads' part of their parameters and buffers, and their head counts are set to its own (`shard/biases.py`).
+`[attention.local]` may name an attribute of a module inside the attention ("core_attention.hidden_size_per_partition")
+and give a list for a tuple attribute (`fused_dims = ["q_width", "kv_width", "kv_width"]`).
 """
 
 from __future__ import annotations
@@ -57,10 +66,10 @@ def _shipped_policy_dir() -> Path:
 
 
 POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR") or _shipped_policy_dir())
-_TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention"}
-_LAYER_KEYS = {"row_parallel", "replicated", "experts", "mixers"}
+_TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention", "head_biases"}
+_LAYER_KEYS = {"row_parallel", "replicated", "experts", "mixers", "packed"}
 _ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local", "also"}
-_LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim"}
+_LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim", "qkv_width"}
 DERIVE = "derive"  # resolve_policy's answer for a model type with no policy file: derive one from the model
 # Attributes DeepSpeed's own head-aware split reads when no policy names them.
 _GENERIC_HEAD_ATTRIBUTES = ("num_attention_heads", "num_heads", "n_head", "encoder_attention_heads",
@@ -113,6 +122,10 @@ class Policy:
     replicated: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> modules kept whole
     experts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> packed experts modules
     mixers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> SSM mixers split by heads
+    packed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> linears of two halves
+    head_biases: tuple[str, ...] = ()  # modules outside the layers making a bias per head, sliced to a rank's heads
+    # each mechanism's verdict (a derived policy's: `derive/verdicts.py`), not part of what the policy is
+    verdicts: tuple[tuple[str, str, str], ...] = field(default=(), compare=False)
 
     def matches(self, config: object) -> bool:
         return all(getattr(config, k, None) == v for k, v in self.match)
@@ -148,7 +161,7 @@ def load_policy(path: str | Path) -> Policy:
     layers = data.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise _schema_error(path, "needs a [layers.<ClassName>] table with row_parallel = [...]")
-    parsed_layers, replicated, experts, mixers = {}, {}, {}, {}
+    parsed_layers, replicated, experts, mixers, packed = {}, {}, {}, {}, {}
     for pattern, entry in layers.items():
         if not isinstance(entry, dict) or set(entry) - _LAYER_KEYS or "row_parallel" not in entry:
             raise _schema_error(path, f"[layers.{pattern}] must hold row_parallel = [...] (and may hold "
@@ -160,7 +173,9 @@ def load_policy(path: str | Path) -> Policy:
             experts[pattern] = _str_list(path, f"layers.{pattern}.experts", entry["experts"])
         if "mixers" in entry:
             mixers[pattern] = _str_list(path, f"layers.{pattern}.mixers", entry["mixers"])
-        if not parsed_layers[pattern] and not any(pattern in d for d in (replicated, experts, mixers)):
+        if "packed" in entry:
+            packed[pattern] = _str_list(path, f"layers.{pattern}.packed", entry["packed"])
+        if not parsed_layers[pattern] and not any(pattern in d for d in (replicated, experts, mixers, packed)):
             raise _schema_error(path, f"'layers.{pattern}.row_parallel' must be a non-empty list of strings, got []")
     match = data.get("match", {})
     if not isinstance(match, dict):
@@ -174,6 +189,8 @@ def load_policy(path: str | Path) -> Policy:
         replicated=replicated,
         experts=experts,
         mixers=mixers,
+        packed=packed,
+        head_biases=_str_list(path, "head_biases", data.get("head_biases", []), allow_empty=True),
         match=tuple(sorted(match.items())),
         attention=_parse_attention(path, data.get("attention")),
     )
@@ -195,14 +212,22 @@ def _parse_attention(path: Path, data: object) -> AttentionSpec | None:
         raise _schema_error(path, f"[attention] layout {data.get('layout')!r} is unknown; "
                                   f"valid: {', '.join(FUSED_LAYOUTS)}")
     local = data.get("local", {})
-    # `config.num_attention_heads = ...` unquoted is a nested table in TOML: the same entry as the quoted key
-    local = {f"{k}.{kk}" if isinstance(v, dict) else k: vv for k, v in local.items()
-             for kk, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
-    bad = {k: v for k, v in local.items() if v not in _LOCAL_VALUES or k.count(".") > 1
-           or (k.count(".") == 1 and not k.startswith("config."))}
+    # `config.num_attention_heads = ...` (or `core_attention.x = ...`) unquoted is a nested table in TOML: the same
+    # entry as the quoted key
+    def flat(table: dict, prefix: str = "") -> dict:
+        return {k: v for key, value in table.items()
+                for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
+                             else [(f"{prefix}{key}", value)])}
+
+    local = {k: tuple(v) if isinstance(v, list) else v for k, v in flat(local).items()}
+    bad = {k: v for k, v in local.items()
+           if not all(isinstance(x, str) and x in _LOCAL_VALUES for x in (v if isinstance(v, tuple) else (v,)))
+           or (isinstance(v, tuple) and not v)
+           or "config" in k.split(".")[1:] or (k.startswith("config.") and k.count(".") > 1)}
     if bad:
         raise _schema_error(path, f"[attention.local] entries {bad} are unknown; valid: an attribute of the attention "
-                                  f"module or config.<attribute>, each = one of {sorted(_LOCAL_VALUES)}")
+                                  "module, of a module inside it (core_attention.<attribute>) or config.<attribute>, "
+                                  f"each = one of {sorted(_LOCAL_VALUES)} (or a list of them, for a tuple)")
     return AttentionSpec(
         query_heads=data["query_heads"], kv_heads=data["kv_heads"], fused_qkv=data.get("fused_qkv"),
         layout=data.get("layout", "qkv"), query=data.get("query"), key=data.get("key"), value=data.get("value"),
@@ -459,9 +484,11 @@ def policy_to_toml(policy: Policy) -> str:
              f"head_count_attributes = [{', '.join(map(q, policy.head_count_attributes))}]"]
     if policy.match:
         lines.append("match = { " + ", ".join(f"{k} = {q(v)}" for k, v in policy.match) + " }")
+    if policy.head_biases:
+        lines.append(f"head_biases = [{', '.join(map(q, policy.head_biases))}]")
     for pattern, names in policy.layers.items():
         lines += ["", f"[layers.{q(pattern)}]", f"row_parallel = [{', '.join(map(q, names))}]"]
-        for key in ("replicated", "experts", "mixers"):
+        for key in ("replicated", "experts", "mixers", "packed"):
             if getattr(policy, key).get(pattern):
                 lines.append(f"{key} = [{', '.join(map(q, getattr(policy, key)[pattern]))}]")
     spec = policy.attention
@@ -473,7 +500,11 @@ def policy_to_toml(policy: Policy) -> str:
             lines += [f"{k} = {q(getattr(spec, k))}" for k in ("query", "key", "value")]
         if spec.local:
             # a key with a dot ("config.num_attention_heads") is quoted, or TOML would read it as a nested table
-            lines.append("local = { " + ", ".join(f"{q(k) if '.' in k else k} = {q(v)}" for k, v in spec.local) + " }")
+            def value(v) -> str:
+                return f"[{', '.join(map(q, v))}]" if isinstance(v, tuple) else q(v)
+
+            lines.append("local = { " + ", ".join(f"{q(k) if '.' in k else k} = {value(v)}" for k, v in spec.local)
+                         + " }")
         if spec.also:
             lines.append("also = [" + ", ".join(q(a) for a in spec.also) + "]")
     return "\n".join(lines) + "\n"
@@ -486,10 +517,11 @@ def policy_identity(policy: Policy) -> str:
     import hashlib
     import json
 
-    fields = {k: v for k, v in dataclasses.asdict(policy).items() if k not in ("source", "description")}
+    fields = {k: v for k, v in dataclasses.asdict(policy).items() if k not in ("source", "description", "verdicts")}
     if fields.get("attention") and not fields["attention"]["also"]:
         del fields["attention"]["also"]  # a table without `also` keeps the identity it had before the key existed
-    if not fields["mixers"]:
-        del fields["mixers"]  # likewise a policy without mixers
+    for key in ("mixers", "packed", "head_biases"):  # likewise a policy without them
+        if not fields[key]:
+            del fields[key]
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -121,8 +121,10 @@ def start_ranks(n: int, module: str, args: list[str], log_dir: str | Path, *, ex
                 forks = None
         if proc is None:
             log = open(log_path, "w") if log_path else None
+            # stdin from /dev/null: no rank reads the user's terminal (transformers asks there before running a
+            # model's own code; every rank asking at once, each waiting 15 s, is what `own_code.check_trust` prevents)
             proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT if log else None, text=True)
+                                    stderr=subprocess.STDOUT if log else None, text=True, stdin=subprocess.DEVNULL)
             if log:
                 log.close()  # the child holds its own descriptor
         proc.log_path = log_path

@@ -91,7 +91,8 @@ class Template:
         request_r, self._request_w = os.pipe()
         self._reply_r, reply_w = os.pipe()
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(request_r), str(reply_w)],
-                                     pass_fds=(request_r, reply_w), env=self.environ)
+                                     pass_fds=(request_r, reply_w), env=self.environ,
+                                     stdin=subprocess.DEVNULL)  # its ranks too: none reads the user's terminal
         os.close(request_r)
         os.close(reply_w)
         self._codes: dict[int, int] = {}

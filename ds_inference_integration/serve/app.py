@@ -542,7 +542,7 @@ def main(argv: list[str]) -> int:
     model_dir, serve_args, inference_args = parse(argv)
     if serve_args.worker:
         raise InferenceSetupError("--worker runs through `ds-inference serve MODEL_DIR --worker ...`")
-    config, tokenizer, generation_config = read_model_dir(model_dir)
+    config, tokenizer, generation_config = read_model_dir(model_dir, serve_args.trust_remote_code)
     if inference_args.injection_policy != "autotp":  # the policy file and head counts, before any rank starts
         policy_for_run(inference_args.injection_policy, config, inference_args.tp_size)
     if tokenizer.pad_token is None:

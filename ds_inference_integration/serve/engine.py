@@ -273,10 +273,9 @@ def say_once() -> None:
 def main(argv: list[str]) -> None:
     import signal
 
-    from transformers import AutoConfig, AutoTokenizer
-
     from ..arguments import DeepSpeedInferenceArguments
     from ..load.loaders import load_model
+    from ..load.own_code import load_config, load_tokenizer
     from ..load.skeleton import model_class_for
     from ..predict.lockstep import check_lockstep
     from ..run.ranks import end_with_parent, init_rank
@@ -299,9 +298,11 @@ def main(argv: list[str]) -> None:
         no_delay(conn)
         conn.send(Hello(os.getpid()))
     model_dir = settings["model_dir"]
-    config = AutoConfig.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model(model_class_for(config), model_dir, config, inference_args=inference_args)
+    trust = bool(settings.get("trust"))  # --trust_remote_code: the directory's own code, as the front read it
+    config = load_config(model_dir, trust)
+    tokenizer = load_tokenizer(model_dir, trust)
+    model = load_model(model_class_for(config, trust), model_dir, config, inference_args=inference_args,
+                       trust_remote_code=trust)
     if tokenizer.pad_token_id is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     setup = setup_inference(model, inference_args, topology, device)

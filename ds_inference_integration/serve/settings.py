@@ -91,6 +91,9 @@ class ServeArguments:
     master_port: int | None = field(default=None, metadata={"help": "With --nnodes > 1: the rendezvous port on node 0."})
     worker: bool = field(default=False, metadata={"help": "Run only this node's ranks of the replica (nodes 1.."
                                                           "--nnodes - 1); no HTTP front."})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Run the modeling code the model directory ships (its config.json's auto_map), in the front (config, "
+                "tokenizer) and every rank; without it such a directory is refused at start."})
 
 
 def announced_url(host: str, port: int) -> str:
@@ -128,6 +131,9 @@ def parse(argv: list[str]) -> tuple[str, ServeArguments, DeepSpeedInferenceArgum
     if not Path(model_dir, "config.json").is_file():
         raise InferenceSetupError(f"model directory {model_dir!r} has no config.json; valid: a directory "
                                   "save_pretrained wrote (or `ds-inference shard` wrote)")
+    from ..load.own_code import check_trust
+
+    check_trust(model_dir, serve.trust_remote_code)  # code to run and no --trust_remote_code: one line, at start
     for name, least in (("dp_size", 1), ("max_batch_size", 1), ("max_queue", 1), ("max_n", 1), ("max_tokens", 1),
                         ("max_body_bytes", 1024)):
         if getattr(serve, name) < least:
@@ -183,20 +189,21 @@ def engine_settings(model_dir: str, serve: ServeArguments, inference: DeepSpeedI
     """What every rank of a replica is started with (the engine's one argument, as JSON): the model, the flag
     family, and the rows a replica holds at most."""
     return {"model_dir": str(Path(model_dir).resolve()), "capacity": serve.max_batch_size, "scheduler": serve.scheduler,
-            "admission": [serve.waiting_served_ratio, serve.max_waiting_steps],
+            "admission": [serve.waiting_served_ratio, serve.max_waiting_steps], "trust": serve.trust_remote_code,
             "inference": {k: getattr(inference, k) for k in inference.__dataclass_fields__}}
 
 
-def read_model_dir(model_dir: str):
-    """The model directory's config, tokenizer and generation config, read once by the front before any rank starts;
-    a file that cannot be read (a malformed config.json printed 40 lines of tracebacks) or a tokenizer that is not
-    there (transformers 5 builds an empty one: the server reported ready and answered every request "prompt 0 is
-    empty") is one InferenceSetupError."""
+def read_model_dir(model_dir: str, trust: bool = False):
+    """The model directory's config, tokenizer and generation config, read once by the front before any rank starts
+    (its own code run where `trust`: `--trust_remote_code`); a file that cannot be read (a malformed config.json
+    printed 40 lines of tracebacks) or a tokenizer that is not there (transformers 5 builds an empty one: the server
+    reported ready and answered every request "prompt 0 is empty") is one InferenceSetupError."""
     import json as json_
 
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     from ..errors import first_line
+    from ..load.own_code import load_config, load_tokenizer
 
     def refused(what: str, error: Exception) -> InferenceSetupError:
         why = first_line(error)
@@ -206,11 +213,13 @@ def read_model_dir(model_dir: str):
                                    "save_pretrained writes")
 
     try:
-        config = AutoConfig.from_pretrained(model_dir)
+        config = load_config(model_dir, trust)
+    except InferenceSetupError:
+        raise
     except Exception as e:  # noqa: BLE001 - any reason the config cannot be read is one line
         raise refused("config.json", e) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir, trust)
     except Exception as e:  # noqa: BLE001
         raise refused("the tokenizer", e) from None
     probe = tokenizer("a b c 1 2 3", add_special_tokens=False)["input_ids"]

@@ -53,8 +53,10 @@ from ..policy.schema import (
 from ..run.collector import collector_paused
 from ..topology import ModelParallelUnit, ProcessGroups, Topology
 from .attention import HeadLayout, split_fused_qkv, split_heads, whole
+from .biases import slice_head_biases
 from .experts import experts_modules, split_experts
 from .mixers import split_ssm_mixer, ssm_mixers
+from .packed import split_packed
 from .reduction import reduce_in_fp32
 from .statistics import statistics_across_ranks
 from .weight_share import WeightShare, full_sizes, measure
@@ -89,7 +91,7 @@ def _param_bytes(model: nn.Module) -> int:
 # Preparation: what DeepSpeed would get wrong, made right on the model first --------------------------
 
 def _layers(model: nn.Module, policy: Policy) -> list[nn.Module]:
-    patterns = {*policy.layers, *policy.replicated, *policy.experts, *policy.mixers}
+    patterns = {*policy.layers, *policy.replicated, *policy.experts, *policy.mixers, *policy.packed}
     return [m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns)]
 
 
@@ -233,6 +235,27 @@ def _split_query_only(layer: nn.Module, spec: AttentionSpec, heads: HeadLayout, 
     return attention, head_dim, heads
 
 
+def _split_packed(layers: list[nn.Module], policy: Policy, topology: Topology) -> None:
+    """Each linear a policy names `packed` (two halves read apart) cut to this rank's share of each half; a name that
+    matches nothing in any layer of its class is one line."""
+    found = set()
+    for layer in layers:
+        for pattern, paths in policy.packed.items():
+            if not fnmatch.fnmatchcase(type(layer).__name__, pattern):
+                continue
+            for path in paths:
+                if _has(layer, path) and isinstance(layer.get_submodule(path), nn.Linear):
+                    linear = layer.get_submodule(path)
+                    _replace(layer, path, split_packed(linear, topology.tp_size, topology.tp_rank,
+                                                       f"{type(layer).__name__}.{path}"))
+                    found.add((pattern, path))
+    missing = [(pattern, path) for pattern, paths in policy.packed.items() for path in paths
+               if (pattern, path) not in found]
+    if missing:
+        raise InferenceSetupError(f"policy {policy.source}: packed {missing[0][1]!r} names no linear inside "
+                                  f"{missing[0][0]}")
+
+
 def _split_query_gates(layer: nn.Module, prefix: str, heads: HeadLayout, attention: nn.Module, query: nn.Module,
                        rows: tuple[str, ...]) -> None:
     """Any other linear of the attention that writes the query's width (a per-head output gate), split with the
@@ -284,6 +307,8 @@ def _has(layer: nn.Module, path: str) -> bool:
 
 
 def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayout, head_dim: int) -> None:
+    """`[attention.local]`: each attribute (of the attention, of a module inside it, or of its config) set to this
+    rank's value; a list of values is a tuple attribute's (OLMo's `fused_dims`)."""
     values = heads.local_values(head_dim)
     config_copied = False
     for attr, value_name in policy.attention.local:
@@ -294,10 +319,17 @@ def _set_local_attributes(attention: nn.Module, policy: Policy, heads: HeadLayou
                 attention.config = copy.copy(attention.config)
                 config_copied = True
             owner = attention.config
+        elif "." in attr:  # a module inside the attention (ChatGLM's `core_attention`)
+            inner, _, attr = attr.rpartition(".")
+            if not _has(attention, inner):
+                raise InferenceSetupError(f"policy {policy.source}: {type(attention).__name__} has no module {inner!r} "
+                                          f"([attention.local])")
+            owner = attention.get_submodule(inner)
         if not hasattr(owner, attr):
             raise InferenceSetupError(f"policy {policy.source}: {type(owner).__name__} has no attribute {attr!r} "
                                       f"([attention.local])")
-        setattr(owner, attr, values[value_name])
+        value = tuple(values[v] for v in value_name) if isinstance(value_name, tuple) else values[value_name]
+        setattr(owner, attr, type(getattr(owner, attr))(value) if isinstance(value, tuple) else value)
 
 
 def split_per_head_parameters(attention: nn.Module, heads: HeadLayout) -> None:
@@ -420,6 +452,12 @@ def shard_model(
                     if fnmatch.fnmatchcase(type(layer).__name__, pattern):
                         for mixer in ssm_mixers(layer, paths, skip=kept_ids):
                             split_ssm_mixer(mixer, topology.tp_size, topology.tp_rank, groups.tp)
+            _split_packed(layers, policy, topology)
+            if policy.head_biases:
+                heads_of = head_values(model.config)
+                slice_head_biases(model, policy.head_biases,
+                                  HeadLayout(heads_of[0], heads_of[0], topology.tp_size, topology.tp_rank),
+                                  policy.source)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for layer in layers for spec in policy.attention.variants()

@@ -66,21 +66,25 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
     import contextlib
 
     with contextlib.redirect_stdout(sys.stderr):  # library log lines must not mix into the TOML
-        from transformers import AutoConfig
-
+        from ..load.own_code import code_files, load_config, own_model_class
+        from ..load.skeleton import model_class_for
         from ..policy.derive import derive_policy
         from ..policy.schema import policy_for_config, policy_to_toml
 
-        config = AutoConfig.from_pretrained(ns.model_dir)
+        trust = ns.trust_remote_code
+        config = load_config(ns.model_dir, trust)
         shipped = policy_for_config(config)
         if shipped is None:
             import torch
             from transformers import AutoModel
 
-            with torch.device("meta"):
-                model = AutoModel.from_config(config)
-            text = (f"# derived from {type(model).__name__}; check it with: ds-inference policy check "
-                    f"{ns.model_dir} --tp-size 2 --policy FILE\n{policy_to_toml(derive_policy(model))}")
+            own = own_model_class(model_class_for(config, trust), config, trust)
+            with torch.device("meta"):  # the model's own class where it ships its code, as its Auto class builds it
+                model = own._from_config(config) if own is not None else AutoModel.from_config(config)
+            code = f" (the model's own code: {', '.join(code_files(ns.model_dir))})" if own is not None else ""
+            trusted = " --trust_remote_code" if own is not None else ""
+            text = (f"# derived from {type(model).__name__}{code}; check it with: ds-inference policy check "
+                    f"{ns.model_dir} --tp-size 2 --policy FILE{trusted}\n{policy_to_toml(derive_policy(model))}")
     if shipped is not None:
         text = f"# shipped policy {shipped.source}\n{shipped.source.read_text(encoding='utf-8')}"
     print(text, end="")
@@ -91,7 +95,7 @@ def _policy_check(ns: argparse.Namespace) -> int:
     from .policy_check import run_check
 
     return run_check(ns.model_dirs, ns.tp_size, ns.policy, ns.timeout, json_path=ns.json, dtype=ns.dtype,
-                     reduce_dtype=ns.reduce_dtype)
+                     reduce_dtype=ns.reduce_dtype, trust_remote_code=ns.trust_remote_code)
 
 
 def _sizes_and_names(ns: argparse.Namespace) -> tuple[list[int], list[str] | None]:
@@ -120,6 +124,13 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser, only_help: str) -> No
     parser.add_argument("--tp-sizes", default="2,4")
     parser.add_argument("--only", default=None, help=only_help)
     parser.add_argument("--json-dir", default=None, help="keep the per-tp `policy check --json` reports here")
+
+
+def _trust_argument(parser: argparse.ArgumentParser) -> None:
+    """upstream's `--trust_remote_code` (and its dashed spelling): run the code a model directory ships (its
+    `auto_map`); without it such a directory is refused in one line (`load/own_code.py`)."""
+    parser.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                        help="run the modeling code a model directory ships (its config.json's auto_map)")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -164,7 +175,7 @@ def _bench_generation(ns: argparse.Namespace) -> int:
 def _shard(ns: argparse.Namespace) -> int:
     from .shard_command import run_shard
 
-    return run_shard(ns.model_dir, ns.tp_size, ns.out_dir, ns.policy, ns.dtype, ns.timeout)
+    return run_shard(ns.model_dir, ns.tp_size, ns.out_dir, ns.policy, ns.dtype, ns.timeout, ns.trust_remote_code)
 
 
 def _bench_memory(ns: argparse.Namespace) -> int:
@@ -257,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_policy_show)
     suggest = psub.add_parser("suggest", help="print a policy file for a local model directory")
     suggest.add_argument("model_dir")
+    _trust_argument(suggest)
     suggest.set_defaults(func=_policy_suggest)
     check = psub.add_parser("check", help="shard over N ranks and compare with the unsharded model")
     check.add_argument("model_dirs", nargs="+", metavar="MODEL_DIR")
@@ -269,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "differences are judged against the unsharded model's own rounding noise")
     check.add_argument("--reduce-dtype", default="model", choices=REDUCE_DTYPES,
                        help="the run's --reduce_dtype: fp32 sums the row-parallel partial products in fp32")
+    _trust_argument(check)
     check.set_defaults(func=_policy_check)
     matrix = psub.add_parser("matrix", help="policy check on tiny models of every architecture the project checks; "
                                            "docs/policies.md's architecture table")
@@ -376,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--policy", default="auto", help="auto (default), autotp, derive, or a policy file")
     shard.add_argument("--dtype", default="fp32", help="dtype of the rank files: fp32 (default), fp16, bf16")
     shard.add_argument("--timeout", type=float, default=1800)
+    _trust_argument(shard)
     shard.set_defaults(func=_shard)
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible), sharded over --tp_size ranks",
                            add_help=False)

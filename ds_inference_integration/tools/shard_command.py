@@ -19,9 +19,10 @@ from ..run.ranks import failure_text, start_ranks, wait_ranks
 
 
 def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", dtype: str = "fp32",
-              timeout: float = 1800) -> int:
+              timeout: float = 1800, trust_remote_code: bool = False) -> int:
     from ..arguments import DTYPES
     from ..load.checkpoint import checkpoint_files
+    from ..load.own_code import check_trust
     from ..load.presharded import start_writing
 
     src, out = Path(model_dir), Path(out_dir)
@@ -35,6 +36,9 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
     if tp_size < 1:
         print(f"error: --tp-size {tp_size} is invalid: it must be a positive integer", file=sys.stderr)
         return 2
+    # a directory with its own code: refused here without the option; with it, the copy carries the code files
+    # (every file but the weights is copied) and loads back with the same option
+    check_trust(src, trust_remote_code)
     if dtype not in DTYPES:
         print(f"error: --dtype {dtype!r} is invalid; valid: {', '.join(DTYPES)}", file=sys.stderr)
         return 2
@@ -52,7 +56,8 @@ def run_shard(model_dir: str, tp_size: int, out_dir: str, policy: str = "auto", 
     start_writing(out)  # the old manifest goes first: until the new one is written, the directory does not load
     with tempfile.TemporaryDirectory(prefix="ds_inference_shard_") as status:
         procs = start_ranks(tp_size, "ds_inference_integration.tools.shard_command",
-                            ["--worker", str(src), str(out), policy, dtype, status], log_dir=status)
+                            ["--worker", str(src), str(out), policy, dtype, status, str(int(trust_remote_code))],
+                            log_dir=status)
         codes = wait_ranks(procs, timeout)
         result, error = Path(status, "result.json"), Path(status, "error.txt")
         if not all(c == 0 for c in codes) or not result.is_file():
@@ -75,12 +80,11 @@ def _presharded_before(out: Path) -> bool:
                for p in out.iterdir())
 
 
-def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) -> int:
-    from transformers import AutoConfig
-
+def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str, trust: str = "0") -> int:
     from ..arguments import DTYPES, DeepSpeedInferenceArguments, InferenceSetupError
     from ..deepspeed_compat import init_deepspeed_comm
     from ..load.loaders import load_model, pending_load, policy_id
+    from ..load.own_code import load_config
     from ..load.presharded import write_presharded
     from ..load.skeleton import model_class_for
     from ..policy.derive import policy_for_model
@@ -94,13 +98,15 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
         groups = init_process_groups(topology, device.type, timeout=300)
         init_deepspeed_comm(topology)
         dtype = DTYPES[dtype_name]
-        config = AutoConfig.from_pretrained(src)
-        cls = model_class_for(config)
+        trusted = trust == "1"
+        config = load_config(src, trusted)
+        cls = model_class_for(config, trusted)
         args = DeepSpeedInferenceArguments(deepspeed_inference=True, tp_size=topology.tp_size,
                                            injection_policy=policy_spec)
         policy = None if policy_spec == "autotp" else policy_for_run(policy_spec, config, topology.tp_size)
         try:
-            model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware")
+            model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="shard-aware",
+                               trust_remote_code=trusted)
         except InferenceSetupError as e:
             if not getattr(e, "needs_conversion", False):
                 raise
@@ -110,7 +116,8 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
             if topology.rank == 0:
                 why = str(e).split(f"{src}: ", 1)[-1].split("; valid here:", 1)[0]
                 print(f"warning: {src}: {why}: loaded full on every rank", file=sys.stderr)
-            model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="full")
+            model = load_model(cls, src, config, inference_args=args, dtype=dtype, mode="full",
+                               trust_remote_code=trusted)
         policy = policy_for_model(policy, model, topology.tp_size)
         model, report = shard_model(model, args, topology, groups, policy, dtype, device=device, pending=pending_load(model))
         manifest = write_presharded(model, Path(src), Path(out), topology, groups,
@@ -126,7 +133,7 @@ def _worker(src: str, out: str, policy_spec: str, dtype_name: str, status: str) 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
+    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
         from ds_inference_integration.run.lifecycle import exit_now
 
         exit_now(_worker(*sys.argv[2:]))  # no process-group teardown (gloo can abort at interpreter exit)

@@ -26,6 +26,7 @@ together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -35,9 +36,13 @@ from ...errors import InferenceSetupError
 from ..layers import layer_kinds
 from ..schema import DERIVE, Policy, is_linear, names_module, reading_configured_values, under_replicated
 from .attention import derive_attention
+from .biases import derive_head_biases
 from .experts import derive_experts
 from .heads import _head_counts, head_values
+from .packed import derive_packed
+from .probe import probing
 from .rows import derive_row_parallel
+from .verdicts import note, recording
 from .whole import derive_whole_modules
 
 __all__ = ["DERIVED", "derive_attention", "derive_experts", "derive_policy", "derive_row_parallel",
@@ -77,21 +82,61 @@ def _conv1d_seen_as_linear(model: nn.Module):
 @reading_configured_values
 def derive_policy(model: nn.Module) -> Policy:
     """A complete policy for a model with no policy file: row-parallel linears, the attention table, the packed
-    experts, and the modules kept whole."""
-    with _conv1d_seen_as_linear(model):
-        return _derive_policy(model)
+    experts, and the modules kept whole; each mechanism's verdict in `Policy.verdicts` (`verdicts.py`)."""
+    said = _Said()
+    logger.addHandler(said)
+    try:
+        with _conv1d_seen_as_linear(model), probing(model) as probe, recording() as rows:
+            policy = _derive_policy(model)
+            if probe.failure:
+                note("probe", "", f"not run through every layer: {probe.failure}; the rules of the names decide there")
+    finally:
+        logger.removeHandler(said)
+    return dataclasses.replace(policy, verdicts=tuple(rows) + tuple(("kept whole", "", m) for m in said.messages)
+                               + _summary(policy))
+
+
+class _Said(logging.Handler):
+    """The derivation's warnings (every module kept whole on every rank, and why), as verdict rows."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        self.messages.append(text.split(": ", 1)[1] if ": " in text else text)
+
+
+def _summary(policy: Policy) -> tuple[tuple[str, str, str], ...]:
+    rows = []
+    spec = policy.attention
+    if spec is not None:
+        where = spec.fused_qkv or f"{spec.query}/{spec.key}/{spec.value}"
+        layout = f"fused, layout {spec.layout}" if spec.fused_qkv else "separate query, key and value"
+        rows.append(("attention", where, f"{layout}; {spec.query_heads} query / {spec.kv_heads} key/value heads"
+                                         + (f"; also {', '.join(spec.also)}" if spec.also else "")))
+        for attr, value in spec.local:
+            rows.append(("per-rank attributes", attr, " + ".join(value) if isinstance(value, tuple) else value))
+    for key, text in (("experts", "each expert's MLP split"), ("mixers", "split by heads or channels")):
+        for name, paths in getattr(policy, key).items():
+            rows.append((key, name, f"{', '.join(paths)}: {text}"))
+    return tuple(rows)
 
 
 def _derive_policy(model: nn.Module) -> Policy:
     model_type = getattr(model.config, "model_type", type(model).__name__)
     layers = derive_row_parallel(model)
     experts = derive_experts(model)
-    whole, mixers = derive_whole_modules(model, layers, experts)
+    packed = derive_packed(model, layers)
+    whole, mixers = derive_whole_modules(model, layers, experts, packed)
     for name, paths in whole.items():
         logger.warning("%s: kept whole on every rank in %s: %s", model_type, name,
                        "; ".join(f"{p} ({why})" for p, why in paths.items()))
+    head_biases = derive_head_biases(model, layers)
     attention, replicated = derive_attention(model, layers, skip={n: {*whole.get(n, ()), *mixers.get(n, ())}
-                                                                  for n in sorted({*whole, *mixers})})
+                                                                  for n in sorted({*whole, *mixers})},
+                                             biases=head_biases)
     replicated = {n: tuple(dict.fromkeys((*whole.get(n, {}), *replicated.get(n, ()))))
                   for n in sorted({*whole, *replicated})}
     # a row-parallel linear inside a module kept whole, or inside a mixer split here, is not DeepSpeed's to split
@@ -113,9 +158,13 @@ def _derive_policy(model: nn.Module) -> Policy:
     layers.update({name: () for name in experts if name not in layers})
     q_attr, _ = _head_counts(model.config)
     heads = (q_attr,) if q_attr else ()
+    packed = {name: tuple(p for p in paths if not any(under_replicated(w, kinds[name][0], p)
+                                                      for w in replicated.get(name, ())))
+              for name, paths in packed.items()}
     return Policy(source=Path(DERIVED.format(model_type)), description=f"derived from {type(model).__name__}",
                   model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention,
-                  replicated=replicated, experts=experts, mixers=mixers)
+                  replicated=replicated, experts=experts, mixers=mixers, packed={n: p for n, p in packed.items() if p},
+                  head_biases=head_biases)
 
 
 def derived_summary(policy: Policy) -> str:

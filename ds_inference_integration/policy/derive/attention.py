@@ -16,6 +16,9 @@ from ..layers import layer_kinds
 from ..schema import AttentionSpec, class_source, is_linear, names_module, under_replicated
 from .common import _feature_scales
 from .heads import _head_counts, _local_attributes, head_values
+from .layouts import attention_rows_parallel, layout_of, local_attributes, probed_fused
+from .probe import active
+from .verdicts import note
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,10 @@ FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv")
 
 
 def _attention_modules(layer: nn.Module) -> list[tuple[str, nn.Module, str | None, tuple[str, str, str] | None]]:
-    """(path, module, fused projection name, separate q/k/v names) of each attention module inside a layer."""
+    """(path, module, fused projection name, separate q/k/v names) of each attention module inside a layer: by the
+    projections' names, and, while the derivation probes the model (`probe.active`), a linear of any name whose rows
+    the attention products read as query, key and value together (InternLM2's `wqkv`, OLMo's `att_proj` on the
+    block itself: the module is the linear's parent)."""
     found = []
     for path, module in layer.named_modules():
         children = {n: c for n, c in module.named_children()}
@@ -34,6 +40,12 @@ def _attention_modules(layer: nn.Module) -> list[tuple[str, nn.Module, str | Non
         separate = _separate_qkv(module, children)
         if fused or separate:
             found.append((path, module, fused, separate))
+    probe = active()
+    if probe is not None:
+        for linear in probed_fused(probe, layer):
+            owner, _, name = linear.rpartition(".")
+            if not any(p == owner for p, *_ in found):
+                found.append((owner, layer.get_submodule(owner) if owner else layer, name, None))
     return found
 
 
@@ -137,18 +149,20 @@ def _reshaped_to_input_width(attention: nn.Module) -> bool:
     return False
 
 
-def _per_head_outside_layers(model: nn.Module, layers: dict[str, tuple[str, ...]], q: int, kv: int) -> str | None:
+def _per_head_outside_layers(model: nn.Module, layers: dict[str, tuple[str, ...]], q: int, kv: int,
+                             biases: tuple[str, ...] = ()) -> str | None:
     """A parameter outside the layers with one column per head, made into a per-head input of every layer (CPM-Ant's
     `position_bias.relative_attention_bias`, [buckets, heads]: the bias of all heads reached attentions holding
     some, "(2) must match ... (4)" at tp 2, `policy sweep` 2026-12-06). T5's is inside its first layer, where
     DeepSpeed splits it with the heads. A linear's or convolution's weight is not one: its second dimension is what
     it reads (VibeVoice-ASR's audio tokenizer, whose first stage reads 4 channels at the sweep's size, kept a
-    Qwen2 decoder's attention whole on every rank, 70% per rank at tp 2)."""
+    Qwen2 decoder's attention whole on every rank, 70% per rank at tp 2). A module the policy cuts to each rank's
+    heads (`biases.py`: `head_biases`) is not one."""
     inside = {id(m) for list_ in model.modules() if isinstance(list_, nn.ModuleList)
               for layer in list_ if type(layer).__name__ in layers for m in layer.modules()}
     hidden = getattr(text_config(model.config), "hidden_size", None)
     for name, module in model.named_modules():
-        if id(module) in inside or isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        if id(module) in inside or isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or name in biases:
             continue
         for pname, param in module.named_parameters(recurse=False):
             if param.ndim == 2 and param.shape[1] in {q, kv} - {1, hidden} and "embed" not in f"{name}.{pname}":
@@ -179,8 +193,8 @@ def _whole_projection_norms(attention: nn.Module, projections: list[nn.Module], 
     return None
 
 
-def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip: dict[str, set[str]] | None = None
-                     ) -> tuple[AttentionSpec | None, dict[str, tuple[str, ...]]]:
+def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip: dict[str, set[str]] | None = None,
+                     biases: tuple[str, ...] = ()) -> tuple[AttentionSpec | None, dict[str, tuple[str, ...]]]:
     """The attention table for a model with no policy file, or None where DeepSpeed's own split is right
     (separate q/k/v with as many key/value heads as query heads, or a fused layout only DeepSpeed knows); and
     {layer class: attention paths} to keep whole, where no rank can compute the attention from its own heads."""
@@ -195,6 +209,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     by_path: dict[tuple[str, str], tuple] = {}  # one per attention path of each layer class, over its kinds
     rebuilt: dict[str, dict[str, str]] = {}  # {layer class: {path: class}} of attentions rebuilt while running
     own_kv: dict[tuple[str, str], set[int]] = {}  # the key/value head counts each kind's attention there holds
+    layer_of: dict[tuple[str, str], nn.Module] = {}  # the layer each attention path was found in
     for name in layers:
         for layer in kinds.get(name, ()):
             for a in _attention_modules(layer):
@@ -205,6 +220,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                     rebuilt.setdefault(name, {})[owner] = type(layer.get_submodule(owner)).__name__
                     continue
                 by_path.setdefault((name, a[0]), a)
+                layer_of.setdefault((name, a[0]), layer)
                 own_kv.setdefault((name, a[0]), set()).add(_own_kv_heads(a[1], a[3]))
     for name, owners in rebuilt.items():
         for owner, cls in owners.items():
@@ -215,7 +231,7 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     found = [(name, a) for (name, _), a in by_path.items()]
     if not found:
         return None, {name: tuple(paths) for name, paths in replicated.items()}
-    outside = _per_head_outside_layers(model, layers, q, kv)
+    outside = _per_head_outside_layers(model, layers, q, kv, biases)
     if outside:
         logger.warning("%s: %s holds one column per head outside the layers (a bias every layer's attention adds, "
                        "made for all heads): no rank can use it with some of the heads, so the attention is kept "
@@ -297,8 +313,17 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
             # must be made this rank's by the table
         kv_value = kv_attr if kv_attr is not None else q_attr  # no KV-head attribute: as many as query heads
         if fused:
-            spec = AttentionSpec(query_heads=q_attr, kv_heads=kv_value, fused_qkv=prefix + fused,
-                                 layout=_fused_layout(attention, text, q, kv), local=local)
+            layout = _fused_layout(attention, text, q, kv)
+            probed = _probed_table(layer_of[(layer_name, path)], prefix + fused, q, kv, local)
+            if isinstance(probed, str):
+                logger.warning("%s: %s.%s%s %s, so that attention is kept whole on every rank", model_type, layer_name,
+                               prefix, fused, probed)
+                replicated.setdefault(layer_name, []).append(path)
+                continue
+            if probed is not None:
+                layout, local = probed
+            spec = AttentionSpec(query_heads=q_attr, kv_heads=kv_value, fused_qkv=prefix + fused, layout=layout,
+                                 local=local)
         else:
             spec = AttentionSpec(query_heads=q_attr, kv_heads=kv_value, query=prefix + separate[0],
                                  key=prefix + separate[1], value=prefix + separate[2], local=local)
@@ -335,6 +360,35 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                                spec.fused_qkv or spec.key)
                 replicated.setdefault(layer_name, []).append(path)
     return chosen, {k: tuple(dict.fromkeys(v)) for k, v in replicated.items()}
+
+
+def _probed_table(layer: nn.Module, path: str, q: int, kv: int, local: tuple) -> tuple[str, tuple] | str | None:
+    """(layout, per-rank attributes) of a fused projection as the probe reads it (`layouts.py`), or a reason to keep
+    its attention whole, or None where the model is not probed (the rules of its names decide)."""
+    probe = active()
+    rows = probe.heads(layer, path) if probe is not None else None
+    if rows is None or not (rows.q and rows.k and rows.v):
+        return None
+    found = layout_of(rows)
+    if found is None:
+        return ("holds its query, key and value rows in a layout no table names (not [Q | K | V], [q k v] per head "
+                "or [q .. q k v] per key/value group)")
+    layout, heads, kv_heads, d = found
+    if (heads, kv_heads) != (q, kv):
+        return (f"is read as {heads} query and {kv_heads} key/value heads, not the config's {q} and {kv}: no table "
+                "describes it")
+    rows_parallel = attention_rows_parallel(probe, layer, path)
+    assignment = local_attributes(probe, layer, path, rows_parallel, rows, layout, heads, kv_heads, d, dict(local))
+    if assignment is None and path.rpartition(".")[2] in FUSED_QKV:
+        note("attention", path, f"layout {layout} (probed); the probe found no per-rank attributes under which a "
+                                "simulated split reads each rank's heads: the rules of its names decide them")
+        return layout, local
+    if assignment is None:
+        return ("reads attributes no assignment of a rank's head counts and widths fits (declare them in the "
+                "policy's [attention.local])")
+    note("attention", path, f"fused, layout {layout} (probed: {heads} query heads, {kv_heads} key/value heads of "
+                            f"{d})")
+    return layout, tuple(assignment.items())
 
 
 def _narrow_value_heads(attention: nn.Module, separate: tuple[str, str, str], width: int,

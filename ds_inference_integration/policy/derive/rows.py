@@ -11,6 +11,8 @@ from ..layers import layer_kinds
 from ..schema import is_linear, layer_classes, names_module, outermost_layer_classes
 from .common import _cannot_derive, _linears
 from .experts import _unpacked_experts, derive_experts
+from .probe import ATTENTION, active
+from .verdicts import note
 
 
 def _tp_plan_rows(model: nn.Module) -> dict[str, set[str]]:
@@ -103,10 +105,51 @@ def derive_row_parallel(model: nn.Module) -> dict[str, tuple[str, ...]]:
         rows |= {k for k in autotp.get(name, ()) if not any(names_module(k, p) for p in named)}
         if rows:
             layers[name] = tuple(sorted(rows))
+    for name, rows in layers.items():
+        note("row-parallel linears", name, ", ".join(rows) + " (the config's tp plan, DeepSpeed AutoTP's names, the end of "
+             "an MLP chain)")
+    layers.update(_flow_rows(model, classes, layers))
     if not layers and not derive_experts(model):
         raise _cannot_derive(model_type, "no row-parallel linear found (neither the config's base_model_tp_plan "
                                          f"nor DeepSpeed AutoTP names one){_what_the_layers_hold(model)}")
     return layers
+
+
+def _flow_rows(model: nn.Module, classes, named: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """{layer class: row-parallel linears} read from the layers' data flow (`probe.LayerFlow.row_parallel`: the linears
+    that write back into what the layer returns from what its other linears computed), where no name says them:
+    every one of an outermost layer class no name gives any (OLMo-1's `attn_out` and `ff_out`, directly on its
+    block: "cannot derive a policy" before), and the output projection of an attention whose fused projection only
+    the probe found (InternLM2's `wo`, after `wqkv`). Where names give some, the rest of the flow's is left to them:
+    across the 157 models of the architecture table, adding every one changed 6 verified policies (Gemma 4's per-layer
+    projection, read beside an input every rank holds whole, would have been made row-parallel)."""
+    from .attention import FUSED_QKV
+    from .layouts import probed_fused
+
+    probe = active()
+    if probe is None:
+        return {}
+    found: dict[str, tuple[str, ...]] = {}
+    for name, kinds in layer_kinds(model).items():
+        if name not in classes or name not in outermost_layer_classes(model):
+            continue
+        rows: set[str] = set()
+        for layer in kinds:
+            flow = probe.flow(layer)
+            if flow is None:
+                continue
+            if name not in named:
+                rows |= set(flow.row_parallel())
+                continue
+            unnamed = [p for p in probed_fused(probe, layer) if p.rpartition(".")[2] not in FUSED_QKV]
+            rows |= {r for r in flow.row_parallel() for p in unnamed
+                     if ATTENTION in flow.sources.get(r, ()) and p in flow.sources[r]}
+        rows = {r for r in rows if not any(names_module(k, r) for k in named.get(name, ()))}
+        if rows:
+            found[name] = tuple(sorted({*named.get(name, ()), *rows}))
+            note("row-parallel linears", name, ", ".join(sorted(rows)) + " (probed: each writes back into what the "
+                 "layer returns from what its other linears computed)")
+    return found
 
 
 def _what_the_layers_hold(model: nn.Module) -> str:

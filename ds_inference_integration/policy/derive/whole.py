@@ -44,7 +44,7 @@ def _norm_over(module: nn.Module, widths: set[int]) -> str | None:
 
 def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths: set[str],
                   heads: tuple[int, int] | None, gathered_elsewhere: set[int] = frozenset(),
-                  hidden: int | None = None) -> str | None:
+                  hidden: int | None = None, packed: set[str] = frozenset()) -> str | None:
     """Why a child module of a layer (at `path` in it) must be kept whole on every rank, or None where AutoTP's
     split (rows named in `rows`, every other linear by output rows) computes it right. (A mixer of a layout
     `shard/mixers.py` knows is split there by its heads or channels, and never asked here.)
@@ -113,8 +113,9 @@ def _whole_reason(path: str, module: nn.Module, rows: set[str], attention_paths:
     # gathers it), not against this module's row-parallel inputs: X-MOD's language adapter after `output.dense`
     # (128 -> 64 -> 128, on the all-reduced output) kept the whole `output` whole, and `intermediate` split before it
     own = {q for q in columns if "." not in q or any(r.startswith(f"{q.partition('.')[0]}.") for r in row)}
+    # a linear of two halves (`packed.py`) feeds one of half its width, its share of each half kept on each rank
     odd = [q for q, m in columns.items() if q in own and m.weight.shape[0] not in fed
-           and not (q.endswith("gate_up_proj") and m.weight.shape[0] // 2 in fed)]
+           and not ((q.endswith("gate_up_proj") or f"{path}.{q}" in packed) and m.weight.shape[0] // 2 in fed)]
     if odd:
         return (f"{odd[0]} ({columns[odd[0]].weight.shape[0]} outputs) does not feed a row-parallel linear "
                 f"({', '.join(str(f) for f in sorted(fed))} inputs): no split by output rows pairs its features")
@@ -235,7 +236,8 @@ def _units(module: nn.Module, attention_paths: set[str], prefix: str = ""):
             yield path, child
 
 
-def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], experts: dict[str, tuple[str, ...]]
+def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], experts: dict[str, tuple[str, ...]],
+                         packed: dict[str, tuple[str, ...]] | None = None
                          ) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
     """{layer class: {path: why}} of the modules to keep whole on every rank: mixers AutoTP cannot split
     (`_whole_reason`), and mixture-of-experts routers and gates (each rank must route every token alike:
@@ -256,7 +258,11 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
         rows = set(layers.get(name, ()))
         for layer in kinds:
             attention_paths = {a[0] for a in _attention_modules(layer)}
-            for path in _unread_own_linears(layer, rows):
+            # the projections of an attention on the layer itself (OLMo-1's fused `att_proj`) and a linear of two
+            # halves feed what the table and the packed split handle, not a row-parallel linear of their width
+            own_projections = {f for p, _, f, separate in _attention_modules(layer) if not p
+                               for f in ((f,) if f else separate)} | set((packed or {}).get(name, ()))
+            for path in [p for p in _unread_own_linears(layer, rows) if p not in own_projections]:
                 found.setdefault(name, {}).setdefault(path, "a linear of the layer itself whose output no row-parallel "
                                                             "linear reads: the layer uses it whole")
             for path, child in _units(layer, attention_paths):
@@ -279,7 +285,7 @@ def derive_whole_modules(model: nn.Module, layers: dict[str, tuple[str, ...]], e
                     mixer_types.setdefault((name, path), set()).add(type(child).__name__)
                     continue
                 why = _whole_reason(path, child, rows, attention_paths, heads, _gathered_widths(layer, rows, hidden),
-                                    hidden)
+                                    hidden, set((packed or {}).get(name, ())))
                 if why:
                     found.setdefault(name, {}).setdefault(path, why)
                     whole_types.setdefault((name, path), set()).add(type(child).__name__)
