@@ -49,13 +49,29 @@ def _cpu(value):
     return value
 
 
+# a meta tensor this small (a norm's weight, a bias) is made real, of ones, where an op reads it: values then flow
+# through it as through a norm with unit weights (a per-head norm on the query scales each head, which `decode` reads)
+SMALL = 1 << 16
+
+
 class MetaSafe(TorchFunctionMode):
-    """Ops on `meta` tensors answered on the CPU: run on meta for the output's shape, then a seeded random tensor of
-    that shape (zeros for integers); a tensor asked for on `meta` is made on the CPU."""
+    """Ops on `meta` tensors answered on the CPU: where each meta tensor an op reads is small (`SMALL`), the op runs on
+    a real tensor of ones in its place (zeros for integers; the same one each time); else it runs on meta for the
+    output's shape, answered with a seeded random tensor of that shape. A tensor asked for on `meta` is made on the
+    CPU."""
 
     def __init__(self, seed: int = 0):
         super().__init__()
         self.generator = torch.Generator().manual_seed(seed)
+        self._ones: dict[int, tuple] = {}
+
+    def _stand_in(self, t):
+        if not (isinstance(t, torch.Tensor) and t.is_meta):
+            return t
+        if id(t) not in self._ones:
+            fill = torch.ones if t.is_floating_point() else torch.zeros
+            self._ones[id(t)] = (t, fill(t.shape, dtype=t.dtype))  # (the meta tensor kept: its id stays its own)
+        return self._ones[id(t)][1]
 
     def _real(self, t):
         if isinstance(t, torch.Tensor) and t.is_meta:
@@ -71,7 +87,11 @@ class MetaSafe(TorchFunctionMode):
         if func is torch.Tensor.to:
             args = tuple(_cpu(a) for a in args)
         flat, _ = tree_flatten((args, kwargs))
-        if any(isinstance(t, torch.Tensor) and t.is_meta for t in flat):
+        metas = [t for t in flat if isinstance(t, torch.Tensor) and t.is_meta]
+        if metas and all(t.numel() <= SMALL for t in metas):
+            args, kwargs = tree_map(self._stand_in, (args, kwargs))
+            return func(*args, **kwargs)
+        if metas:
             on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*on_meta[0], **on_meta[1])
@@ -157,29 +177,33 @@ class HeadRows:
 
 def decode(t: torch.Tensor, size: int) -> list[list[int]] | None:
     """The row indices an operand of a product holds, one list per head ([..., head_dim] or, transposed, [..., head_dim,
-    1]): values s x (index + 1) for a constant s (a scale on the query). None where they are not such values (a norm
-    on the heads, a sum of several linears)."""
+    1]): within each head, values s x (index + 1) for a constant s (a scale on the query; a norm over each head's
+    features, as RMS norms on the query and key are, gives each head its own). None where they are not such values
+    (a norm that centres them, a sum of several linears)."""
     d = t.shape[-1] if t.shape[-1] > 1 else t.shape[-2]
     v = t.detach().double().reshape(-1)
     if v.numel() % d or (v <= 0).any():
         return None
-    u = torch.unique(v)
-    if len(u) < 2:
-        return None
-    s = float((u[1:] - u[:-1]).min())
-    for _ in range(3):  # least squares on the nearest integers: the rounding of the scaled values averages out
-        n = torch.round(v / s)
-        if (n <= 0).any():
+    heads = []
+    for block in v.reshape(-1, d):
+        u = torch.unique(block)
+        if len(u) < 2:
             return None
-        s = float((v * n).sum() / (n * n).sum())
-    r = v / s
-    index = torch.round(r)
-    if (r - index).abs().max() > 0.05:
-        return None
-    index = index.long() - 1
-    if index.min() < 0 or index.max() >= size:
-        return None
-    return index.reshape(-1, d).tolist()
+        s = float((u[1:] - u[:-1]).min())
+        for _ in range(3):  # least squares on the nearest integers: the rounding of the scaled values averages out
+            n = torch.round(block / s)
+            if (n <= 0).any():
+                return None
+            s = float((block * n).sum() / (n * n).sum())
+        r = block / s
+        index = torch.round(r)
+        if (r - index).abs().max() > 0.05:
+            return None
+        index = index.long() - 1
+        if index.min() < 0 or index.max() >= size:
+            return None
+        heads.append(index.tolist())
+    return heads
 
 
 class Probe:
@@ -205,6 +229,13 @@ class Probe:
 
             memo = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
                     for p in self.original.parameters()}
+            # an object a module holds in a public attribute (a skeleton's pending load, with its open checkpoint; a
+            # config) is the twin's too, not copied: some cannot be (safetensors' handles)
+            for module in self.original.modules():
+                for name, value in vars(module).items():
+                    if not name.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module, int, float, str,
+                                                                            bool, type(None))):
+                        memo.setdefault(id(value), value)
             self._twin = copy.deepcopy(self.original, memo)
         return self._twin
 
