@@ -14,6 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# where transformers copies the code of a model that ships its own (tests/own_code): one directory per pytest process,
+# removed at its end, not the user's ~/.cache/huggingface/modules; set before transformers is imported (it reads it
+# then), and inherited by every process the tests start
+os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="ds-inference-tests-modules-")
+
 import pytest
 
 from ds_inference_integration.run.ranks import free_port
@@ -99,6 +104,7 @@ def assert_close_up_to_rounding(got, want, scale=None, msg: str = "") -> None:
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["DS_INFERENCE_CACHE"], ignore_errors=True)
+    shutil.rmtree(os.environ["HF_MODULES_CACHE"], ignore_errors=True)
     if _OWN_REFERENCES:
         shutil.rmtree(os.environ["DS_INFERENCE_TEST_REFERENCES"], ignore_errors=True)
 PREFIX = "translate English to Romanian: "

@@ -202,6 +202,8 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
     model_type = getattr(config, "model_type", type(model).__name__)
     q_attr, kv_attr = _head_counts(config)
     text = text_config(config)
+    if q_attr is None:
+        _refuse_unnamed_head_counts(model, layers, model_type)
     if q_attr is None or head_grain(model_type) > 1:
         return None, {}  # no head count to split by, or a layout DeepSpeed keeps its own record of (CodeGen)
     q, kv = head_values(config)
@@ -360,6 +362,37 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
                                spec.fused_qkv or spec.key)
                 replicated.setdefault(layer_name, []).append(path)
     return chosen, {k: tuple(dict.fromkeys(v)) for k, v in replicated.items()}
+
+
+def _refuse_unnamed_head_counts(model: nn.Module, layers: dict[str, tuple[str, ...]], model_type: str) -> None:
+    """One `InferenceSetupError` where the probe reads a fused attention projection but the config names its head
+    counts under no attribute the rules know (`heads.QUERY_HEAD_ATTRIBUTES`): left to DeepSpeed, its rows were cut
+    across query, key and value. A policy names its head counts by the config's attribute, so that one file serves
+    every size of a family; the line says which attributes hold the probe's counts."""
+    from .common import _cannot_derive
+    from .heads import KV_HEAD_ATTRIBUTES, QUERY_HEAD_ATTRIBUTES
+
+    probe = active()
+    if probe is None:
+        return
+    for name, kinds in layer_kinds(model).items():
+        if name not in layers:
+            continue
+        for path, rows in probed_fused(probe, kinds[0]).items():
+            found = layout_of(rows)
+            if found is None:
+                continue
+            layout, heads, kv, _ = found
+            text = text_config(model.config)
+            holding = {n: v for n, v in vars(text).items() if type(v) is int and v in (heads, kv)
+                       and not n.startswith("_")}
+            said = ", ".join(f"{n} = {v}" for n, v in sorted(holding.items())) or "none"
+            raise _cannot_derive(
+                model_type, f"{name}.{path} holds {heads} query and {kv} key/value heads in a fused projection (layout "
+                            f"{layout}, read by the probe), and the config names its head counts under no attribute "
+                            f"the rules know ({', '.join(QUERY_HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES)}; its attributes of "
+                            f"those values: {said}): declare them, [attention] query_heads = \"<attribute>\", kv_heads = "
+                            f"\"<attribute>\", fused_qkv = \"{path}\", layout = \"{layout}\"", suggest=False)
 
 
 def _probed_table(layer: nn.Module, path: str, q: int, kv: int, local: tuple) -> tuple[str, tuple] | str | None:

@@ -10,10 +10,11 @@ from ...errors import InferenceSetupError
 from ..schema import is_linear, names_module
 
 
-def _cannot_derive(model_type: str, why: str) -> InferenceSetupError:
-    return InferenceSetupError(
-        f"cannot derive a policy for model_type {model_type!r}: {why}; write one: "
-        "`ds-inference policy suggest MODEL_DIR > my_policy.toml`, edit it, then --injection_policy my_policy.toml")
+def _cannot_derive(model_type: str, why: str, suggest: bool = True) -> InferenceSetupError:
+    how = ("`ds-inference policy suggest MODEL_DIR > my_policy.toml`, edit it, then --injection_policy my_policy.toml"
+           if suggest else "in a policy file (docs/policies.md, \"A model with its own code\"), then --injection_policy "
+                           "FILE")
+    return InferenceSetupError(f"cannot derive a policy for model_type {model_type!r}: {why}; write one: {how}")
 
 
 def _linears(module: nn.Module) -> dict[str, nn.Module]:

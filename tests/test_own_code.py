@@ -1,0 +1,397 @@
+"""Models that ship their own code (`auto_map`, `trust_remote_code`): trusted, loaded, sharded and checked through
+every entry point. The models are tests/own_code's, written in the style of published remote-code families
+(`own_code_models.py`); each is built once per pytest run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from own_code_models import families, save_own_code
+from test_policies_tp import assert_all_pass, policy_check
+
+from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, once_per_run, run_example, run_in_process
+
+BIN = Path(sys.executable).parent
+# the families the derivation splits by itself; qknorm_lm names its head counts under its own config attributes, and
+# is refused, then checked with the policy file of docs/policies.md's worked example (`QKNORM_POLICY`)
+DERIVED = [f for f in families() if f != "qknorm_lm"]
+QKNORM_POLICY = """description = "qknorm_lm: head counts under its own config names"
+model_types = ["qknorm_lm"]
+head_count_attributes = ["n_q_heads"]
+
+[layers.Block]
+row_parallel = ["attn.out", "mlp.down"]
+packed = ["mlp.gate_up"]
+
+[attention]
+query_heads = "n_q_heads"
+kv_heads = "n_kv_heads"
+fused_qkv = "attn.qkv_packed"
+layout = "qkv"
+local = { n_q_heads = "q_heads", n_kv_heads = "kv_heads" }
+"""
+PROMPT = "Do you wish to run the custom code"
+
+
+@pytest.fixture(scope="module")
+def own() -> dict[str, Path]:
+    """{family: its model directory}, written once per pytest run."""
+    root = once_per_run("own_code_models", lambda out: [save_own_code(f, out) for f in families()])
+    return {f: root / f for f in families()}
+
+
+def _skeleton(model_dir: Path):
+    from ds_inference_integration.load.own_code import load_config, own_model_class
+    from ds_inference_integration.load.skeleton import build_skeleton, model_class_for
+
+    config = load_config(model_dir, True)
+    return build_skeleton(own_model_class(model_class_for(config, True), config, True), config, torch.float32,
+                          model_dir)
+
+
+# In process ----------------------------------------------------------------------------------------------------
+
+def test_a_directory_with_code_and_no_option_is_one_line_naming_the_option_and_the_files(own, caplog):
+    """Without trust: one line naming --trust_remote_code and the files that would run; with it, nothing. A directory
+    of a type transformers builds itself (DeepSeek-V2's checkpoints name `deepseek_v2`) runs transformers' classes
+    without the option, as one process does, said in a warning."""
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.load.own_code import check_trust, code_files
+
+    assert code_files(own["chatglm"]) == ["configuration_chatglm.py", "modeling_chatglm.py"]
+    with pytest.raises(InferenceSetupError) as refused:
+        check_trust(own["internlm2"], False)
+    line = str(refused.value)
+    assert "\n" not in line and "--trust_remote_code" in line and "modeling_internlm2.py" in line
+    check_trust(own["internlm2"], True)
+    with caplog.at_level("WARNING"):
+        check_trust(own["deepseek_v2"], False)
+    assert "transformers builds its own classes for model_type 'deepseek_v2'" in caplog.text
+
+
+def test_the_kind_checks_build_the_classes_auto_map_names(own):
+    """A remote config named like transformers' own (DeepseekV2Config, PhiConfig) builds the model's own class, not
+    transformers' class of the same name; ChatGLM's auto_map names one decoder for AutoModelForSeq2SeqLM and
+    AutoModelForCausalLM: built as a causal LM; a script's Auto class the auto_map does not name is one line naming
+    the classes it does."""
+    import transformers as tr
+
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.load.own_code import is_own_code, load_config, own_model_class
+    from ds_inference_integration.load.skeleton import check_model_kind, model_class_for
+
+    for family, name in (("deepseek_v2", "DeepseekV2ForCausalLM"), ("phi_msft", "PhiForCausalLM")):
+        config = load_config(own[family], True)
+        assert is_own_code(type(config)) and model_class_for(config, True) is tr.AutoModelForCausalLM
+        cls = own_model_class(tr.AutoModelForCausalLM, config, True)
+        assert cls.__name__ == name and is_own_code(cls), cls
+        check_model_kind(config, tr.AutoModelForCausalLM, own[family], True)
+    chatglm = load_config(own["chatglm"], True)
+    assert model_class_for(chatglm, True) is tr.AutoModelForCausalLM
+    with pytest.raises(InferenceSetupError, match="auto_map names .*AutoModelForCausalLM.*no class for "
+                                                  "AutoModelForSeq2SeqLM"):
+        check_model_kind(load_config(own["internlm2"], True), tr.AutoModelForSeq2SeqLM, own["internlm2"], True)
+
+
+def test_a_model_of_its_own_code_gets_the_buffers_its_init_computes(own):
+    """transformers 5.25 leaves the non-persistent buffers of a model of its own code (rotary `inv_freq`) as
+    uninitialised memory after `from_pretrained` unless its `_init_weights` fills them, which code written for
+    transformers 4 does not: the loaders compute them again as the model's `__init__` does, in a skeleton and in a
+    full load alike."""
+    import transformers as tr
+
+    from ds_inference_integration.load.own_code import from_pretrained
+
+    want = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))  # InternLM2's, head_dim 32
+    model = from_pretrained(tr.AutoModelForCausalLM, own["internlm2"], True)
+    assert torch.equal(model.model.layers[0].attention.rotary_emb.inv_freq, want)
+    skeleton = _skeleton(own["internlm2"])
+    assert torch.equal(skeleton.model.layers[0].attention.rotary_emb.inv_freq, want)
+
+
+def test_the_probe_reads_what_the_names_do_not_say(own):
+    """Each mechanism of the derivation on the families' skeletons (parameters on meta): fused layouts read from the
+    rows each head reads (ChatGLM's [all q | k, v of each group], InternLM2's [q q k v] per group, through a norm on
+    each head: qknorm_lm), the attributes a rank's split needs (ChatGLM's `core_attention`, OLMo's `fused_dims` tuple
+    and its config's `n_heads`), row-parallel linears from the data flow (OLMo's, directly on its block; InternLM2's
+    `wo`), packed projections (ChatGLM's [gate | up], OLMo's [x | gate], a cross-attention's [key | value]), and a
+    per-head bias made outside the layers (JAIS's ALiBi slopes)."""
+    from ds_inference_integration.policy.derive import derive_policy
+    from ds_inference_integration.policy.derive.probe import Probe
+
+    chatglm = derive_policy(_skeleton(own["chatglm"]))
+    assert (chatglm.attention.fused_qkv, chatglm.attention.layout) == ("self_attention.query_key_value", "qkv")
+    assert dict(chatglm.attention.local) == {"core_attention.hidden_size_per_partition": "q_width",
+                                             "num_attention_heads_per_partition": "q_heads",
+                                             "num_multi_query_groups_per_partition": "kv_heads"}
+    assert chatglm.packed == {"GLMBlock": ("mlp.dense_h_to_4h",)} and not chatglm.replicated
+    internlm2 = derive_policy(_skeleton(own["internlm2"]))
+    assert (internlm2.attention.fused_qkv, internlm2.attention.layout) == ("attention.wqkv", "grouped")
+    assert "attention.wo" in internlm2.layers["InternLM2DecoderLayer"] and not internlm2.replicated
+    olmo = derive_policy(_skeleton(own["hf_olmo"]))
+    assert olmo.layers == {"OLMoSequentialBlock": ("attn_out", "ff_out")} and olmo.attention.fused_qkv == "att_proj"
+    assert dict(olmo.attention.local) == {"config.n_heads": "q_heads", "fused_dims": ("q_width",) * 3}
+    assert olmo.packed == {"OLMoSequentialBlock": ("ff_proj",)} and not olmo.replicated
+    seq2seq = derive_policy(_skeleton(own["own_seq2seq"]))
+    assert seq2seq.packed == {"TranslatorDecoderLayer": ("encoder_attn.kv_proj",)}
+    assert derive_policy(_skeleton(own["jais"])).head_biases == ("transformer.relative_pe",)
+    model = _skeleton(own["qknorm_lm"])
+    rows = Probe(model).heads(model.model.blocks[0], "attn.qkv_packed")
+    assert [r[0] for r in rows.q] == [0, 32, 64, 96] and [r[0] for r in rows.kv_heads()] == [128, 160]
+    assert [r[0] for r in rows.v] == [192, 192, 224, 224]
+    verdicts = {m for m, _, _ in chatglm.verdicts}
+    assert {"row-parallel linears", "attention", "per-rank attributes", "packed projections"} <= verdicts
+
+
+def test_head_counts_under_names_no_rule_knows_are_refused_in_one_line_naming_them(own):
+    """qknorm_lm's config calls its head counts `n_q_heads` and `n_kv_heads`: left to DeepSpeed, its fused projection
+    would be cut across query, key and value; the refusal names the probe's counts, the attributes holding them and
+    what to declare."""
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.policy.derive import derive_policy
+
+    with pytest.raises(InferenceSetupError) as refused:
+        derive_policy(_skeleton(own["qknorm_lm"]))
+    line = str(refused.value)
+    assert "\n" not in line and "holds 4 query and 2 key/value heads" in line and "n_q_heads = 4" in line
+    assert 'fused_qkv = "attn.qkv_packed", layout = "qkv"' in line
+
+
+def test_layouts_the_tables_do_not_name_are_not_taken_for_one():
+    """`layout_of` on rows as a probe reads them: the three layouts a table names, and a fourth ([K | Q | V]) none."""
+    from ds_inference_integration.policy.derive.layouts import layout_of
+    from ds_inference_integration.policy.derive.probe import HeadRows, decode
+
+    def block(start):
+        return list(range(start, start + 2))
+
+    qkv = HeadRows(12, q=[block(0), block(2), block(4), block(6)], k=[block(8)] * 4, v=[block(10)] * 4)
+    assert layout_of(qkv) == ("qkv", 4, 1, 2)
+    grouped = HeadRows(8, q=[block(0), block(4)], k=[block(2), block(6)], v=[block(3), block(7)])
+    assert layout_of(HeadRows(8, q=[[0, 1], [4, 5]], k=[[2, 3], [6, 7]], v=[[0, 0], [0, 0]])) is None
+    assert layout_of(grouped) is None  # (v's rows overlap k's: not a layout)
+    per_head = HeadRows(12, q=[block(0), block(6)], k=[block(2), block(8)], v=[block(4), block(10)])
+    assert layout_of(per_head) == ("per_head", 2, 2, 2)
+    keys_first = HeadRows(6, q=[block(2)], k=[block(0)], v=[block(4)])
+    assert layout_of(keys_first) is None
+    # each head its own scale (a norm over its features): 0.5 x (index + 1), then 3 x (index + 1)
+    operand = torch.tensor([[0.5, 1.0], [3 * 5.0, 3 * 6.0]])
+    assert decode(operand, 8) == [[0, 1], [4, 5]]
+
+
+def test_a_policy_file_declares_what_the_probe_reads(tmp_path):
+    """`packed`, `head_biases` and `[attention.local]` entries of a module inside the attention and of a tuple
+    attribute read back as they were written, and written out read back the same; a wrong entry is one line."""
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.policy.schema import load_policy, policy_identity, policy_to_toml
+
+    path = tmp_path / "p.toml"
+    text = QKNORM_POLICY.replace('description', 'head_biases = ["transformer.relative_pe"]\ndescription', 1)
+    text = text.replace('local = { n_q_heads = "q_heads", n_kv_heads = "kv_heads" }',
+                        'local = { "core.width" = "q_width", dims = ["q_width", "kv_width", "kv_width"] }')
+    path.write_text(text)
+    policy = load_policy(path)
+    assert policy.packed == {"Block": ("mlp.gate_up",)} and policy.head_biases == ("transformer.relative_pe",)
+    assert dict(policy.attention.local) == {"core.width": "q_width", "dims": ("q_width", "kv_width", "kv_width")}
+    path.write_text(policy_to_toml(policy))
+    again = load_policy(path)
+    assert policy_identity(again) == policy_identity(policy)
+    assert (again.packed, again.head_biases, again.attention) == (policy.packed, policy.head_biases, policy.attention)
+    path.write_text(text.replace('"core.width" = "q_width"', '"core.width" = "q_wide"'))
+    with pytest.raises(InferenceSetupError, match=r"\[attention.local\] entries .*q_wide"):
+        load_policy(path)
+    path.write_text(text.replace('packed = ["mlp.gate_up"]', 'packed = "mlp.gate_up"'))
+    with pytest.raises(InferenceSetupError, match="layers.Block.packed"):
+        load_policy(path)
+
+
+# Launched -------------------------------------------------------------------------------------------------------
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`ds-inference ARGS`, its stdin a pipe that answers "y" should anything ask."""
+    return subprocess.run([str(BIN / "ds-inference"), *args], input="y\n" * 8, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+ENTRY_POINTS = ["policy check", "serve", "run_generation.py", "run_translation.py"]
+MORE_ENTRY_POINTS = ["policy suggest", "shard", "run_summarization.py", "run_speech_recognition_seq2seq.py"]
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("entry_points", [ENTRY_POINTS, pytest.param(MORE_ENTRY_POINTS, marks=pytest.mark.slow)])
+def test_every_entry_point_refuses_code_it_was_not_told_to_trust_in_one_line(own, tmp_path, entry_points):
+    """No option: each command and each example says one `error:` line naming --trust_remote_code and the code
+    files, exits 2, reads nothing from stdin (its "y" would have run the code) and starts no rank. (Four in `make
+    test`, the other four in `make test-all`: each process costs ~4 CPU-s of imports.)"""
+    model, seq2seq = str(own["internlm2"]), str(own["own_seq2seq"])
+    commands = {
+        "policy check": ["policy", "check", model, "--tp-size", "2"],
+        "policy suggest": ["policy", "suggest", model],
+        "shard": ["shard", model, "--tp-size", "2", str(tmp_path / "sharded")],
+        "serve": ["serve", model, "--tp_size", "2", "--port", "0"],
+    }
+    runs = {name: _cli(*commands[name]) for name in entry_points if name in commands}
+    common = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--do_predict"]
+    for script, extra in (("run_generation.py", ["--model_name_or_path", model, "--max_prompts", "2"]),
+                          ("run_translation.py", ["--model_name_or_path", seq2seq, *TRANSLATE_ARGS]),
+                          ("run_summarization.py", ["--model_name_or_path", seq2seq, "--predict_with_generate"]),
+                          ("run_speech_recognition_seq2seq.py", ["--model_name_or_path", seq2seq,
+                                                                 "--predict_with_generate"])):
+        if script not in entry_points:
+            continue
+        runs[script] = subprocess.run([sys.executable, str(EXAMPLES / script), *common, *extra], input="y\n" * 8,
+                                      capture_output=True, text=True, timeout=120,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for name, proc in runs.items():
+        out = proc.stdout + proc.stderr
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, (name, out[-2000:])
+        assert "--trust_remote_code" in errors[0] and "modeling_" in errors[0], (name, errors)
+        assert PROMPT not in out and "Traceback" not in out, (name, out[-2000:])
+    assert not (tmp_path / "sharded").exists() or not any((tmp_path / "sharded").iterdir())
+
+
+def _check(own, names, tp, tmp_path, *extra):
+    proc, report = policy_check([own[n] for n in names], tp, tmp_path, "--trust_remote_code", *extra, timeout=600)
+    checks = assert_all_pass(proc, report, names, tp)
+    # weights: each rank about 1/tp; whole by design only what every rank needs whole: DeepSeek-V2's router and its
+    # latent attention's down-projection (shared by every head; vLLM keeps it whole too)
+    for name in names:
+        share = checks[name]["weights_per_rank"]["data"]
+        assert {k.rpartition("Layer.")[2] for k in share["by_design"]} <= {
+            "mlp.gate", "self_attn.kv_a_proj_with_mqa"} and not share["not_placed"], (name, share)
+    return proc, report
+
+
+@pytest.mark.launched
+def test_models_with_their_own_code_match_the_unsharded_model_at_tp2(own, tmp_path):
+    """The nine families the derivation splits by itself: every check passes at tp 2 (logits, hidden states, greedy,
+    beam and sampled ids, the weights each rank holds, shard-aware and pre-sharded loading), each derived policy's
+    verdicts printed before its checks; nothing but DeepSeek-V2's router kept whole."""
+    proc, report = _check(own, DERIVED, 2, tmp_path)
+    assert set(report["derivations"]) == set(DERIVED)
+    assert "derived policy of chatglm, each mechanism's verdict:" in proc.stdout
+    assert "packed projections    GLMBlock.mlp.dense_h_to_4h" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.launched
+def test_models_with_their_own_code_match_the_unsharded_model_at_tp4(own, tmp_path):
+    """As at tp 2, at tp 4: ChatGLM's and InternLM2's two key/value heads copied on two ranks each."""
+    _check(own, DERIVED, 4, tmp_path)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_the_worked_example_goes_from_refusal_to_a_checked_policy(own, tmp_path, tp):
+    """docs/policies.md's worked example: qknorm_lm refused in one line saying what to declare, then every check
+    passed with the policy file written from it."""
+    if tp == 2:
+        proc, report = policy_check([own["qknorm_lm"]], tp, tmp_path, "--trust_remote_code", timeout=300)
+        assert proc.returncode == 1 and report["checks"][0]["check"] == "setup", proc.stdout[-2000:]
+        assert "n_q_heads = 4" in report["checks"][0]["line"] and "declare them" in report["checks"][0]["line"]
+    policy = tmp_path / "qknorm.toml"
+    policy.write_text(QKNORM_POLICY)
+    _check(own, ["qknorm_lm"], tp, tmp_path, "--policy", str(policy))
+
+
+def _one_process(model_dir: Path, prompts: list[str], new_tokens: int) -> list[str]:
+    """Greedy texts one process generates, a prompt at a time (the model's own code, trusted)."""
+    import transformers as tr
+
+    from ds_inference_integration.load.own_code import from_pretrained, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir, True)
+    model = from_pretrained(tr.AutoModelForCausalLM, model_dir, True).eval()
+    texts = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt")
+            out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            texts.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return texts
+
+
+def _served(model_dir: Path, tmp_path: Path, prompts: list[str], new_tokens: int, extra=()) -> tuple[list[str], str]:
+    from serving import ServerProc, post_all
+
+    (tmp_path / "serve").mkdir(exist_ok=True)
+    server = ServerProc(model_dir, ["--tp_size", "2", "--trust_remote_code", *extra], tmp_path / "serve", 2)
+    try:
+        server.wait_ready(240)
+        answers = post_all(server.url + "/v1/completions",
+                           [{"prompt": p, "max_tokens": new_tokens, "temperature": 0} for p in prompts], concurrency=8)
+        assert [s for s, _ in answers] == [200] * len(prompts), answers[:2]
+        return [a["choices"][0]["text"].strip() for _, a in answers], server.output()
+    finally:
+        server.stop()
+        assert not server.group_alive()
+
+
+GENERATION_ARGS = ["--max_new_tokens", "12", "--per_device_eval_batch_size", "8", "--report_to", "none",
+                   "--max_prompts", "16", "--trust_remote_code"]
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("family", ["internlm2", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
+def test_run_generation_and_the_server_at_tp2_answer_as_one_process(own, tmp_path, family):
+    """run_generation.py at tp 2 (torchrun) writes what it writes in one process, and `serve --tp_size 2` answers the
+    same prompts as one process generates them, token for token, 8 clients at once."""
+    prompts = (EXAMPLES / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()[:16]
+    single = run_in_process([*GENERATION_ARGS, "--model_name_or_path", str(own[family])], tmp_path / "single",
+                            script=EXAMPLES / "run_generation.py")
+    tp = run_example([*GENERATION_ARGS, "--model_name_or_path", str(own[family]), "--deepspeed_inference"],
+                     tmp_path / "tp", nprocs=2, script=EXAMPLES / "run_generation.py")
+    assert tp.returncode == 0, tp.output[-3000:]
+    assert tp.predictions() == single.predictions() and len(single.predictions()) == 16
+    assert [json.loads(line)["generations"][0] for line in
+            (tmp_path / "single" / "generated_predictions.jsonl").read_text().splitlines()] == _one_process(
+        own[family], prompts, 12)
+    served, _ = _served(own[family], tmp_path, prompts, 12)
+    assert served == [json.loads(line)["generations"][0] for line in
+                      (tmp_path / "single" / "generated_predictions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.launched
+def test_a_copy_sharded_with_its_code_loads_back_with_the_option(own, tmp_path):
+    """`ds-inference shard --trust_remote_code` carries the code files beside the rank files; run_generation.py at tp
+    2 reads that copy (each rank its own file) and writes what one process writes from the source."""
+    family = "internlm2"
+    single = run_in_process([*GENERATION_ARGS, "--model_name_or_path", str(own[family])], tmp_path / "single",
+                            script=EXAMPLES / "run_generation.py")
+    sharded = tmp_path / "sharded"
+    made = _cli("shard", str(own[family]), "--tp-size", "2", str(sharded), "--trust_remote_code", timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert {"modeling_internlm2.py", "configuration_internlm2.py", "manifest.json"} <= {
+        p.name for p in sharded.iterdir()}
+    again = run_example([*GENERATION_ARGS, "--model_name_or_path", str(sharded), "--deepspeed_inference"],
+                        tmp_path / "presharded", nprocs=2, script=EXAMPLES / "run_generation.py")
+    assert again.returncode == 0 and "model loaded pre-sharded" in again.output, again.output[-3000:]
+    assert again.predictions() == single.predictions()
+
+
+@pytest.mark.slow
+@pytest.mark.launched
+def test_run_translation_and_the_server_at_tp2_translate_as_one_process(own, tmp_path):
+    """The encoder-decoder with its own code (fused per-head self-attention, packed cross-attention [key | value]):
+    run_translation.py at tp 2 predicts what it predicts in one process, and the server at tp 2 translates the same
+    sources to the same texts."""
+    args = [*TRANSLATE_ARGS, "--model_name_or_path", str(own["own_seq2seq"]), "--do_predict", "--test_file",
+            str(EXAMPLES / "data" / "num2words" / "test.json"), "--max_predict_samples", "16",
+            "--per_device_eval_batch_size", "8", "--val_max_target_length", "32", "--max_source_length", "48",
+            "--trust_remote_code"]
+    single = run_in_process(args, tmp_path / "single")
+    tp = run_example([*args, "--deepspeed_inference"], tmp_path / "tp", nprocs=2)
+    assert tp.returncode == 0, tp.output[-3000:]
+    assert tp.predictions() == single.predictions() and len(single.predictions()) == 16
+    sources = [json.loads(line)["translation"]["en"] for line in
+               (EXAMPLES / "data" / "num2words" / "test.json").read_text(encoding="utf-8").splitlines()[:16]]
+    served, _ = _served(own["own_seq2seq"], tmp_path, [PREFIX + s for s in sources], 31)
+    assert served == [p.strip() for p in single.predictions()]
