@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 
 from ..errors import InferenceSetupError
@@ -205,3 +206,21 @@ def from_pretrained(model_cls, model_dir: str | Path, trust: bool = False, **kwa
         model = model_cls.from_pretrained(model_dir, **kwargs)
     restore_own_buffers(model)
     return model
+
+
+# A bench command's --trust_remote_code, for itself and every process it starts: its workers read it (`trusted`), and
+# the example scripts it runs are given the option
+TRUST_ENV = "DS_INFERENCE_TRUST_REMOTE_CODE"
+
+
+def trust_from_here_on(model_dir: str | Path | None, trust: bool) -> None:
+    """`check_trust` of a bench command's model, then its option kept for the processes the command starts."""
+    if model_dir is not None:
+        check_trust(model_dir, trust)
+    if trust:
+        os.environ[TRUST_ENV] = "1"
+
+
+def trusted() -> bool:
+    """Whether the bench command that started this process was given --trust_remote_code."""
+    return os.environ.get(TRUST_ENV) == "1"

@@ -465,8 +465,9 @@ def fits(name: str, tp: int) -> str | None:
     return None
 
 
-def table(reports: dict[int, dict]) -> str:
-    """The README's architecture table from `policy check --json` reports, one per tp size."""
+def table(reports: dict[int, dict], zoo: list[str] | None = None, added: list[str] = ()) -> str:
+    """The README's architecture table from `policy check --json` reports, one per tp size: a row for each of
+    `zoo` (default: every name of the zoo), then for each model directory `added`."""
     rows: dict[str, dict] = {}
     for tp, report in sorted(reports.items()):
         for c in report["checks"]:
@@ -481,8 +482,11 @@ def table(reports: dict[int, dict]) -> str:
     sizes = sorted(reports)
     lines = ["| model | model_type | policy | " + " | ".join(f"tp {tp}" for tp in sizes) + " |",
              "|---|---|---|" + "---|" * len(sizes)]
-    for name in ZOO:
+    for name in [*(ZOO if zoo is None else zoo), *added]:
         row = rows.get(name)
+        if row is None and name in added:
+            lines.append(f"| {name} | | | " + " | ".join("not run" for _ in sizes) + " |")
+            continue
         if row is None:
             cells = []
             for tp in sizes:
@@ -494,7 +498,7 @@ def table(reports: dict[int, dict]) -> str:
         for tp in sizes:
             results = row["tp"].get(tp)
             if not results:
-                cells.append("heads do not divide" if fits(name, tp) else "not run")
+                cells.append("heads do not divide" if name in ZOO and fits(name, tp) else "not run")
             elif all(results) and len(results) == 8:
                 skipped = row.get("skipped", {}).get(tp)
                 said = f"; {', '.join(skipped)} skipped: the unsharded model cannot" if skipped else ""
@@ -520,8 +524,17 @@ def write_readme(readme: Path, text: str) -> None:
 
 
 def run_matrix(tp_sizes: list[int], out_dir: str | None, readme: str | None, names: list[str] | None,
-               timeout: float, dtype: str = "fp32") -> int:
+               timeout: float, dtype: str = "fp32", added: list[str] = (), trust_remote_code: bool = False) -> int:
+    """The zoo's tiny models (or `names` of them), and the model directories `added` (a user's, or models with their
+    own code, `trust_remote_code`), checked at each tp size; the table of their verdicts."""
+    from ..load.own_code import check_trust
     from .policy_check import run_check
+
+    for d in added:
+        if not (Path(d) / "config.json").is_file():
+            print(f"error: --add {d!r} is not a model directory (no config.json)", file=sys.stderr)
+            return 2
+        check_trust(d, trust_remote_code)
 
     unknown = [n for n in names or [] if n not in ZOO]
     if unknown:
@@ -533,15 +546,15 @@ def run_matrix(tp_sizes: list[int], out_dir: str | None, readme: str | None, nam
         return 2
     reports: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ds_inference_zoo_") as tmp:
-        dirs = save_zoo(Path(tmp), names, dtype)
+        dirs = save_zoo(Path(tmp), names, dtype) if names or not added else {}
         out = Path(out_dir or tmp)
         out.mkdir(parents=True, exist_ok=True)
         for tp in tp_sizes:
-            runnable = [str(d) for n, d in dirs.items() if fits(n, tp) is None]
+            runnable = [str(d) for n, d in dirs.items() if fits(n, tp) is None] + [str(d) for d in added]
             path = out / f"matrix_tp{tp}.json"
-            run_check(runnable, tp, "auto", timeout=timeout, json_path=str(path))
+            run_check(runnable, tp, "auto", timeout=timeout, json_path=str(path), trust_remote_code=trust_remote_code)
             reports[tp] = json.loads(path.read_text())
-    text = table(reports)
+    text = table(reports, [n for n in ZOO if n in dirs], [Path(d).name for d in added])
     print(text, end="")
     if readme:
         write_readme(Path(readme), text)

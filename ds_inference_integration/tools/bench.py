@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import InferenceSetupError
 from ..extras import optional_import
+from ..load.own_code import trusted
 from ..run.memory import PeakRss
 from ..topology import threads_per_rank
 
@@ -179,7 +180,7 @@ def _trainer_tp2(model_dir: Path, prompts_file: Path, batch_size: int, new_token
                str(model_dir), "--prompts_file", str(prompts), "--max_prompts", str(max_prompts),
                "--per_device_eval_batch_size", str(batch_size), "--max_new_tokens", str(new_tokens),
                "--min_new_tokens", str(new_tokens), "--report_to", "none", "--disable_tqdm", "true",
-               "--deepspeed_inference"]
+               "--deepspeed_inference", *(["--trust_remote_code"] if trusted() else [])]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if not _cuda():
             env["OMP_NUM_THREADS"] = str(threads_per_rank(2))
@@ -277,13 +278,15 @@ def _decoder_for_batches(model_dir):
     """A decoder-only model (fp32, eval) and its tokenizer padding on the left, as batched generation needs
     (new tokens follow every prompt directly); a tokenizer without a pad token pads with its EOS token."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from ..load.own_code import from_pretrained, load_tokenizer, trusted
+
+    tokenizer = load_tokenizer(model_dir, trusted())
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tokenizer
+    return from_pretrained(AutoModelForCausalLM, model_dir, trusted(), dtype=torch.float32).eval(), tokenizer
 
 
 def read_prompts(prompts_file: str | Path, max_prompts: int) -> list[str]:
@@ -373,8 +376,9 @@ def quiet_repeated_warnings() -> None:
 
 
 def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes: list[int], prompts_file: str,
-                     max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3) -> int:
-    from transformers import AutoTokenizer
+                     max_prompts: int, new_tokens: int, out_dir: Path, methods: list[str], repeats: int = 3,
+                     trust_remote_code: bool = False) -> int:
+    from ..load.own_code import load_tokenizer, trust_from_here_on
 
     for module in ("datasets", "matplotlib"):  # before any measurement: the plot comes last
         optional_import(module, "ds-inference bench generation")
@@ -388,8 +392,11 @@ def bench_generation(model_dir: str | None, config_spec: str | None, batch_sizes
     if "trainer_tp2" in methods:
         example_path(REPO / "examples" / "run_generation.py", "ds-inference bench generation's trainer_tp2",
                      "--methods without trainer_tp2")
-    base_tok = AutoTokenizer.from_pretrained(model_dir)
-    models = {"embedded": Path(model_dir)}
+    trust_from_here_on(model_dir, trust_remote_code)
+    base_tok = load_tokenizer(model_dir, trust_remote_code)
+    # absolute: trainer_tp2 runs run_generation.py from the repository, where a path relative to here named nothing
+    # ("We couldn't connect to 'https://huggingface.co'" for `--model models/x`)
+    models = {"embedded": Path(model_dir).resolve()}
     with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:  # the --config model: removed at the end
         return _bench_generation(models, base_tok, Path(tmp), config_spec, batch_sizes, prompts, prompts_file,
                                  max_prompts, new_tokens, out_dir, methods, repeats)

@@ -85,7 +85,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     import importlib
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..arguments import DTYPES, DeepSpeedInferenceArguments
     from ..deepspeed_compat import init_deepspeed_comm
@@ -103,7 +103,11 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
     # from_pretrained paid the same inside its clock: the ratios measured Python's imports, not the loading.
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+    from ..load.own_code import from_pretrained, load_config, trusted
+
+    config = load_config(model_dir, trusted())
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:  # (a model of its own code: its module imported by load_config)
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     # and what the sharding imports on first use, once per process: DeepSpeed's expert-parallel and Triton modules
     # (`init_inference`), transformers' GPT-2 (DeepSpeed's AutoTP compares every layer class with GPT2Block), our
     # policy verifier: 0.05 s of a pre-sharded rank's 0.34 s (a 32-layer Llama, tp 2, cProfile, 2026-12-04)
@@ -129,9 +133,9 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
             torch.cuda.synchronize(device)
 
     start = time.perf_counter()
-    config = AutoConfig.from_pretrained(model_dir)
+    config = load_config(model_dir, trusted())
     if mode == "single":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model = from_pretrained(AutoModelForCausalLM, model_dir, trusted(), dtype=dtype).to(device).eval()
         report = ""
     else:
         groups = init_process_groups(topology, device.type, timeout=600)
@@ -144,7 +148,7 @@ def _worker(mode: str, model_dir: str, out_json: str, device_name: str = "cpu", 
 
             SafetensorsCheckpoint.read = _read_with_get_slice
         model = load_model(AutoModelForCausalLM, model_dir, config, inference_args=args, dtype=dtype,
-                           mode="shard-aware" if mode == GET_SLICE else mode)
+                           mode="shard-aware" if mode == GET_SLICE else mode, trust_remote_code=trusted())
         model, shard = shard_model(model, args, topology, groups, policy_for_model(policy, model, topology.tp_size),
                                    dtype, device=device, pending=pending_load(model))
         report = str(shard)

@@ -126,13 +126,13 @@ def _worker(work: str, path: str, model_dir: str, test_file: str, batch_size: in
     import torch
     from transformers import (
         AutoModelForSeq2SeqLM,
-        AutoTokenizer,
         DataCollatorForSeq2Seq,
         Seq2SeqTrainingArguments,
         logging,
     )
 
     from ..arguments import DeepSpeedInferenceArguments
+    from ..load.own_code import from_pretrained, load_tokenizer, trusted
     from ..predict.metrics import CorpusBleu
     from ..predict.trainer import DeepSpeedInferenceSeq2SeqTrainer
     from ..run.memory import PeakRss, memory_mb
@@ -148,8 +148,8 @@ def _worker(work: str, path: str, model_dir: str, test_file: str, batch_size: in
     load_dataset = datasets.load_dataset
     quiet_repeated_warnings()
     topology = Topology.from_env()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = load_tokenizer(model_dir, trusted())
+    model = from_pretrained(AutoModelForSeq2SeqLM, model_dir, trusted(), dtype=torch.float32).eval()
     raw = load_dataset("json", data_files={"test": test_file})["test"]
 
     def encode(batch):

@@ -117,7 +117,8 @@ def _policy_matrix(ns: argparse.Namespace) -> int:
     from .architecture_zoo import run_matrix
 
     tp_sizes, only = _sizes_and_names(ns)
-    return run_matrix(tp_sizes, ns.json_dir, ns.readme, only, ns.timeout, ns.dtype)
+    return run_matrix(tp_sizes, ns.json_dir, ns.readme, only, ns.timeout, ns.dtype, ns.add or [],
+                      ns.trust_remote_code)
 
 
 def _tiny_model_arguments(parser: argparse.ArgumentParser, only_help: str) -> None:
@@ -141,8 +142,10 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _bench_predict(ns: argparse.Namespace) -> int:
+    from ..load.own_code import trust_from_here_on
     from .bench_predict import bench_predict
 
+    trust_from_here_on(ns.model, ns.trust_remote_code)  # its ranks read it
     return bench_predict(ns.model, ns.test_file, _int_list(ns.scales, "--scales"), ns.repeats, ns.nprocs,
                          ns.batch_size, ns.max_examples, Path(ns.output_dir), ns.timeout)
 
@@ -169,7 +172,7 @@ def _bench_generation(ns: argparse.Namespace) -> int:
     return bench_generation(ns.model, ns.config, [int(b) for b in ns.batch_sizes.split(",")],
                             ns.prompts or str(DEFAULT_PROMPTS),
                             ns.max_prompts, ns.new_tokens, Path(ns.output_dir),
-                            ns.methods.split(",") if ns.methods else list(METHODS), ns.repeats)
+                            ns.methods.split(",") if ns.methods else list(METHODS), ns.repeats, ns.trust_remote_code)
 
 
 def _shard(ns: argparse.Namespace) -> int:
@@ -179,8 +182,10 @@ def _shard(ns: argparse.Namespace) -> int:
 
 
 def _bench_memory(ns: argparse.Namespace) -> int:
+    from ..load.own_code import trust_from_here_on
     from .bench_memory import MODES, bench_memory
 
+    trust_from_here_on(ns.model, ns.trust_remote_code)  # its ranks read it
     modes = tuple(m for m in ns.modes.split(",") if m)
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -290,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--timeout", type=float, default=1200, help="seconds per tp size before the ranks are killed")
     matrix.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"),
                         help="save the tiny checkpoints in this dtype and check in it (the architecture table: fp32)")
+    matrix.add_argument("--add", nargs="+", metavar="MODEL_DIR", default=None,
+                        help="also check these model directories (rows after the zoo's; alone, without --only: only "
+                             "these)")
+    _trust_argument(matrix)
     matrix.set_defaults(func=_policy_matrix)
     sweep = psub.add_parser("sweep", help="policy check on a tiny model of every model type transformers generates "
                                          "with that the architecture table does not hold (docs/sweep.md)")
@@ -319,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repeats", type=int, default=3,
                      help="every method this many times, interleaved; figures and ratios with their spread")
     gen.add_argument("--output-dir", default="bench_out")
+    _trust_argument(gen)
     gen.set_defaults(func=_bench_generation)
     pred = bsub.add_parser("predict", help="streamed vs accumulate-everything predict: peak RSS and throughput "
                                             "at 1x and 10x the test set")
@@ -331,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--max-examples", type=int, default=None, help="first N examples of the test file (before repeating)")
     pred.add_argument("--timeout", type=float, default=1800, help="seconds per measurement before the ranks are killed")
     pred.add_argument("--output-dir", default="bench_out")
+    _trust_argument(pred)
     pred.set_defaults(func=_bench_predict)
     mem = bsub.add_parser("memory", help="peak RSS and time to ready per loading path, side by side")
     mem.add_argument("--config", default="2048,32,16,5504,8192",
@@ -345,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--output-dir", default="bench_out")
     mem.add_argument("--modes", default="single,full,shard-aware,shard-aware-get-slice,pre-sharded",
                      help="the loading paths to run, comma-separated (single, the reference, always runs)")
+    _trust_argument(mem)
     mem.set_defaults(func=_bench_memory)
     bserve = bsub.add_parser("serve", help="serve (tp 2 by default): the step engine, the batch engine and one request "
                                                  "at a time side by side, at each concurrency")
