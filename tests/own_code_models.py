@@ -24,13 +24,14 @@ def spec(name: str) -> dict:
     return json.loads((OWN_CODE / name / "tiny.json").read_text())
 
 
-def save_own_code(name: str, root: Path, **overrides) -> Path:
-    """`root/name`: the family's code, config (its tiny values, then `overrides`) and seeded random weights."""
+def save_own_code(name: str, root: Path, dir_name: str | None = None, **overrides) -> Path:
+    """`root/name` (or `root/dir_name`): the family's code, config (its tiny values, then `overrides`) and seeded random
+    weights."""
     import torch
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     family = spec(name)
-    out = Path(root) / name
+    out = Path(root) / (dir_name or name)
     out.mkdir(parents=True, exist_ok=True)
     for code in (OWN_CODE / name).glob("*.py"):
         shutil.copyfile(code, out / code.name)
@@ -48,3 +49,14 @@ def save_own_code(name: str, root: Path, **overrides) -> Path:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(TOKENIZERS / family["tokenizer"] / f, out / f)
     return out
+
+
+# the families the derivation splits by itself; qknorm_lm names its head counts under its own config attributes: it is
+# refused, then checked with the policy file of docs/policies.md's worked example
+DERIVED = [f for f in families() if f != "qknorm_lm"]
+
+
+def save_derived(root: Path) -> dict[str, Path]:
+    """{"own_" + family: its directory} of the families the derivation splits by itself (named apart from the zoo's
+    models in a check of both: a report names a model by its directory)."""
+    return {f"own_{f}": save_own_code(f, root, dir_name=f"own_{f}") for f in DERIVED}

@@ -12,15 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from own_code_models import families, save_own_code
-from test_policies_tp import assert_all_pass, policy_check
+from own_code_models import DERIVED, families, save_own_code
+from test_policies_tp import assert_all_pass, policy_check, tp2_shared
 
 from conftest import EXAMPLES, PREFIX, TRANSLATE_ARGS, once_per_run, run_example, run_in_process
 
 BIN = Path(sys.executable).parent
-# the families the derivation splits by itself; qknorm_lm names its head counts under its own config attributes, and
-# is refused, then checked with the policy file of docs/policies.md's worked example (`QKNORM_POLICY`)
-DERIVED = [f for f in families() if f != "qknorm_lm"]
 QKNORM_POLICY = """description = "qknorm_lm: head counts under its own config names"
 model_types = ["qknorm_lm"]
 head_count_attributes = ["n_q_heads"]
@@ -219,64 +216,97 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-ENTRY_POINTS = ["policy check", "serve", "run_generation.py", "run_translation.py"]
-MORE_ENTRY_POINTS = ["policy suggest", "shard", "run_summarization.py", "run_speech_recognition_seq2seq.py"]
+class _NoStdin:
+    """A stdin that fails the test when read: transformers asks on stdin before running a model's own code."""
+
+    def read(self, *args):
+        raise AssertionError("stdin was read")
+
+    readline = read
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_every_entry_point_refuses_code_it_was_not_told_to_trust_in_one_line(own, tmp_path, monkeypatch, capsys):
+    """No option: each command and each example refuses the directory in one line naming --trust_remote_code and the
+    code files, before any rank starts, and reads nothing from stdin (a terminal's, which transformers would ask):
+    the commands in this process (`cli.main`'s exit code 2), the examples through their parser (the `error:` line
+    and exit 2 of a real process: test_a_refusal_is_one_line_and_exit_2_in_a_real_process)."""
+    from conftest import load_example
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.tools.cli import main
+
+    monkeypatch.setattr("sys.stdin", _NoStdin())
+    model, seq2seq = str(own["internlm2"]), str(own["own_seq2seq"])
+    for command in (["policy", "check", model, "--tp-size", "2"], ["policy", "suggest", model],
+                    ["shard", model, "--tp-size", "2", str(tmp_path / "sharded")],
+                    ["serve", model, "--tp_size", "2", "--port", "0"],
+                    ["policy", "matrix", "--add", model, "--tp-sizes", "2"],
+                    ["bench", "memory", "--model", model], ["bench", "predict", "--model", seq2seq]):
+        code = main(command)
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("error:") == 1, (command, code, err[-2000:])
+        assert "--trust_remote_code" in err and "modeling_" in err and PROMPT not in err, (command, err)
+    assert not (tmp_path / "sharded").exists()
+    from ds_inference_integration.run import output_dir as locks
+
+    common = ["--report_to", "none", "--do_predict"]
+    for script, extra in (("run_generation", ["--model_name_or_path", model, "--max_prompts", "2"]),
+                          ("run_translation", ["--model_name_or_path", seq2seq, *TRANSLATE_ARGS]),
+                          ("run_summarization", ["--model_name_or_path", seq2seq, "--predict_with_generate"]),
+                          ("run_speech_recognition_seq2seq", ["--model_name_or_path", seq2seq,
+                                                              "--predict_with_generate"])):
+        try:
+            with pytest.raises(InferenceSetupError, match="--trust_remote_code") as refused:
+                load_example(script).main(["--output_dir", str(tmp_path / script), *common, *extra])
+        finally:
+            locks.release_all()  # the refused run's hold on its output directory (rank 0's), as its process's end would
+        assert "\n" not in str(refused.value) and "modeling_" in str(refused.value), (script, refused.value)
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("entry_points", [ENTRY_POINTS, pytest.param(MORE_ENTRY_POINTS, marks=pytest.mark.slow)])
-def test_every_entry_point_refuses_code_it_was_not_told_to_trust_in_one_line(own, tmp_path, entry_points):
-    """No option: each command and each example says one `error:` line naming --trust_remote_code and the code
-    files, exits 2, reads nothing from stdin (its "y" would have run the code) and starts no rank. (Four in `make
-    test`, the other four in `make test-all`: each process costs ~4 CPU-s of imports.)"""
-    model, seq2seq = str(own["internlm2"]), str(own["own_seq2seq"])
-    commands = {
-        "policy check": ["policy", "check", model, "--tp-size", "2"],
-        "policy suggest": ["policy", "suggest", model],
-        "shard": ["shard", model, "--tp-size", "2", str(tmp_path / "sharded")],
-        "serve": ["serve", model, "--tp_size", "2", "--port", "0"],
-    }
-    runs = {name: _cli(*commands[name]) for name in entry_points if name in commands}
-    common = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--do_predict"]
-    for script, extra in (("run_generation.py", ["--model_name_or_path", model, "--max_prompts", "2"]),
-                          ("run_translation.py", ["--model_name_or_path", seq2seq, *TRANSLATE_ARGS]),
-                          ("run_summarization.py", ["--model_name_or_path", seq2seq, "--predict_with_generate"]),
-                          ("run_speech_recognition_seq2seq.py", ["--model_name_or_path", seq2seq,
-                                                                 "--predict_with_generate"])):
-        if script not in entry_points:
-            continue
-        runs[script] = subprocess.run([sys.executable, str(EXAMPLES / script), *common, *extra], input="y\n" * 8,
-                                      capture_output=True, text=True, timeout=120,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-    for name, proc in runs.items():
+def test_a_refusal_is_one_line_and_exit_2_in_a_real_process(own, tmp_path):
+    """The refusal as a user sees it: one `error:` line and exit 2 from an example run as a script (its stdin a pipe
+    that would answer "y"), and from `ds-inference serve`, before any rank starts."""
+    runs = [subprocess.run([sys.executable, str(EXAMPLES / "run_generation.py"), "--output_dir", str(tmp_path / "out"),
+                            "--model_name_or_path", str(own["internlm2"]), "--report_to", "none"], input="y\n" * 8,
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}),
+            _cli("serve", str(own["internlm2"]), "--tp_size", "2", "--port", "0")]
+    for proc in runs:
         out = proc.stdout + proc.stderr
         errors = [line for line in out.splitlines() if line.startswith("error:")]
-        assert proc.returncode == 2 and len(errors) == 1, (name, out[-2000:])
-        assert "--trust_remote_code" in errors[0] and "modeling_" in errors[0], (name, errors)
-        assert PROMPT not in out and "Traceback" not in out, (name, out[-2000:])
-    assert not (tmp_path / "sharded").exists() or not any((tmp_path / "sharded").iterdir())
+        assert proc.returncode == 2 and len(errors) == 1 and "--trust_remote_code" in errors[0], out[-2000:]
+        assert PROMPT not in out and "Traceback" not in out, out[-2000:]
 
 
-def _check(own, names, tp, tmp_path, *extra):
-    proc, report = policy_check([own[n] for n in names], tp, tmp_path, "--trust_remote_code", *extra, timeout=600)
-    checks = assert_all_pass(proc, report, names, tp)
-    # weights: each rank about 1/tp; whole by design only what every rank needs whole: DeepSeek-V2's router and its
-    # latent attention's down-projection (shared by every head; vLLM keeps it whole too)
+def _only_what_every_rank_needs_whole(checks: dict, names: list[str]) -> None:
+    """Weights: each rank about 1/tp (`assert_all_pass`); whole by design only what every rank needs whole:
+    DeepSeek-V2's router and its latent attention's down-projection (shared by every head; vLLM keeps it whole too)."""
     for name in names:
         share = checks[name]["weights_per_rank"]["data"]
         assert {k.rpartition("Layer.")[2] for k in share["by_design"]} <= {
             "mlp.gate", "self_attn.kv_a_proj_with_mqa"} and not share["not_placed"], (name, share)
+
+
+def _check(own, names, tp, tmp_path, *extra):
+    proc, report = policy_check([own[n] for n in names], tp, tmp_path, "--trust_remote_code", *extra, timeout=600)
+    _only_what_every_rank_needs_whole(assert_all_pass(proc, report, names, tp), names)
     return proc, report
 
 
 @pytest.mark.launched
-def test_models_with_their_own_code_match_the_unsharded_model_at_tp2(own, tmp_path):
-    """The nine families the derivation splits by itself: every check passes at tp 2 (logits, hidden states, greedy,
-    beam and sampled ids, the weights each rank holds, shard-aware and pre-sharded loading), each derived policy's
-    verdicts printed before its checks; nothing but DeepSeek-V2's router kept whole."""
-    proc, report = _check(own, DERIVED, 2, tmp_path)
-    assert set(report["derivations"]) == set(DERIVED)
-    assert "derived policy of chatglm, each mechanism's verdict:" in proc.stdout
+def test_models_with_their_own_code_match_the_unsharded_model_at_tp2():
+    """The nine families the derivation splits by itself, in the shared tp-2 check (`test_policies_tp.tp2_shared`,
+    --trust_remote_code): every check passes (logits, hidden states, greedy, beam and sampled ids, the weights each
+    rank holds, shard-aware and pre-sharded loading), each derived policy's verdicts printed before its checks;
+    nothing kept whole but what every rank needs whole."""
+    proc, report, _ = tp2_shared()
+    names = [f"own_{f}" for f in DERIVED]
+    checks = assert_all_pass(proc, report, names, 2)
+    _only_what_every_rank_needs_whole(checks, names)
+    assert set(names) <= set(report["derivations"])
+    assert "derived policy of own_chatglm, each mechanism's verdict:" in proc.stdout
     assert "packed projections    GLMBlock.mlp.dense_h_to_4h" in proc.stdout
 
 
@@ -287,8 +317,9 @@ def test_models_with_their_own_code_match_the_unsharded_model_at_tp4(own, tmp_pa
     _check(own, DERIVED, 4, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.launched
-@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [2, 4])
 def test_the_worked_example_goes_from_refusal_to_a_checked_policy(own, tmp_path, tp):
     """docs/policies.md's worked example: qknorm_lm refused in one line saying what to declare, then every check
     passed with the policy file written from it."""
@@ -338,8 +369,9 @@ GENERATION_ARGS = ["--max_new_tokens", "12", "--per_device_eval_batch_size", "8"
                    "--max_prompts", "16", "--trust_remote_code"]
 
 
+@pytest.mark.slow
 @pytest.mark.launched
-@pytest.mark.parametrize("family", ["internlm2", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["internlm2", "deepseek_v2"])
 def test_run_generation_and_the_server_at_tp2_answer_as_one_process(own, tmp_path, family):
     """run_generation.py at tp 2 (torchrun) writes what it writes in one process, and `serve --tp_size 2` answers the
     same prompts as one process generates them, token for token, 8 clients at once."""
@@ -395,3 +427,20 @@ def test_run_translation_and_the_server_at_tp2_translate_as_one_process(own, tmp
                (EXAMPLES / "data" / "num2words" / "test.json").read_text(encoding="utf-8").splitlines()[:16]]
     served, _ = _served(own["own_seq2seq"], tmp_path, [PREFIX + s for s in sources], 31)
     assert served == [p.strip() for p in single.predictions()]
+
+
+def test_policy_suggest_prints_the_derived_policy_of_a_models_own_class_with_its_verdicts(own, capsys, tmp_path):
+    """`policy suggest --trust_remote_code`: the header names the model's own class and its code files, each
+    mechanism's verdict follows as comments, and the file reads back as the policy derived."""
+    from ds_inference_integration.policy.derive import derive_policy
+    from ds_inference_integration.policy.schema import load_policy, policy_identity
+    from ds_inference_integration.tools.cli import main
+
+    assert main(["policy", "suggest", str(own["chatglm"]), "--trust_remote_code"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# derived from ChatGLMForConditionalGeneration (the model's own code: "
+                           "configuration_chatglm.py, modeling_chatglm.py)"), text[:300]
+    assert "#   packed projections    GLMBlock.mlp.dense_h_to_4h" in text and "--trust_remote_code" in text
+    (tmp_path / "chatglm.toml").write_text(text)
+    assert policy_identity(load_policy(tmp_path / "chatglm.toml")) == policy_identity(
+        derive_policy(_skeleton(own["chatglm"])))

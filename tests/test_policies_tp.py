@@ -142,12 +142,15 @@ def shared_check(name: str, save, timeout: float = 600, fault: str | None = None
 
 
 def save_tp2_models(root: Path) -> dict:
-    """Every architecture with a policy, issue #44's mechanisms and the unlisted ones: what this module's tp-2 tests
-    read, each its own models, from one check (`tp2_check`)."""
+    """Every architecture with a policy, issue #44's mechanisms, the unlisted ones and the models with their own code
+    (`own_code_models.DERIVED`, checked with --trust_remote_code): what the tp-2 tests read, each its own models,
+    from one check (`tp2_check`)."""
+    from own_code_models import save_derived
+
     from ds_inference_integration.tools.architecture_zoo import save_zoo
 
     return {**save_model_dirs(root / "arch"), **save_zoo(root / "zoo", MECHANISMS_44),
-            **save_unlisted(root / "unlisted")}
+            **save_unlisted(root / "unlisted"), **save_derived(root / "own")}
 
 
 # The tp-2 check runs with rank 0's worker set to abort in the interpreter's teardown after its results are written
@@ -157,7 +160,8 @@ TP2_FAULT = "abort_at_exit:0"
 
 
 def tp2_shared():
-    return shared_check("policy-check-tp2", save_tp2_models, fault=TP2_FAULT)
+    return shared_check("policy-check-tp2", save_tp2_models, fault=TP2_FAULT,
+                        extra=lambda models: ["--trust_remote_code"])  # the models with their own code
 
 
 @pytest.fixture

@@ -69,22 +69,28 @@ def _policy_suggest(ns: argparse.Namespace) -> int:
         from ..load.own_code import code_files, load_config, own_model_class
         from ..load.skeleton import model_class_for
         from ..policy.derive import derive_policy
+        from ..policy.derive.verdicts import table
         from ..policy.schema import policy_for_config, policy_to_toml
 
         trust = ns.trust_remote_code
         config = load_config(ns.model_dir, trust)
         shipped = policy_for_config(config)
         if shipped is None:
-            import torch
+            from accelerate import init_empty_weights
             from transformers import AutoModel
 
             own = own_model_class(model_class_for(config, trust), config, trust)
-            with torch.device("meta"):  # the model's own class where it ships its code, as its Auto class builds it
+            # parameters on meta, buffers real (the rotary tables the derivation's probe reads through); the model's
+            # own class where it ships its code, as its Auto class builds it
+            with init_empty_weights(include_buffers=False):
                 model = own._from_config(config) if own is not None else AutoModel.from_config(config)
             code = f" (the model's own code: {', '.join(code_files(ns.model_dir))})" if own is not None else ""
             trusted = " --trust_remote_code" if own is not None else ""
+            derived = derive_policy(model)
+            verdicts = "".join(f"#   {line}\n" for line in table(derived.verdicts))
             text = (f"# derived from {type(model).__name__}{code}; check it with: ds-inference policy check "
-                    f"{ns.model_dir} --tp-size 2 --policy FILE{trusted}\n{policy_to_toml(derive_policy(model))}")
+                    f"{ns.model_dir} --tp-size 2 --policy FILE{trusted}\n# each mechanism's verdict:\n{verdicts}"
+                    f"{policy_to_toml(derived)}")
     if shipped is not None:
         text = f"# shipped policy {shipped.source}\n{shipped.source.read_text(encoding='utf-8')}"
     print(text, end="")

@@ -92,8 +92,9 @@ def derive_policy(model: nn.Module) -> Policy:
                 note("probe", "", f"not run through every layer: {probe.failure}; the rules of the names decide there")
     finally:
         logger.removeHandler(said)
+    found = {(m, w) for m, w, _ in rows}  # the summary's row of a mechanism that said its own, left out
     return dataclasses.replace(policy, verdicts=tuple(rows) + tuple(("kept whole", "", m) for m in said.messages)
-                               + _summary(policy))
+                               + tuple(r for r in _summary(policy) if r[:2] not in found))
 
 
 class _Said(logging.Handler):

@@ -412,13 +412,15 @@ def _probed_table(layer: nn.Module, path: str, q: int, kv: int, local: tuple) ->
                 "describes it")
     rows_parallel = attention_rows_parallel(probe, layer, path)
     assignment = local_attributes(probe, layer, path, rows_parallel, rows, layout, heads, kv_heads, d, dict(local))
-    if assignment is None and path.rpartition(".")[2] in FUSED_QKV:
+    if isinstance(assignment, list) and path.rpartition(".")[2] in FUSED_QKV:
         note("attention", path, f"layout {layout} (probed); the probe found no per-rank attributes under which a "
                                 "simulated split reads each rank's heads: the rules of its names decide them")
         return layout, local
-    if assignment is None:
-        return ("reads attributes no assignment of a rank's head counts and widths fits (declare them in the "
-                "policy's [attention.local])")
+    if isinstance(assignment, list):
+        tried = ", ".join(assignment) or "none read in its forward"
+        return (f"is read in layout {layout}, but under no assignment of a rank's head counts and widths to the "
+                f"attributes its attention reads ({tried}) does a simulated split read each rank's heads (declare them "
+                "in the policy's [attention.local])")
     note("attention", path, f"fused, layout {layout} (probed: {heads} query heads, {kv_heads} key/value heads of "
                             f"{d})")
     return layout, tuple(assignment.items())

@@ -193,11 +193,11 @@ def _reads_its_heads(probe: Probe, layer: nn.Module, path: str, owner: nn.Module
 
 
 def local_attributes(probe: Probe, layer: nn.Module, path: str, rows_parallel: list[str], full_rows: HeadRows,
-                     layout: str, heads: int, kv: int, d: int, start: dict[str, str]) -> dict | None:
+                     layout: str, heads: int, kv: int, d: int, start: dict[str, str]) -> dict | list[str]:
     """{attribute path relative to the attention (the fused linear's parent): role} under which a split of this
-    fused projection reads each rank's heads (see the module's docstring), or None where no assignment does.
-    `start` (names the table's usual rules give: `heads.LOCAL_ATTRIBUTES`) is tried first and kept where it
-    works; otherwise the fewest changes that work."""
+    fused projection reads each rank's heads (see the module's docstring), or, where no assignment does, the list of
+    the attributes tried. `start` (names the table's usual rules give: `heads.LOCAL_ATTRIBUTES`) is tried first and
+    kept where it works; otherwise the fewest changes that work."""
     owner_path = path.rpartition(".")[0]
     owner = layer.get_submodule(owner_path) if owner_path else layer
     candidates = _candidates(owner, full_values(heads, kv, d), d)
@@ -217,11 +217,11 @@ def local_attributes(probe: Probe, layer: nn.Module, path: str, rows_parallel: l
             for roles in itertools.product(*(options[i][1:] for i in chosen)):
                 tried += 1
                 if tried > MAX_ASSIGNMENTS:
-                    return None
+                    return names
                 assignment = {names[i]: role for i, role in zip(chosen, roles)}
                 if works(assignment):
                     return assignment
-    return None
+    return names
 
 
 def attention_rows_parallel(probe: Probe, layer: nn.Module, path: str) -> list[str]:
