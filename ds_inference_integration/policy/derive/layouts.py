@@ -38,7 +38,7 @@ def probed_fused(probe: Probe, layer: nn.Module) -> dict[str, HeadRows]:
     if flow is None:
         return {}
     found = {}
-    for path in sorted(flow.attention):
+    for path in sorted(flow.scores_both):  # (one linear reaching both the query and the key of the scores)
         rows = probe.heads(layer, path)
         if rows is not None and rows.q and rows.k and rows.v:
             found[path] = rows

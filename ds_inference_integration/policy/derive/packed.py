@@ -12,7 +12,7 @@ from torch import nn
 
 from ..kinds import packed_mlp_names
 from ..layers import layer_kinds
-from ..schema import names_module, outermost_layer_classes
+from ..schema import is_linear, names_module, outermost_layer_classes
 from .probe import INPUT, active, out_features
 from .verdicts import note
 
@@ -49,6 +49,14 @@ def derive_packed(model: nn.Module, layers: dict[str, tuple[str, ...]]) -> dict[
             continue
         packed: dict[str, str] = {}
         for layer in kinds:
+            # by shapes first: the probe runs only where a linear writes twice what a row-parallel one beside it (in
+            # the same module) reads
+            linears = {p: m for p, m in layer.named_modules() if p and is_linear(m)}
+            rows = [(p.rpartition(".")[0], m.weight.shape[1]) for p, m in linears.items()
+                    if any(names_module(r, p) for r in layers[name])]
+            if not any((p.rpartition(".")[0], out_features(m) // 2) in rows and out_features(m) % 2 == 0
+                       for p, m in linears.items()):
+                continue
             flow = probe.flow(layer)
             if flow is None:
                 continue

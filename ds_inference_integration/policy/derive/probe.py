@@ -2,17 +2,21 @@
 its parameters are on (a skeleton's are on `meta`: nothing is read or allocated at their size).
 
 * `Probe.layer_inputs`: the model's own forward, run until it calls the layer, gives the layer's inputs (masks,
-  rotary tables and biases as the model makes them). Every op that reads a `meta` tensor is run on `meta` for its
-  output's shape and answered with a seeded random CPU tensor of that shape (`MetaSafe`): a linear, an embedding
-  or an expert's matrices cost what their output does, one token's worth.
+  rotary tables and biases as the model makes them). Every op that reads a large `meta` tensor is run on `meta` for
+  its output's shape and answered with a seeded random CPU tensor of that shape (`MetaSafe`): a linear, an embedding
+  or an expert's matrices cost what their output does, one token's worth; a small one (a norm's weight) stands as
+  ones. It all runs on a twin of the model whose parameters are on `meta` (`Probe.model`), whatever the model's are.
 * `Probe.flow`: where each linear's input comes from: the layer's inputs, other linears (tags follow every op; a
   linear's output is tagged by the linear alone), and attention products (two activations multiplied: q . k and
   probabilities . v). The layer's output tells which linears write back into what it returns.
 * `Probe.heads`: which output rows of a linear become which head's query, key and value: the linear answers the
   index of each of its rows (+1), and the attention products' operands, read at position 0 where rotary tables
-  are the identity, give those indices back per head (a constant scale on the query divides out).
-* `Probe.runs`: a split simulated before it is made: the linear's rows and the attributes a rank would hold, and
-  the products must read this rank's heads.
+  are the identity, give those indices back per head (a scale on a head's query or key divides out).
+* `Probe.split`, `Probe.rank_inputs`: a rank's split simulated before it is made: the linears' shapes and the
+  attributes a rank would hold, the layer's per-head inputs cut to its heads; `layouts.py` asks whether the products
+  then read this rank's heads.
+* `Probe.pairs_halves`, `Probe.biases`: whether a linear's two halves are read apart and paired row by row (a
+  packed [gate | up]); which modules outside the layers make what the attention adds after its scores.
 
 Deterministic (seeded, CPU, fp32), so every rank derives the same policy."""
 
@@ -152,6 +156,8 @@ class LayerFlow:
     sources: dict[str, frozenset]
     ends: frozenset
     attention: frozenset
+    # the linears whose outputs reach both operands of an attention's scores (q . k): a fused query and key
+    scores_both: frozenset = frozenset()
 
     def row_parallel(self) -> list[str]:
         """The linears that write back into what the layer returns from what linears of the layer computed (not
@@ -275,16 +281,23 @@ class Probe:
 
         handle = layer.register_forward_pre_hook(reached, with_kwargs=True)
         try:
-            with torch.no_grad(), MetaSafe():
-                self.model(**inputs)
-        except _Reached as r:
-            return r.call
-        except Exception as e:  # noqa: BLE001 (whatever the model's own code raises: the probe is not run)
-            from ...errors import first_line
-
-            self.failure = f"{type(e).__name__}: {first_line(e)[:160]}"
+            # as generate calls it, then with the positions a model's forward may not make itself (its own
+            # `prepare_inputs_for_generation` does: ChatGLM-6B's, among published remote code)
+            failed = None
+            for given in (inputs, {**inputs, "position_ids": torch.zeros_like(inputs["input_ids"])}):
+                try:
+                    with torch.no_grad(), MetaSafe():
+                        self.model(**given)
+                except _Reached as r:
+                    return r.call
+                except Exception as e:  # noqa: BLE001 (whatever the model's own code raises: the probe is not run)
+                    failed = failed or e
         finally:
             handle.remove()
+        if failed is not None:
+            from ...errors import first_line
+
+            self.failure = f"{type(failed).__name__}: {first_line(failed)[:160]}"
         return None
 
     def _run(self, layer: nn.Module, answers: dict[str, torch.Tensor] | None = None, inputs: tuple | None = None
@@ -375,8 +388,13 @@ class Probe:
                 else:
                     first = out[0] if isinstance(out, (tuple, list)) else out
                     fed = {t for _, tags in mode.products for tg in tags for t in tg} - {INPUT, ATTENTION}
+                    both = set()
+                    for _, tags in mode.products:
+                        operands = [t - {INPUT} for t in tags if t - {INPUT}]
+                        if len(operands) >= 2 and ATTENTION not in operands[0]:
+                            both |= operands[0] & operands[1]
                     self._flows[id(layer)] = LayerFlow(sources, frozenset(mode.of(first) - {INPUT, ATTENTION}),
-                                                       frozenset(fed))
+                                                       frozenset(fed), frozenset(both))
         return self._flows[id(layer)]
 
     def heads(self, layer: nn.Module, path: str, rows: list[int] | None = None, inputs: tuple | None = None

@@ -123,8 +123,7 @@ def _flow_rows(model: nn.Module, classes, named: dict[str, tuple[str, ...]]) -> 
     the probe found (InternLM2's `wo`, after `wqkv`). Where names give some, the rest of the flow's is left to them:
     across the 157 models of the architecture table, adding every one changed 6 verified policies (Gemma 4's per-layer
     projection, read beside an input every rank holds whole, would have been made row-parallel)."""
-    from .attention import FUSED_QKV
-    from .layouts import probed_fused
+    from .attention import FUSED_QKV, _attention_modules
 
     probe = active()
     if probe is None:
@@ -135,13 +134,14 @@ def _flow_rows(model: nn.Module, classes, named: dict[str, tuple[str, ...]]) -> 
             continue
         rows: set[str] = set()
         for layer in kinds:
-            flow = probe.flow(layer)
+            unnamed = [] if name not in named else [f"{p}.{f}" if p else f for p, _, f, _ in _attention_modules(layer)
+                                                    if f and f not in FUSED_QKV]  # fused projections the probe found
+            flow = probe.flow(layer) if name not in named or unnamed else None
             if flow is None:
                 continue
             if name not in named:
                 rows |= set(flow.row_parallel())
                 continue
-            unnamed = [p for p in probed_fused(probe, layer) if p.rpartition(".")[2] not in FUSED_QKV]
             rows |= {r for r in flow.row_parallel() for p in unnamed
                      if ATTENTION in flow.sources.get(r, ()) and p in flow.sources[r]}
         rows = {r for r in rows if not any(names_module(k, r) for k in named.get(name, ()))}
