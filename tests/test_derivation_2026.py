@@ -493,6 +493,8 @@ def test_per_head_sinks_of_an_attention_deepspeed_would_split_alone_are_split_by
 
 @pytest.mark.parametrize("name, layer, whole, why", [
     ("doge", "DogeDecoderLayer", "self_attn", "self_attn.dt_proj writes one value per head"),
+    ("cpmant", "CpmAntTransformerBlock", "self_att.self_attention",
+     "position_bias.relative_attention_bias holds one column per head outside the layers"),
     ("big_bird", "BigBirdLayer", "attention", "builds its attention again from the config while it runs"),
     # a latent attention (`q_a_proj`, DeepSpeed's to split) with no row-parallel output: DeepSeek-V4's grouped
     # o_a_proj and o_b_proj (before: left to DeepSpeed, its split kv_proj failed kv_norm, "(32) must match (16)")
@@ -517,30 +519,6 @@ def test_an_attention_whose_heads_need_every_heads_values_is_kept_whole_and_said
     assert whole in dict(policy.replicated)[layer], policy.replicated
     assert not any(r.startswith(whole + ".") for r in dict(policy.layers)[layer]), policy.layers
     assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
-
-
-def test_a_per_head_bias_made_outside_the_layers_is_cut_to_each_ranks_heads():
-    """CPM-Ant's position bias ([buckets, heads], made once outside the layers and added to every attention's scores):
-    the probe reads that it reaches the attention after its scores, so the module is cut to each rank's heads
-    (`head_biases`) and the attention is split (53% of the layer weights per rank at tp 2 before, kept whole; 50%
-    now, `policy check` at tp 2 and 4 in the architecture table). Without the probe (a model it cannot run), the
-    attention is kept whole as before."""
-    import contextlib
-
-    from ds_inference_integration.policy import derive
-
-    policy = derive.derive_policy(zoo_model("cpmant"))
-    assert policy.head_biases == ("cpmant.position_bias",)
-    assert "self_att.self_attention.attention_out" in policy.layers["CpmAntTransformerBlock"]
-    assert not policy.replicated.get("CpmAntTransformerBlock")
-    assert any(m == "per-head biases" for m, _, _ in policy.verdicts)
-    probing = derive.probing
-    derive.probing = lambda model: contextlib.nullcontext(type("Null", (), {"failure": None})())
-    try:
-        unprobed = derive.derive_policy(zoo_model("cpmant"))
-    finally:
-        derive.probing = probing
-    assert not unprobed.head_biases and "self_att.self_attention" in unprobed.replicated["CpmAntTransformerBlock"]
 
 
 def test_a_linear_outside_the_layers_reading_as_many_inputs_as_there_are_heads_keeps_no_attention_whole(caplog):

@@ -356,10 +356,9 @@ def test_the_mechanisms_of_2026_12_match_the_unsharded_model(tp, tmp_path, reque
     # to (before: "IndexError: tuple index out of range" in both loading checks)
     assert "loaded shard-aware" in checks["fuyu"]["loading_shard-aware"]["line"]
     # Doge's attention (`dt_proj`, row-parallel in its tp plan, writes one step size per value head from all of
-    # them) kept whole (before: "(2) must match ... (4)"); CPM-Ant's bias per head, made outside the layers, cut to
-    # each rank's heads (`head_biases`) and its attention split (kept whole before, 53% per rank at tp 2)
+    # them) and CPM-Ant's (a bias per head made outside the layers) kept whole (before: "(2) must match ... (4)")
     assert list(share["doge"]["by_design"]) == ["DogeDecoderLayer.self_attn"], share["doge"]
-    assert not share["cpmant"]["by_design"] and share["cpmant"]["shares"] == [1 / tp] * tp, share["cpmant"]
+    assert list(share["cpmant"]["by_design"]) == ["CpmAntTransformerBlock.self_att.self_attention"], share["cpmant"]
     # HY-V4's latent attention, split by DeepSpeed alone, with its `sinks` split with the heads (before: left whole,
     # "Expected size 2 but got size 4"); of the attention only the latent down-projections and the indexer whole
     assert {p.rpartition(".")[2] for p in share["hy_v4"]["by_design"] if ".self_attn." in p} <= {
