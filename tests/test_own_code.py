@@ -115,7 +115,8 @@ def test_a_model_of_its_own_code_gets_the_buffers_its_init_computes(own):
 def test_the_probe_reads_what_the_names_do_not_say(own):
     """Each mechanism of the derivation on the families' skeletons (parameters on meta): fused layouts read from the
     rows each head reads (ChatGLM's [all q | k, v of each group], InternLM2's [q q k v] per group, through a norm on
-    each head: qknorm_lm), the attributes a rank's split needs (ChatGLM's `core_attention`, OLMo's `fused_dims` tuple
+    each head: qknorm_lm), separate projections under names no rule knows (reference LLaMA's `wq`, `wk`, `wv`), the
+    attributes a rank's split needs (ChatGLM's `core_attention`, OLMo's `fused_dims` tuple
     and its config's `n_heads`), row-parallel linears from the data flow (OLMo's, directly on its block; InternLM2's
     `wo`), packed projections (ChatGLM's [gate | up], OLMo's [x | gate], a cross-attention's [key | value]), and a
     per-head bias made outside the layers (JAIS's ALiBi slopes)."""
@@ -135,6 +136,13 @@ def test_the_probe_reads_what_the_names_do_not_say(own):
     assert olmo.layers == {"OLMoSequentialBlock": ("attn_out", "ff_out")} and olmo.attention.fused_qkv == "att_proj"
     assert dict(olmo.attention.local) == {"config.n_heads": "q_heads", "fused_dims": ("q_width",) * 3}
     assert olmo.packed == {"OLMoSequentialBlock": ("ff_proj",)} and not olmo.replicated
+    llama = derive_policy(_skeleton(own["llama_ref"]))  # wq/wk/wv/wo: separate projections no name rule knows
+    assert (llama.attention.query, llama.attention.key, llama.attention.value) == (
+        "attention.wq", "attention.wk", "attention.wv")
+    # its repeat count is query heads per key/value head, though it equals the key/value heads in this model
+    assert dict(llama.attention.local) == {"n_local_heads": "q_heads", "n_local_kv_heads": "kv_heads",
+                                           "n_rep": "q_per_kv"}
+    assert "attention.wo" in llama.layers["TransformerBlock"] and not llama.replicated
     seq2seq = derive_policy(_skeleton(own["own_seq2seq"]))
     assert seq2seq.packed == {"TranslatorDecoderLayer": ("encoder_attn.kv_proj",)}
     assert derive_policy(_skeleton(own["jais"])).head_biases == ("transformer.relative_pe",)
@@ -297,7 +305,7 @@ def _check(own, names, tp, tmp_path, *extra):
 
 @pytest.mark.launched
 def test_models_with_their_own_code_match_the_unsharded_model_at_tp2():
-    """The nine families the derivation splits by itself, in the shared tp-2 check (`test_policies_tp.tp2_shared`,
+    """The ten families the derivation splits by itself, in the shared tp-2 check (`test_policies_tp.tp2_shared`,
     --trust_remote_code): every check passes (logits, hidden states, greedy, beam and sampled ids, the weights each
     rank holds, shard-aware and pre-sharded loading), each derived policy's verdicts printed before its checks;
     nothing kept whole but what every rank needs whole."""

@@ -16,7 +16,7 @@ from ..layers import layer_kinds
 from ..schema import AttentionSpec, class_source, is_linear, names_module, under_replicated
 from .common import _feature_scales
 from .heads import _head_counts, _local_attributes, head_values
-from .layouts import attention_rows_parallel, layout_of, local_attributes, probed_fused
+from .layouts import attention_rows_parallel, layout_of, local_attributes, probed_fused, probed_separate
 from .probe import active
 from .verdicts import note
 
@@ -45,6 +45,9 @@ def _attention_modules(layer: nn.Module) -> list[tuple[str, nn.Module, str | Non
         for linear in probed_fused(probe, layer):
             owner, _, name = linear.rpartition(".")
             found.append((owner, layer.get_submodule(owner) if owner else layer, name, None))
+        for owner, names in probed_separate(probe, layer).items():
+            if not any(p == owner for p, *_ in found):
+                found.append((owner, layer.get_submodule(owner) if owner else layer, None, names))
     return found
 
 
@@ -307,15 +310,26 @@ def derive_attention(model: nn.Module, layers: dict[str, tuple[str, ...]], skip:
         # `sinks`, left whole under DeepSpeed's split, "(2) must match ... (4)" at tp 2 (`policy sweep`, 2026-12-06)
         per_head = any(isinstance(p, torch.Tensor) and p.ndim == 1 and p.shape[0] == q
                        for p in attention._parameters.values())
+        probed = None
+        if not fused:  # a model the probe reads: the attributes a rank's split needs, whatever their names
+            probed = _probed_table(layer_of[(layer_name, path)], tuple(prefix + n for n in separate), q, kv, local)
+            if isinstance(probed, str):
+                logger.warning("%s: %s.%s %s, so that attention is kept whole on every rank", model_type, layer_name,
+                               path, probed)
+                replicated.setdefault(layer_name, []).append(path)
+                continue
+            if probed is not None:
+                local = probed[1]
         if (not fused and kv == q and not per_layer and not per_head
-                and not any(attr.startswith("config.") for attr, _ in local)):
+                and not any(attr.startswith("config.") for attr, _ in local) and not (probed and local)):
             continue  # DeepSpeed's head-aware split of separate projections is right, and updates the module's
-            # own head counts; a count read from the config (Moonshine views q by config.num_key_value_heads)
+            # own head counts; a count read from the config (Moonshine views q by config.num_key_value_heads),
+            # or an attribute the probe found a rank's split needs (Meta's reference LLaMA's `n_local_heads`),
             # must be made this rank's by the table
         kv_value = kv_attr if kv_attr is not None else q_attr  # no KV-head attribute: as many as query heads
         if fused:
             layout = _fused_layout(attention, text, q, kv)
-            probed = _probed_table(layer_of[(layer_name, path)], prefix + fused, q, kv, local)
+            probed = _probed_table(layer_of[(layer_name, path)], (prefix + fused,), q, kv, local)
             if isinstance(probed, str):
                 logger.warning("%s: %s.%s%s %s, so that attention is kept whole on every rank", model_type, layer_name,
                                prefix, fused, probed)
@@ -394,13 +408,16 @@ def _refuse_unnamed_head_counts(model: nn.Module, layers: dict[str, tuple[str, .
                             f"\"<attribute>\", fused_qkv = \"{path}\", layout = \"{layout}\"", suggest=False)
 
 
-def _probed_table(layer: nn.Module, path: str, q: int, kv: int, local: tuple) -> tuple[str, tuple] | str | None:
-    """(layout, per-rank attributes) of a fused projection as the probe reads it (`layouts.py`), or a reason to keep
-    its attention whole, or None where the model is not probed (the rules of its names decide)."""
+def _probed_table(layer: nn.Module, paths: tuple[str, ...], q: int, kv: int, local: tuple
+                  ) -> tuple[str, tuple] | str | None:
+    """(layout, per-rank attributes) of a fused projection, or of separate query, key and value projections read as
+    one [Q | K | V] (`paths`), as the probe reads them (`layouts.py`), or a reason to keep the attention whole, or
+    None where the model is not probed (the rules of its names decide)."""
     probe = active()
-    rows = probe.heads(layer, path) if probe is not None else None
+    rows = probe.heads(layer, paths) if probe is not None else None
     if rows is None or not (rows.q and rows.k and rows.v):
         return None
+    path = paths[0] if len(paths) == 1 else "/".join(paths)
     found = layout_of(rows)
     if found is None:
         return ("holds its query, key and value rows in a layout no table names (not [Q | K | V], [q k v] per head "
@@ -409,9 +426,11 @@ def _probed_table(layer: nn.Module, path: str, q: int, kv: int, local: tuple) ->
     if (heads, kv_heads) != (q, kv):
         return (f"is read as {heads} query and {kv_heads} key/value heads, not the config's {q} and {kv}: no table "
                 "describes it")
-    rows_parallel = attention_rows_parallel(probe, layer, path)
-    assignment = local_attributes(probe, layer, path, rows_parallel, rows, layout, heads, kv_heads, d, dict(local))
-    if isinstance(assignment, list) and path.rpartition(".")[2] in FUSED_QKV:
+    rows_parallel = attention_rows_parallel(probe, layer, paths)
+    assignment = local_attributes(probe, layer, paths, rows_parallel, rows, layout, heads, kv_heads, d, dict(local))
+    named = len(paths) == 1 and paths[0].rpartition(".")[2] in FUSED_QKV or len(paths) == 3 and tuple(
+        p.rpartition(".")[2] for p in paths) in SEPARATE_QKV
+    if isinstance(assignment, list) and named:
         note("attention", path, f"layout {layout} (probed); the probe found no per-rank attributes under which a "
                                 "simulated split reads each rank's heads: the rules of its names decide them")
         return layout, local
@@ -420,8 +439,8 @@ def _probed_table(layer: nn.Module, path: str, q: int, kv: int, local: tuple) ->
         return (f"is read in layout {layout}, but under no assignment of a rank's head counts and widths to the "
                 f"attributes its attention reads ({tried}) does a simulated split read each rank's heads (declare them "
                 "in the policy's [attention.local])")
-    note("attention", path, f"fused, layout {layout} (probed: {heads} query heads, {kv_heads} key/value heads of "
-                            f"{d})")
+    what = f"fused, layout {layout}" if len(paths) == 1 else "separate query, key and value"
+    note("attention", path, f"{what} (probed: {heads} query heads, {kv_heads} key/value heads of {d})")
     return layout, tuple(assignment.items())
 
 

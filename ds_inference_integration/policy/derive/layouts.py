@@ -2,7 +2,8 @@
 which layout, and which of the attention's attributes must hold a rank's values once it is split.
 
 * `probed_fused`: the linears of a layer whose rows the attention products read as query, key and value together,
-  whatever their names (InternLM2's `wqkv`, OLMo's `att_proj`).
+  whatever their names (InternLM2's `wqkv`, OLMo's `att_proj`); `probed_separate`: three linears of one module read
+  as query, key and value each (Meta's reference LLaMA's `wq`, `wk`, `wv`), handled as one [Q | K | V].
 * `layout_of`: the rows each head reads, against the three layouts a table names: "qkv" ([Q | K | V] blocks: GPT-2,
   Baichuan's `W_pack`, ChatGLM's all query heads then each group's key and value), "per_head" ([q k v] per head:
   BLOOM, GPT-NeoX) and "grouped" ([q .. q k v] per key/value group: Falcon-40B, InternLM2). A layout none of them
@@ -158,25 +159,31 @@ def tp_sizes(heads: int, kv: int) -> list[int]:
     return sorted(t for t in sizes if 1 < t <= heads and heads % t == 0 and (kv % t == 0 or t % kv == 0))
 
 
-def _reads_its_heads(probe: Probe, layer: nn.Module, path: str, owner: nn.Module, rows_parallel: list[str],
-                     full_rows: HeadRows, layout: str, heads: int, kv: int, d: int, assignment: dict) -> bool:
-    """Whether, with `assignment` ({attribute path: role or None}) set to each rank's values, a simulated split
+def _reads_its_heads(probe: Probe, layer: nn.Module, paths: tuple[str, ...], owner: nn.Module,
+                     rows_parallel: list[str], full_rows: HeadRows, layout: str, heads: int, kv: int, d: int,
+                     assignment: dict) -> bool:
+    """Whether, with `assignment` ({attribute path: role or None}) set to each rank's values, a simulated split of the
+    projections at `paths` (one fused linear, or separate query, key and value linears numbered as one [Q | K | V])
     reads exactly the rank's heads, at every `tp_sizes` on the first and the last rank."""
+    linears = [layer.get_submodule(p) for p in paths]
+    sizes = [out_features(m) for m in linears]
+    starts = [sum(sizes[:i]) for i in range(len(paths))]
     for tp in tp_sizes(heads, kv):
         for rank in (0, tp - 1):
             hl = HeadLayout(heads, kv, tp, rank)
             values = hl.local_values(d)
             rows = fused_rows(layout, full_rows.size, hl)[0]
-            linear = layer.get_submodule(path)
-            shapes = {path: (len(rows), linear.weight.shape[-1] if type(linear).__name__ != "Conv1D"
-                             else linear.weight.shape[0])}
+            shapes = {}
+            for p, m, a, n in zip(paths, linears, starts, sizes):
+                mine = sum(a <= r < a + n for r in rows)
+                shapes[p] = (mine, m.weight.shape[-1] if type(m).__name__ != "Conv1D" else m.weight.shape[0])
             for row in rows_parallel:
                 target = layer.get_submodule(row)
                 shapes[row] = (out_features(target), target.weight.shape[1] * values["q_heads"] // heads)
             settings = {_resolve(owner, p): _value(role, values) for p, role in assignment.items() if role is not None}
             try:
                 with probe.split(layer, shapes, settings):
-                    got = probe.heads(layer, path, rows, probe.rank_inputs(layer, heads, hl.q_heads()))
+                    got = probe.heads(layer, paths, rows, probe.rank_inputs(layer, heads, hl.q_heads()), sizes)
             except (AttributeError, TypeError):  # an attribute that cannot be set (a config's property)
                 return False
             if got is None:
@@ -189,23 +196,30 @@ def _reads_its_heads(probe: Probe, layer: nn.Module, path: str, owner: nn.Module
                 return False
             if len(got.k) == len(got.q) and got.k != want_k:
                 return False
+            # a model that repeats its key/value heads for their query heads must still repeat them: one local
+            # key/value head broadcast over the query heads hid a wrong repeat count (reference LLaMA's `n_rep` set to
+            # the key/value heads, 1 at tp 2 where 2 is right: wrong once a rank holds two key/value heads)
+            if any(len(full) == heads and len(part) != len(got.q) for full, part in ((full_rows.k, got.k),
+                                                                                    (full_rows.v, got.v))):
+                return False
     return True
 
 
-def local_attributes(probe: Probe, layer: nn.Module, path: str, rows_parallel: list[str], full_rows: HeadRows,
-                     layout: str, heads: int, kv: int, d: int, start: dict[str, str]) -> dict | list[str]:
+def local_attributes(probe: Probe, layer: nn.Module, paths: tuple[str, ...], rows_parallel: list[str],
+                     full_rows: HeadRows, layout: str, heads: int, kv: int, d: int, start: dict[str, str]
+                     ) -> dict | list[str]:
     """{attribute path relative to the attention (the fused linear's parent): role} under which a split of this
     fused projection reads each rank's heads (see the module's docstring), or, where no assignment does, the list of
     the attributes tried. `start` (names the table's usual rules give: `heads.LOCAL_ATTRIBUTES`) is tried first and
     kept where it works; otherwise the fewest changes that work."""
-    owner_path = path.rpartition(".")[0]
+    owner_path = paths[0].rpartition(".")[0]
     owner = layer.get_submodule(owner_path) if owner_path else layer
     candidates = _candidates(owner, full_values(heads, kv, d), d)
     for p, role in start.items():
         candidates.setdefault(p, [role])
 
     def works(assignment: dict) -> bool:
-        return _reads_its_heads(probe, layer, path, owner, rows_parallel, full_rows, layout, heads, kv, d, assignment)
+        return _reads_its_heads(probe, layer, paths, owner, rows_parallel, full_rows, layout, heads, kv, d, assignment)
 
     if start and works(dict(start)):
         return dict(start)
@@ -224,9 +238,27 @@ def local_attributes(probe: Probe, layer: nn.Module, path: str, rows_parallel: l
     return names
 
 
-def attention_rows_parallel(probe: Probe, layer: nn.Module, path: str) -> list[str]:
-    """The layer's row-parallel linears that read what the attention computes from `path` (its output projection)."""
+def attention_rows_parallel(probe: Probe, layer: nn.Module, paths: tuple[str, ...]) -> list[str]:
+    """The layer's row-parallel linears that read what the attention computes from `paths` (its output projection)."""
     flow = probe.flow(layer)
     if flow is None:
         return []
-    return [p for p in flow.row_parallel() if ATTENTION in flow.sources.get(p, ()) and path in flow.sources[p]]
+    return [p for p in flow.row_parallel() if ATTENTION in flow.sources.get(p, ())
+            and set(paths) & flow.sources[p]]
+
+
+def probed_separate(probe: Probe, layer: nn.Module) -> dict[str, tuple[str, str, str]]:
+    """{module path: (query, key, value) linear names} of the attentions whose query, key and value come from three
+    linears of one module, whatever their names (Meta's reference LLaMA's `wq`, `wk`, `wv`): each linear's rows read
+    by the products as one role alone."""
+    flow = probe.flow(layer)
+    if flow is None:
+        return {}
+    roles: dict[str, dict[str, str]] = {}
+    for path in sorted(flow.attention - flow.scores_both):
+        rows = probe.heads(layer, path)
+        held = [r for r in ("q", "k", "v") if rows is not None and getattr(rows, r)]
+        if len(held) == 1:
+            owner, _, name = path.rpartition(".")
+            roles.setdefault(owner, {}).setdefault(held[0], name)
+    return {owner: (r["q"], r["k"], r["v"]) for owner, r in roles.items() if len(r) == 3}

@@ -223,7 +223,7 @@ class Probe:
         self.failure: str | None = None
         self._inputs: dict[int, tuple | None] = {}
         self._flows: dict[int, LayerFlow | None] = {}
-        self._heads: dict[tuple[int, str], HeadRows | None] = {}
+        self._heads: dict[tuple, HeadRows | None] = {}
 
     @property
     def model(self) -> nn.Module:
@@ -397,34 +397,43 @@ class Probe:
                                                        frozenset(fed), frozenset(both))
         return self._flows[id(layer)]
 
-    def heads(self, layer: nn.Module, path: str, rows: list[int] | None = None, inputs: tuple | None = None
-              ) -> HeadRows | None:
-        """Which of `path`'s output rows each head reads (`HeadRows`), the linear answering its row indices; with
-        `rows`, the linear holds only those rows of the full one (a split simulated), in that order, on `inputs`."""
+    def heads(self, layer: nn.Module, paths: str | tuple[str, ...], rows: list[int] | None = None,
+              inputs: tuple | None = None, sizes: list[int] | None = None) -> HeadRows | None:
+        """Which output rows of the linears at `paths` each head reads (`HeadRows`), the rows of several linears
+        numbered as if their outputs were concatenated in that order (separate query, key and value projections
+        read as one [Q | K | V]): each linear answers the indices of its rows. With `rows` (indices in that
+        numbering, the linears' full widths `sizes`), each linear holds only those of its rows (a split simulated),
+        in that order, on `inputs`."""
         layer = self.twin(layer)
-        key = (id(layer), path)
+        paths = (paths,) if isinstance(paths, str) else tuple(paths)
+        key = (id(layer), paths)
         if rows is None and key in self._heads:
             return self._heads[key]
-        size = out_features(layer.get_submodule(path)) if rows is None else max(rows) + 1  # the full linear's rows
-        held = torch.tensor(rows if rows is not None else list(range(size)), dtype=torch.float64) + 1
+        sizes = list(sizes) if sizes else [out_features(layer.get_submodule(p)) for p in paths]
+        starts = [sum(sizes[:i]) for i in range(len(paths))]
+        size = sum(sizes)
+        wanted = rows if rows is not None else list(range(size))
+        answers = {p: torch.tensor([r for r in wanted if a <= r < a + n], dtype=torch.float64) + 1
+                   for p, a, n in zip(paths, starts, sizes)}
         found = None
         if self.layer_inputs(layer) is not None:
             try:
-                found = self._heads_from(self._run(layer, {path: held}, inputs)[0], path, size)
+                found = self._heads_from(self._run(layer, answers, inputs)[0], set(paths), size)
             except Exception:  # noqa: BLE001 (a split simulated that the module's code refuses)
                 found = None
         if rows is None:
             self._heads[key] = found
         return found
 
-    def _heads_from(self, mode: _Flow, path: str, size: int) -> HeadRows | None:
+    def _heads_from(self, mode: _Flow, paths: set[str], size: int) -> HeadRows | None:
         found = HeadRows(size)
         for tensors, tags in mode.products:
             operands = [(t, tag) for t, tag in zip(tensors, tags) if tag - {INPUT}]  # not baddbmm's buffer
             scores = ATTENTION not in operands[0][1]  # q . k; else probabilities . v
             for i, (t, tag) in enumerate(operands[:2]):
                 role = ("q" if i == 0 else "k") if scores else ("v" if i == 1 else None)
-                if role and tag - {INPUT} == {path} and not getattr(found, role):
+                read = tag - {INPUT}
+                if role and len(read) == 1 and read <= paths and not getattr(found, role):
                     decoded = decode(t, size)
                     if decoded is None:
                         return None

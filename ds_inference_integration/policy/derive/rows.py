@@ -123,7 +123,7 @@ def _flow_rows(model: nn.Module, classes, named: dict[str, tuple[str, ...]]) -> 
     the probe found (InternLM2's `wo`, after `wqkv`). Where names give some, the rest of the flow's is left to them:
     across the 157 models of the architecture table, adding every one changed 6 verified policies (Gemma 4's per-layer
     projection, read beside an input every rank holds whole, would have been made row-parallel)."""
-    from .attention import FUSED_QKV, _attention_modules
+    from .attention import FUSED_QKV, SEPARATE_QKV, _attention_modules
 
     probe = active()
     if probe is None:
@@ -134,8 +134,11 @@ def _flow_rows(model: nn.Module, classes, named: dict[str, tuple[str, ...]]) -> 
             continue
         rows: set[str] = set()
         for layer in kinds:
-            unnamed = [] if name not in named else [f"{p}.{f}" if p else f for p, _, f, _ in _attention_modules(layer)
-                                                    if f and f not in FUSED_QKV]  # fused projections the probe found
+            # the projections of the attentions only the probe found (fused, or separate under names no rule knows)
+            unnamed = [] if name not in named else [f"{p}.{n}" if p else n for p, _, f, separate in
+                                                    _attention_modules(layer) if (f and f not in FUSED_QKV) or (
+                                                        separate and separate not in SEPARATE_QKV)
+                                                    for n in ((f,) if f else separate)]
             flow = probe.flow(layer) if name not in named or unnamed else None
             if flow is None:
                 continue
