@@ -119,7 +119,8 @@ def test_the_probe_reads_what_the_names_do_not_say(own):
     attributes a rank's split needs (ChatGLM's `core_attention`, OLMo's `fused_dims` tuple
     and its config's `n_heads`), row-parallel linears from the data flow (OLMo's, directly on its block; InternLM2's
     `wo`), packed projections (ChatGLM's [gate | up], OLMo's [x | gate], a cross-attention's [key | value]), and a
-    per-head bias made outside the layers (JAIS's ALiBi slopes)."""
+    per-head bias made outside the layers, by a module (JAIS's ALiBi slopes) or by the model's forward and passed to
+    each layer (MPT's `attn_bias`)."""
     from ds_inference_integration.policy.derive import derive_policy
     from ds_inference_integration.policy.derive.probe import Probe
 
@@ -145,7 +146,12 @@ def test_the_probe_reads_what_the_names_do_not_say(own):
     assert "attention.wo" in llama.layers["TransformerBlock"] and not llama.replicated
     seq2seq = derive_policy(_skeleton(own["own_seq2seq"]))
     assert seq2seq.packed == {"TranslatorDecoderLayer": ("encoder_attn.kv_proj",)}
-    assert derive_policy(_skeleton(own["jais"])).head_biases == ("transformer.relative_pe",)
+    jais = derive_policy(_skeleton(own["jais"]))
+    assert jais.head_biases == ("transformer.relative_pe",) and not jais.head_inputs  # cut once, by its module
+    mpt = derive_policy(_skeleton(own["mpt_ref"]))  # ALiBi made by the model's forward, passed to each block
+    assert mpt.head_inputs == {"MPTBlock": {"attn_bias": -3}} and not mpt.head_biases
+    # a rotary table an input of every layer (InternLM2's, ChatGLM's) is not one, whatever its sizes
+    assert not internlm2.head_inputs and not chatglm.head_inputs and not llama.head_inputs
     model = _skeleton(own["qknorm_lm"])
     rows = Probe(model).heads(model.model.blocks[0], "attn.qkv_packed")
     assert [r[0] for r in rows.q] == [0, 32, 64, 96] and [r[0] for r in rows.kv_heads()] == [128, 160]
@@ -214,6 +220,49 @@ def test_a_policy_file_declares_what_the_probe_reads(tmp_path):
     path.write_text(text.replace('packed = ["mlp.gate_up"]', 'packed = "mlp.gate_up"'))
     with pytest.raises(InferenceSetupError, match="layers.Block.packed"):
         load_policy(path)
+
+
+def test_a_bias_for_every_head_passed_to_the_layers_is_cut_to_a_ranks_heads(tmp_path):
+    """`head_inputs`: read back as written; an input the layer's forward cannot take, or a bad axis, is one line;
+    the cut keeps this rank's heads on the named axis, of [1, heads, 1, keys] as of the batch and heads flattened
+    together, whether the input comes by keyword or by position, and leaves a bias for all heads alike (one entry on
+    that axis) as it is."""
+    from ds_inference_integration.errors import InferenceSetupError
+    from ds_inference_integration.policy.head_layout import HeadLayout
+    from ds_inference_integration.policy.schema import load_policy, policy_identity, policy_to_toml
+    from ds_inference_integration.shard.biases import cut_head_inputs, cut_heads
+
+    path = tmp_path / "p.toml"
+    text = QKNORM_POLICY.replace('packed = ["mlp.gate_up"]', 'packed = ["mlp.gate_up"]\nhead_inputs = { bias = -3 }')
+    path.write_text(text)
+    policy = load_policy(path)
+    assert policy.head_inputs == {"Block": {"bias": -3}}
+    path.write_text(policy_to_toml(policy))
+    assert policy_identity(load_policy(path)) == policy_identity(policy)
+    for bad in ("{ bias = 1 }", '"bias"', "{ 1bias = -3 }"):
+        path.write_text(text.replace("{ bias = -3 }", bad))
+        with pytest.raises(InferenceSetupError, match="layers.Block.head_inputs"):
+            load_policy(path)
+
+    heads = HeadLayout(4, 4, 2, 1)  # rank 1 of 2: heads 2 and 3
+    alibi = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 1, 5)
+    assert cut_heads(alibi, -3, heads)[0, :, 0, 0].tolist() == [2.0, 3.0]
+    flat = torch.arange(8.0).view(8, 1, 1)  # batch 2 x heads 4
+    assert cut_heads(flat, -3, heads).flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+    same = torch.zeros(1, 1, 1, 5)
+    assert cut_heads(same, -3, heads) is same
+
+    class Block(torch.nn.Module):
+        def forward(self, x, bias=None, mask=None):
+            return bias
+
+    block = Block()
+    cut_head_inputs([block], {"Block": {"bias": -3}}, heads, "p.toml")
+    assert block(None, bias=alibi).shape[1] == 2 and block(None, alibi).shape[1] == 2
+    with pytest.raises(InferenceSetupError, match="'biases' is no input of Block.forward; valid: x, bias, mask"):
+        cut_head_inputs([Block()], {"Block": {"biases": -3}}, heads, "p.toml")
+    with pytest.raises(InferenceSetupError, match="layers.Decoder match no layer"):
+        cut_head_inputs([Block()], {"Decoder": {"bias": -3}}, heads, "p.toml")
 
 
 # Launched -------------------------------------------------------------------------------------------------------
@@ -305,7 +354,7 @@ def _check(own, names, tp, tmp_path, *extra):
 
 @pytest.mark.launched
 def test_models_with_their_own_code_match_the_unsharded_model_at_tp2():
-    """The ten families the derivation splits by itself, in the shared tp-2 check (`test_policies_tp.tp2_shared`,
+    """The eleven families the derivation splits by itself, in the shared tp-2 check (`test_policies_tp.tp2_shared`,
     --trust_remote_code): every check passes (logits, hidden states, greedy, beam and sampled ids, the weights each
     rank holds, shard-aware and pre-sharded loading), each derived policy's verdicts printed before its checks;
     nothing kept whole but what every rank needs whole."""

@@ -21,6 +21,9 @@ input's width; OLMo-2 normalises the whole query projection), while the rest of 
 `packed = ["mlp.dense_h_to_4h"]` names linears whose output packs two equal halves that the module reads apart and
 pairs (ChatGLM's [gate | up], OLMo's [x | gate], a cross-attention's [key | value]): each rank keeps its share of
 each half (`shard/packed.py`), matching the row-parallel linear that reads them.
+`head_inputs = { attn_bias = -3 }` names inputs of the layer's forward (a keyword, or a positional index "1") that hold
+a bias for every head, made by the model's own forward (MPT's ALiBi [1, heads, 1, keys]), with their head axis counted
+from the end: each rank's layers cut them to its heads as they arrive (`shard/biases.py`).
 
 At the top level, `head_biases = ["transformer.relative_pe"]` names modules outside the layers (paths from the model)
 that make a bias for every head, which every layer's attention adds to its scores (JAIS's ALiBi slopes): each rank
@@ -67,7 +70,7 @@ def _shipped_policy_dir() -> Path:
 
 POLICY_DIR = Path(os.environ.get("DS_INFERENCE_POLICY_DIR") or _shipped_policy_dir())
 _TOP_KEYS = {"description", "model_types", "match", "head_count_attributes", "layers", "attention", "head_biases"}
-_LAYER_KEYS = {"row_parallel", "replicated", "experts", "mixers", "packed"}
+_LAYER_KEYS = {"row_parallel", "replicated", "experts", "mixers", "packed", "head_inputs"}
 _ATTENTION_KEYS = {"query_heads", "kv_heads", "fused_qkv", "layout", "query", "key", "value", "local", "also"}
 _LOCAL_VALUES = {"q_heads", "kv_heads", "q_width", "kv_width", "q_per_kv", "head_dim", "qkv_width"}
 DERIVE = "derive"  # resolve_policy's answer for a model type with no policy file: derive one from the model
@@ -123,6 +126,8 @@ class Policy:
     experts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> packed experts modules
     mixers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> SSM mixers split by heads
     packed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # class-name glob -> linears of two halves
+    # class-name glob -> {input of its forward: head axis from the end}, a bias for every head cut as it arrives
+    head_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
     head_biases: tuple[str, ...] = ()  # modules outside the layers making a bias per head, sliced to a rank's heads
     # each mechanism's verdict (a derived policy's: `derive/verdicts.py`), not part of what the policy is
     verdicts: tuple[tuple[str, str, str], ...] = field(default=(), compare=False)
@@ -161,11 +166,11 @@ def load_policy(path: str | Path) -> Policy:
     layers = data.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise _schema_error(path, "needs a [layers.<ClassName>] table with row_parallel = [...]")
-    parsed_layers, replicated, experts, mixers, packed = {}, {}, {}, {}, {}
+    parsed_layers, replicated, experts, mixers, packed, head_inputs = {}, {}, {}, {}, {}, {}
     for pattern, entry in layers.items():
         if not isinstance(entry, dict) or set(entry) - _LAYER_KEYS or "row_parallel" not in entry:
             raise _schema_error(path, f"[layers.{pattern}] must hold row_parallel = [...] (and may hold "
-                                      "replicated = [...], experts = [...] and mixers = [...]), nothing else")
+                                      "replicated, experts, mixers, packed = [...] and head_inputs = {...}), nothing else")
         parsed_layers[pattern] = _str_list(path, f"layers.{pattern}.row_parallel", entry["row_parallel"], True)
         if "replicated" in entry:
             replicated[pattern] = _str_list(path, f"layers.{pattern}.replicated", entry["replicated"])
@@ -175,7 +180,10 @@ def load_policy(path: str | Path) -> Policy:
             mixers[pattern] = _str_list(path, f"layers.{pattern}.mixers", entry["mixers"])
         if "packed" in entry:
             packed[pattern] = _str_list(path, f"layers.{pattern}.packed", entry["packed"])
-        if not parsed_layers[pattern] and not any(pattern in d for d in (replicated, experts, mixers, packed)):
+        if "head_inputs" in entry:
+            head_inputs[pattern] = _head_inputs(path, pattern, entry["head_inputs"])
+        if not parsed_layers[pattern] and not any(pattern in d for d in (replicated, experts, mixers, packed,
+                                                                         head_inputs)):
             raise _schema_error(path, f"'layers.{pattern}.row_parallel' must be a non-empty list of strings, got []")
     match = data.get("match", {})
     if not isinstance(match, dict):
@@ -190,10 +198,22 @@ def load_policy(path: str | Path) -> Policy:
         experts=experts,
         mixers=mixers,
         packed=packed,
+        head_inputs=head_inputs,
         head_biases=_str_list(path, "head_biases", data.get("head_biases", []), allow_empty=True),
         match=tuple(sorted(match.items())),
         attention=_parse_attention(path, data.get("attention")),
     )
+
+
+def _head_inputs(path: Path, pattern: str, value: object) -> dict[str, int]:
+    """`head_inputs = { attn_bias = -3, "1" = -1 }`: input (keyword, or positional index) -> head axis from the end."""
+    if not isinstance(value, dict) or not value or not all(
+            isinstance(a, int) and not isinstance(a, bool) and a < 0 and k and (not k[0].isdigit() or k.isdigit())
+            for k, a in value.items()):
+        raise _schema_error(path, f"'layers.{pattern}.head_inputs' must be a table of input = head axis, each input a "
+                                  "keyword of the layer's forward or a positional index (\"1\"), each axis counted "
+                                  f"from the end (-1, -2, ...), got {value!r}")
+    return dict(value)
 
 
 def _parse_attention(path: Path, data: object) -> AttentionSpec | None:
@@ -491,6 +511,9 @@ def policy_to_toml(policy: Policy) -> str:
         for key in ("replicated", "experts", "mixers", "packed"):
             if getattr(policy, key).get(pattern):
                 lines.append(f"{key} = [{', '.join(map(q, getattr(policy, key)[pattern]))}]")
+        if policy.head_inputs.get(pattern):
+            lines.append("head_inputs = { " + ", ".join(f"{q(k) if k.isdigit() else k} = {a}"
+                                                        for k, a in policy.head_inputs[pattern].items()) + " }")
     spec = policy.attention
     if spec is not None:
         lines += ["", "[attention]", f"query_heads = {q(spec.query_heads)}", f"kv_heads = {q(spec.kv_heads)}"]
@@ -520,7 +543,7 @@ def policy_identity(policy: Policy) -> str:
     fields = {k: v for k, v in dataclasses.asdict(policy).items() if k not in ("source", "description", "verdicts")}
     if fields.get("attention") and not fields["attention"]["also"]:
         del fields["attention"]["also"]  # a table without `also` keeps the identity it had before the key existed
-    for key in ("mixers", "packed", "head_biases"):  # likewise a policy without them
+    for key in ("mixers", "packed", "head_biases", "head_inputs"):  # likewise a policy without them
         if not fields[key]:
             del fields[key]
     text = json.dumps(fields, sort_keys=True, default=str)

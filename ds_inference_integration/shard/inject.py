@@ -53,7 +53,7 @@ from ..policy.schema import (
 from ..run.collector import collector_paused
 from ..topology import ModelParallelUnit, ProcessGroups, Topology
 from .attention import HeadLayout, split_fused_qkv, split_heads, whole
-from .biases import slice_head_biases
+from .biases import cut_head_inputs, slice_head_biases
 from .experts import experts_modules, split_experts
 from .mixers import split_ssm_mixer, ssm_mixers
 from .packed import split_packed
@@ -91,7 +91,7 @@ def _param_bytes(model: nn.Module) -> int:
 # Preparation: what DeepSpeed would get wrong, made right on the model first --------------------------
 
 def _layers(model: nn.Module, policy: Policy) -> list[nn.Module]:
-    patterns = {*policy.layers, *policy.replicated, *policy.experts, *policy.mixers, *policy.packed}
+    patterns = {*policy.layers, *policy.replicated, *policy.experts, *policy.mixers, *policy.packed, *policy.head_inputs}
     return [m for m in model.modules() if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns)]
 
 
@@ -453,11 +453,15 @@ def shard_model(
                         for mixer in ssm_mixers(layer, paths, skip=kept_ids):
                             split_ssm_mixer(mixer, topology.tp_size, topology.tp_rank, groups.tp)
             _split_packed(layers, policy, topology)
-            if policy.head_biases:
+            if policy.head_biases or policy.head_inputs:
                 heads_of = head_values(model.config)
-                slice_head_biases(model, policy.head_biases,
-                                  HeadLayout(heads_of[0], heads_of[0], topology.tp_size, topology.tp_rank),
-                                  policy.source)
+                if heads_of is None:
+                    raise InferenceSetupError(f"policy {policy.source}: head_biases and head_inputs cut a bias to a "
+                                              "rank's heads, but no attribute of the model's config gives its head "
+                                              "count (num_attention_heads, n_head, ...)")
+                per_head = HeadLayout(heads_of[0], heads_of[0], topology.tp_size, topology.tp_rank)
+                slice_head_biases(model, policy.head_biases, per_head, policy.source)
+                cut_head_inputs(layers, policy.head_inputs, per_head, policy.source)
             if policy.attention is not None:
                 heads = _head_layout(policy, model.config, topology)
                 attentions = [a for layer in layers for spec in policy.attention.variants()

@@ -36,7 +36,7 @@ from ...errors import InferenceSetupError
 from ..layers import layer_kinds
 from ..schema import DERIVE, Policy, is_linear, names_module, reading_configured_values, under_replicated
 from .attention import derive_attention
-from .biases import derive_head_biases
+from .biases import derive_head_biases, derive_head_inputs
 from .experts import derive_experts
 from .heads import _head_counts, head_values
 from .packed import derive_packed
@@ -144,6 +144,7 @@ def _derive_policy(model: nn.Module) -> Policy:
         logger.warning("%s: kept whole on every rank in %s: %s", model_type, name,
                        "; ".join(f"{p} ({why})" for p, why in paths.items()))
     head_biases = derive_head_biases(model, layers)
+    head_inputs = derive_head_inputs(model, layers, head_biases)
     attention, replicated = derive_attention(model, layers, skip={n: {*whole.get(n, ()), *mixers.get(n, ())}
                                                                   for n in sorted({*whole, *mixers})},
                                              biases=head_biases)
@@ -174,7 +175,7 @@ def _derive_policy(model: nn.Module) -> Policy:
     return Policy(source=Path(DERIVED.format(model_type)), description=f"derived from {type(model).__name__}",
                   model_types=(model_type,), head_count_attributes=heads, layers=layers, attention=attention,
                   replicated=replicated, experts=experts, mixers=mixers, packed={n: p for n, p in packed.items() if p},
-                  head_biases=head_biases)
+                  head_biases=head_biases, head_inputs=head_inputs)
 
 
 def derived_summary(policy: Policy) -> str:

@@ -428,13 +428,8 @@ def _probed_table(layer: nn.Module, paths: tuple[str, ...], q: int, kv: int, loc
                 "describes it")
     rows_parallel = attention_rows_parallel(probe, layer, paths)
     assignment = local_attributes(probe, layer, paths, rows_parallel, rows, layout, heads, kv_heads, d, dict(local))
-    named = len(paths) == 1 and paths[0].rpartition(".")[2] in FUSED_QKV or len(paths) == 3 and tuple(
-        p.rpartition(".")[2] for p in paths) in SEPARATE_QKV
-    if isinstance(assignment, list) and named:
-        note("attention", path, f"layout {layout} (probed); the probe found no per-rank attributes under which a "
-                                "simulated split reads each rank's heads: the rules of its names decide them")
-        return layout, local
-    if isinstance(assignment, list):
+    if isinstance(assignment, list):  # (whatever its names: a nanoGPT-style attention viewing its output at its input's
+        # width, `C` of `x.size()`, reads no attribute a rank could hold)
         tried = ", ".join(assignment) or "none read in its forward"
         return (f"is read in layout {layout}, but under no assignment of a rank's head counts and widths to the "
                 f"attributes its attention reads ({tried}) does a simulated split read each rank's heads (declare them "

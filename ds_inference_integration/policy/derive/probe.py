@@ -15,8 +15,9 @@ its parameters are on (a skeleton's are on `meta`: nothing is read or allocated 
 * `Probe.split`, `Probe.rank_inputs`: a rank's split simulated before it is made: the linears' shapes and the
   attributes a rank would hold, the layer's per-head inputs cut to its heads; `layouts.py` asks whether the products
   then read this rank's heads.
-* `Probe.pairs_halves`, `Probe.biases`: whether a linear's two halves are read apart and paired row by row (a
-  packed [gate | up]); which modules outside the layers make what the attention adds after its scores.
+* `Probe.pairs_halves`, `Probe.biases`, `Probe.head_inputs`: whether a linear's two halves are read apart and paired
+  row by row (a packed [gate | up]); which modules outside the layers make what the attention adds after its scores,
+  and which of a layer's inputs hold such a bias for every head.
 
 Deterministic (seeded, CPU, fp32), so every rank derives the same policy."""
 
@@ -372,6 +373,41 @@ class Probe:
                 h.remove()
         operands = {t for _, tags in mode.products for tag in tags for t in tag}
         return {p for p in candidates if p in read and p not in operands}
+
+    def head_inputs(self, layer: nn.Module, heads: int) -> dict[str, int]:
+        """The layer's inputs (keyword name, or positional index as text) holding one entry per head on an axis (as a
+        negative index) that its attention adds after its scores: they reach what its output projection reads and
+        no operand of the attention products (a rotary table reaches the query and the key)."""
+        layer = self.twin(layer)
+        call = self.layer_inputs(layer)
+        if call is None or heads < 2:
+            return {}
+        args, kwargs = call
+        candidates = {}
+        for key, value in [*((str(i), a) for i, a in enumerate(args) if i), *kwargs.items()]:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                axis = next((i for i, n in enumerate(value.shape) if n == heads), None)
+                if axis is not None:
+                    candidates[key] = (value, axis - value.ndim)
+        if not candidates:
+            return {}
+        mode = _Flow()
+        read: set = set()
+        handles = [linear.register_forward_pre_hook(lambda module, a: read.update(mode.of(a[0])))
+                   for linear in _linears(layer).values()]
+        try:
+            with torch.no_grad(), mode:
+                for key, (value, _) in candidates.items():
+                    mode.tag(value, {f"input {key}"})
+                layer(*args, **kwargs)
+        except Exception:  # noqa: BLE001 (the model's own code on the probe's stand-ins)
+            return {}
+        finally:
+            for h in handles:
+                h.remove()
+        operands = {t for _, tags in mode.products for tag in tags for t in tag}
+        return {key: axis for key, (_, axis) in candidates.items()
+                if f"input {key}" in read and f"input {key}" not in operands}
 
     def flow(self, layer: nn.Module) -> LayerFlow | None:
         """The layer's `LayerFlow`, or None where it could not be run."""
