@@ -404,16 +404,20 @@ STOP_ARGS = ["--do_predict", "--max_predict_samples", "64", "--per_device_eval_b
 
 # The shared-memory all-reduce (asked for with DS_INFERENCE_CPU_ALL_REDUCE=shm; gloo is the default) is make
 # test-all's: the watchdog that ends a stopped rank is make test's through the gloo run, and on a fresh clone the
-# shm run also JIT-compiles DeepSpeed's op (43 CPU-s, besides the run's 14; 2026-12-06)
+# shm run also JIT-compiles DeepSpeed's op (43 CPU-s, besides the run's 14; 2026-12-06). DP x TP (4 ranks) is make
+# test-all's too: the watchdog is one per rank whatever the mesh, and the TP groups' own timeout under DP x TP is
+# make test's through test_tp_and_dp_groups_get_the_inference_timeout (4 ranks cost 33 CPU-s of a suite over its
+# 10 minutes, 2026-12-07; 2 ranks ~17)
 @pytest.mark.parametrize("nprocs, launcher, all_reduce", [
-    (4, "torchrun", "gloo"), pytest.param(2, "deepspeed", "shm", marks=pytest.mark.slow)],
-    ids=["dp2_x_tp2_gloo_torchrun", "tp2_shared_memory_all_reduce_deepspeed"])
+    (2, "torchrun", "gloo"), pytest.param(4, "torchrun", "gloo", marks=pytest.mark.slow),
+    pytest.param(2, "deepspeed", "shm", marks=pytest.mark.slow)],
+    ids=["tp2_gloo_torchrun", "dp2_x_tp2_gloo_torchrun", "tp2_shared_memory_all_reduce_deepspeed"])
 @pytest.mark.launched
 def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path, nprocs, launcher, all_reduce):
-    """SIGSTOP: not dead, so no connection closes. Under DP x TP the TP all-reduce is gloo's; at tp = world on
-    one node, when asked for, it is DeepSpeed's shared-memory all-reduce, which busy-waits with no timeout of
-    its own. (torchrun hosts the rendezvous store in its agent, the deepspeed launcher in rank 0: the watchdog
-    works with both.)"""
+    """SIGSTOP: not dead, so no connection closes. With gloo (the default; under DP x TP the TP all-reduce is
+    always gloo's) or, at tp = world on one node when asked for, DeepSpeed's shared-memory all-reduce, which
+    busy-waits with no timeout of its own. (torchrun hosts the rendezvous store in its agent, the deepspeed
+    launcher in rank 0: the watchdog works with both.)"""
     import re
     import time
 
