@@ -387,6 +387,64 @@ def test_generate_route_beams_and_sequences(gpt2):
 
 
 
+def test_the_tokenizer_routes_offsets_into_the_text_and_a_chunk_for_every_token(gpt2):
+    """vLLM's tokenizer routes, as lm-evaluation-harness's remote tokenizer (`tokenizer_backend=remote`) calls them
+    in place of a local copy: GET /tokenizer_info (its special tokens), POST /tokenize (a prompt, special tokens
+    added or not) and /detokenize, each the tokenizer's own answer; bad input one line. `text_offset`: where each
+    token's text starts in the returned text (echoed prompt and completion: counted into the tokens' texts joined
+    before, text[offset:] started inside a word). A stream with a stop string that holds its text back sends a chunk
+    for every token (before: none until text came, silent while a long stop string might still match). /metrics
+    tells rows held and slots free per replica."""
+    from transformers import AutoTokenizer
+
+    tokenizer, url = AutoTokenizer.from_pretrained(GPT2), gpt2.url
+    status, info = get(url + "/tokenizer_info")
+    assert status == 200 and info["tokenizer_class"] == type(tokenizer).__name__, info
+    assert info["eos_token"] == tokenizer.eos_token and "vocab_file" not in info and "chat_template" not in info
+    status, eos = post(url + "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert status == 200 and eos["tokens"] == [tokenizer.eos_token_id], eos  # how the remote tokenizer finds EOS
+    for body, want in (({"prompt": PROMPTS[0]}, tokenizer(PROMPTS[0])["input_ids"]),
+                       ({"prompt": PROMPTS[1], "add_special_tokens": False, "model": "gpt2-num2words-en-ro"},
+                        tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"])):
+        status, got = post(url + "/tokenize", {**body, "return_token_strs": True})
+        assert status == 200 and got == {"count": len(want), "max_model_len": 64, "tokens": want,
+                                         "token_strs": tokenizer.convert_ids_to_tokens(want)}, got
+        status, text = post(url + "/detokenize", {"tokens": want})
+        assert status == 200 and text == {"prompt": tokenizer.decode(want)}, text
+    for route, body, words in (("/detokenize", {"tokens": [5, 10 ** 6]}, "token id 1000000 is not in the vocabulary"),
+                               ("/tokenize", {"prompt": "a", "messages": []}, "a prompt or messages, one of them"),
+                               ("/tokenize", {"messages": [{"role": "user", "content": "a"}]}, "no chat template"),
+                               ("/tokenize", {"prompt": "a", "model": "other"}, "is not served here")):
+        status, answer = post(url + route, body)
+        assert status in (400, 404) and words in answer["error"]["message"], (route, answer)
+        _one_line_error(status, answer)
+    status, done = post(url + "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 8, "logprobs": 1, "echo": True,
+                                                  "temperature": 0})
+    lp = done["choices"][0]["logprobs"]
+    text, offsets = done["choices"][0]["text"], lp["text_offset"]
+    assert status == 200 and text.startswith(PROMPTS[2]) and len(offsets) == len(lp["tokens"]) > 8, done
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    for word, at in zip(lp["tokens"], offsets):  # each token's text is where its offset says, after its space
+        skipped = word in tokenizer.all_special_tokens  # EOS: not in the text, at its end
+        assert text[at:] == "" if skipped else text[at:].lstrip(" ").startswith(word), (word, at, text)
+    chunks, gauges = [], []
+    with urllib.request.urlopen(urllib.request.Request(
+            url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": PROMPTS[3], "max_tokens": 12, "ignore_eos": True, "stream": True,
+                             "stop": ["z" * 60]}).encode()), timeout=60) as stream:
+        for line in stream:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 1:
+                    gauges = [_metric(url, "ds_inference_rows_running"), _metric(url, "ds_inference_slots_free")]
+    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is None]
+    assert len(tokens) == 12 and any(c["choices"][0]["text"] == "" for c in tokens[:3]), chunks[:4]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
+        post(url + "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 12, "ignore_eos": True})[1]["choices"][0]["text"]
+    assert gauges[0] >= 1 and gauges[1] >= 1, gauges  # mid-stream: its row held, room for more on the replicas
+    assert _metric(url, "ds_inference_rows_running") == 0 and _metric(url, "ds_inference_slots_free") >= 2
+
+
 def _one_line_error(status: int, body) -> None:
     """OpenAI's error shape, one line."""
     assert isinstance(body, dict) and set(body) == {"error"}, (status, body)

@@ -29,6 +29,7 @@ from ds_inference_integration.serve.rules import Refused, sample, unusable
 from ds_inference_integration.serve.settings import ServeArguments, model_limits, read_model_dir
 from ds_inference_integration.serve.text import (
     CONTEXT_TOKENS,
+    Offsets,
     Texts,
     completion_text,
     join_parts,
@@ -282,12 +283,48 @@ def test_completion_text_is_what_the_completion_adds_to_the_prompts_text(tokeniz
         assert lost_space > 0  # decoding alone differs: the rule matters for this family
 
 
+@pytest.mark.parametrize("family", ["byte_level_bpe", "metaspace", "wordpiece", "embedded"])
+def test_each_tokens_text_offset_is_where_its_text_starts_in_the_answer(tokenizer_families, family):
+    """OpenAI's `text_offset`: character offsets into the returned text. Each token's offset is the length of the
+    text its tokens before it decode to (after the prompt), given token by token as a stream gives them; a token cut
+    in the middle of a character (emoji and accented letters: byte-level BPE's ids, or random ids) sits where its
+    character starts. The offsets counted before (each token's own decoded text, added up: what vLLM counts) did
+    not point into the answer where a decoder puts spaces between tokens: " and and" on the embedded GPT-2 gave
+    0, 3 (text[3:] "d and")."""
+    tokenizer = tokenizer_families[family]
+    rng = random.Random(1)
+    texts = _sentences()
+    joined_differs = 0
+    for _ in range(150):
+        prompt = tokenizer(rng.choice(texts), add_special_tokens=False)["input_ids"][-CONTEXT_TOKENS:]
+        completion = tokenizer(" " + rng.choice(texts), add_special_tokens=False)["input_ids"][:rng.randint(1, 14)]
+        if rng.random() < 0.3:
+            completion = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 6))]
+        text = completion_text(tokenizer, prompt, completion)
+        whole = Offsets(tokenizer, prompt).extend(completion)
+        streamed = Offsets(tokenizer, prompt)
+        split = rng.randint(0, len(completion))
+        assert streamed.extend(completion[:split]) + streamed.extend(completion[split:]) == whole
+        assert whole[0] == 0 and whole == sorted(whole) and whole[-1] <= len(text)
+        for i, at in enumerate(whole):
+            before = completion_text(tokenizer, prompt, completion[:i])
+            if not before.endswith("\ufffd") and text.startswith(before):
+                assert at == len(before), (i, at, before, text)  # the text before the token is text[:at]
+        own = [len(tokenizer.decode([t])) for t in completion]
+        joined_differs += whole != [sum(own[:i]) for i in range(len(completion))]
+    if family in ("wordpiece", "embedded"):
+        assert joined_differs > 0  # the decoder's spaces: counting tokens' own texts goes wrong here
+    shifted = Offsets(tokenizer, prompt, start=7).extend(completion)  # after an echoed prompt of 7 characters
+    assert shifted == [7 + at for at in Offsets(tokenizer, prompt).extend(completion)]
+
+
 def test_the_embedded_models_completion_keeps_its_leading_space():
     tokenizer = AutoTokenizer.from_pretrained(GPT2)
     prompt = tokenizer("five hundred")["input_ids"]
     completion = tokenizer("and and", add_special_tokens=False)["input_ids"]
     assert completion_text(tokenizer, prompt, completion) == " and and"
     assert completion_text(tokenizer, [], completion) == "and and"  # an encoder-decoder's: no decoder prompt
+    assert Offsets(tokenizer, prompt).extend(completion) == [0, 4]  # " and and": each "and" after its space
 
 
 def test_chat_content_parts_are_joined_for_a_template_that_reads_strings():

@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/completions` and `POST /v1/chat/completions` (OpenAI's, with SSE streams ending in a usage chunk
 with empty `choices` and `data: [DONE]`), `GET /v1/models`, `POST /generate` (any generate setting: beams,
-num_return_sequences; encoder-decoders text in, text out), `GET /health` (200 ready; 503 loading, draining or
+num_return_sequences; encoder-decoders text in, text out), vLLM's `POST /tokenize`, `POST /detokenize` and `GET
+/tokenizer_info` (the model's tokenizer for clients without a copy of it), `GET /health` (200 ready; 503 loading, draining or
 broken: Kubernetes' readiness probe), `GET /live` (200 while the process runs: liveness), `GET /metrics`.
 Every answer other than 200 is OpenAI's error body with a one-line message; a 503 a retry cannot help carries
 `x-should-retry: false` (the openai SDK otherwise retries it twice)."""
@@ -33,9 +34,11 @@ from .batching import Job, Queue
 from .protocol import (
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
     ModelLimits,
     ServeError,
+    TokenizeRequest,
     check_count,
     check_not_served,
     completion_prompts,
@@ -46,7 +49,7 @@ from .protocol import (
 )
 from .server import Server
 from .settings import engine_settings
-from .text import Texts, context_of, join_parts, template_reads_parts
+from .text import Offsets, Texts, context_of, join_parts, template_reads_parts
 
 fastapi = optional_import("fastapi", "ds-inference serve")
 responses = optional_import("fastapi.responses", "ds-inference serve")
@@ -178,25 +181,83 @@ class Api:
         """A /v1/chat/completions body to rows (in a worker thread): its messages through the chat template."""
         self.check_model(body.model)
         self.unsupported(body, chat=True)
+        return self.plan_openai(body, [self.chat_ids(body.messages)])
+
+    def chat_ids(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 add_special_tokens: bool = False) -> list[int]:
+        """Chat messages to the prompt's token ids: through the chat template (text parts only), then tokenized with
+        no special tokens added (the template writes its own) unless `add_special_tokens`."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServeError(400, f"model {self.model_id!r} has no chat template, so it cannot chat; valid: "
                                   "POST /v1/completions with a prompt", "messages", "no_chat_template")
-        for i, m in enumerate(body.messages):  # a served model reads text; an image part would vanish in the template
+        for i, m in enumerate(messages):  # a served model reads text; an image part would vanish in the template
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 if part.get("type", "text") != "text" or not isinstance(part.get("text", ""), str):
                     raise ServeError(400, f"messages.{i}.content.{j}: a part of type {part.get('type')!r} is not "
                                           "served (a text model); valid: parts of type 'text'", f"messages.{i}.content")
-        messages = join_parts([m.model_dump(exclude_none=True) for m in body.messages], self.reads_parts)
-        try:  # the template's text, then its tokens without special ones added: the template writes its own
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if add_generation_prompt and continue_final_message:
+            raise ServeError(400, "add_generation_prompt and continue_final_message are both true; valid: one of "
+                                  "them at most", "continue_final_message")
+        parts = join_parts([m.model_dump(exclude_none=True) for m in messages], self.reads_parts)
+        more = {"continue_final_message": True} if continue_final_message else {}
+        try:  # the template's text, then its tokens
+            text = self.tokenizer.apply_chat_template(parts, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **more)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages (roles out of order...)
             raise ServeError(400, f"messages: the chat template refused them: {' '.join(str(e).split())[:200]}",
                              "messages") from None
-        ids = self.tokenizer([text], add_special_tokens=False)["input_ids"][0]
+        ids = self.tokenizer([text], add_special_tokens=add_special_tokens)["input_ids"][0]
         if not ids:
             raise ServeError(400, "messages: the chat template made no tokens of them; valid: messages with text",
                              "messages")
-        return self.plan_openai(body, [list(ids)])
+        return list(ids)
+
+    def plan_tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize answer (in a worker thread): a prompt's token ids, or a chat's through its template."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ServeError(400, "POST /tokenize takes a prompt or messages, one of them; valid: {\"prompt\": "
+                                  "\"text\"} or {\"messages\": [{\"role\": \"user\", \"content\": \"text\"}]}",
+                             "prompt")
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = list(self.tokenizer([body.prompt], add_special_tokens=special)["input_ids"][0])
+        else:
+            ids = self.chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                bool(body.add_special_tokens))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def plan_detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize answer (in a worker thread): token ids to their text (special tokens kept)."""
+        self.check_model(body.model)
+        vocab = len(self.tokenizer)
+        bad = outside_vocabulary(body.tokens, vocab)
+        if bad:
+            raise ServeError(400, f"tokens: token id {bad[0]} is not in the vocabulary; valid: 0 to {vocab - 1}",
+                             "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's settings as its tokenizer_config.json holds them (no file paths),
+        its class and chat template: what lm-evaluation-harness's remote tokenizer reads (special tokens, the
+        template) so that it needs no copy of the tokenizer."""
+        def plain(value):
+            if hasattr(value, "content"):  # an AddedToken
+                return value.content
+            if isinstance(value, dict):
+                return {str(k): plain(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+        info = {k: plain(v) for k, v in (getattr(self.tokenizer, "init_kwargs", None) or {}).items()
+                if k not in ("vocab_file", "merges_file", "tokenizer_file")}
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, str):
+            info["chat_template"] = template
+        return info
 
     async def wait(self, job: Job, request) -> None:
         """Until the job is done; a client that goes away cancels it."""
@@ -234,14 +295,20 @@ class Api:
             return row.prompt_text
         return self.tokenizer.decode(row.prompt_ids, skip_special_tokens=row.skip_special_tokens)
 
-    def logprobs(self, row, seq: list[int], start: int = 0, offset: int = 0) -> dict:
+    def offsets(self, row) -> Offsets:
+        """Where a row's new tokens' texts start in its answer's text (`text.Offsets`): after its echoed prompt where
+        it asked for `echo`."""
+        start = len(self.echoed(row)) if row.echo else 0
+        return Offsets(self.tokenizer, self.context(row), row.skip_special_tokens, start)
+
+    def logprobs(self, row, seq: list[int], start: int = 0, offsets: Offsets | None = None) -> dict:
         """OpenAI's completion `logprobs` of a row (its prompt's first, with `echo`): each token's text, its log
         probability (None for the prompt's first, which has no context), the likeliest tokens' (with the token
-        itself, as vLLM gives them) and each token's character offset in the concatenated token texts. A stream's
-        chunk gives `seq`'s tokens from `start` on (those the chunks before it have not), their offsets counted on
-        from `offset` (where the texts of the tokens before `start` end): the chunks' lists, joined, are the
-        non-streamed answer's."""
-        ids, chosen, tops = [], [], []
+        itself, as vLLM gives them) and each token's character offset in the answer's text (`text.Offsets`). A
+        stream's chunk gives `seq`'s tokens from `start` on (those the chunks before it have not), their offsets
+        read on by the row's `offsets` (`Api.offsets`): the chunks' lists, joined, are the non-streamed answer's."""
+        ids, chosen, tops, at = [], [], [], []
+        offsets = offsets if offsets is not None else self.offsets(row)
         if row.echo and not start:
             ids += list(row.prompt_ids)
             chosen.append(None)
@@ -249,15 +316,15 @@ class Api:
             for lp, top in row.prompt_token_logprobs or ():
                 chosen.append(lp)
                 tops.append(top)
+            at += Offsets(self.tokenizer, None, row.skip_special_tokens).extend(row.prompt_ids)
         ids += list(seq[start:])
         for lp, top in row.token_logprobs[start:len(seq)]:
             chosen.append(lp)
             tops.append(top)
+        at += offsets.extend(seq[start:])
         words = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        top_logprobs, offsets, at = [], [], offset
-        for t, lp, top, word in zip(ids, chosen, tops, words):
-            offsets.append(at)
-            at += len(word)
+        top_logprobs = []
+        for lp, top, word in zip(chosen, tops, words):
             if top is None:
                 top_logprobs.append(None)
                 continue
@@ -265,7 +332,7 @@ class Api:
             found.setdefault(word, lp)
             top_logprobs.append(found)
         return {"tokens": words[:len(chosen)], "token_logprobs": chosen, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+                "text_offset": at[:len(chosen)]}
 
     def usage(self, job: Job, generated: int) -> dict:
         prompts = {r.prompt_index: len(r.prompt_ids) for r in job.rows}
@@ -290,15 +357,17 @@ class Api:
             return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
 
         # where a row asked for logprobs (completions only): how many of its tokens the chunks so far gave, and where
-        # their texts end (the next token's text_offset)
-        given, offsets = [0] * len(job.rows), [0] * len(job.rows)
+        # the next one's text starts (`Api.offsets`)
+        given, offsets = [0] * len(job.rows), [None] * len(job.rows)
 
         def logprobs(i, tokens):
             row = job.rows[i]
             if chat or row.logprobs < 0 or given[i] >= len(tokens):
                 return None
+            if offsets[i] is None:
+                offsets[i] = self.offsets(row)
             found = self.logprobs(row, tokens, given[i], offsets[i])
-            given[i], offsets[i] = len(tokens), found["text_offset"][-1] + len(found["tokens"][-1])
+            given[i] = len(tokens)
             return found
 
         def choice(i, text, finish=None, lp=None):
@@ -323,8 +392,11 @@ class Api:
                     generated[i] = len(row.tokens)
                     text = texts[i].delta(row.tokens)
                     lp = logprobs(i, row.tokens)  # with the tokens that came, also where their text is held back
-                    if text or lp:
-                        yield chunk([choice(i, text, lp=lp)], usage_now() if continuous else None)
+                    # a chunk for every token, also one that adds no text yet (held back for a stop string, half a
+                    # character, a special token skipped), as vLLM sends one for every step that gave a row tokens:
+                    # a T5 stream with ignore_eos past its EOS sent nothing for 41 s, and a proxy's idle timeout
+                    # cuts such a stream
+                    yield chunk([choice(i, text, lp=lp)], usage_now() if continuous else None)
                 elif kind_ == "finish":
                     tokens = (row.sequences or [row.tokens])[0]
                     generated[i] = len(tokens)
@@ -407,6 +479,16 @@ class Api:
                          length_penalty=p.length_penalty, do_sample=p.do_sample, names=names,
                          generate=generate_settings(p, self.generation_config, self.limits.vocab_size))
 
+    async def tokenize_route(self, request):
+        self.check_key(request)
+        body = await self.read(request, TokenizeRequest)
+        return await self.off_loop(self.plan_tokenize, body)
+
+    async def detokenize_route(self, request):
+        self.check_key(request)
+        body = await self.read(request, DetokenizeRequest)
+        return await self.off_loop(self.plan_detokenize, body)
+
     async def generate(self, request):
         self.check_key(request)
         body = await self.read(request, GenerateRequest)
@@ -455,8 +537,9 @@ def build_app(api: Api, max_body_bytes: int):
     async def _not_found(request, error):
         path = request.url.path if len(request.url.path) <= 100 else request.url.path[:97] + "..."
         return error_response(ServeError(404, f"no route {request.method} {path}; valid: POST "
-                                              "/v1/completions, /v1/chat/completions, /generate; GET /v1/models, "
-                                              "/health, /live, /metrics"))
+                                              "/v1/completions, /v1/chat/completions, /generate, /tokenize, "
+                                              "/detokenize; GET /v1/models, /tokenizer_info, /health, /live, "
+                                              "/metrics"))
 
     @app.exception_handler(405)
     async def _method(request, error):
@@ -481,6 +564,7 @@ def build_app(api: Api, max_body_bytes: int):
 
     @app.get("/metrics")
     async def metrics():
+        server.metrics.held(server.replicas.replicas if server.replicas is not None else [])
         return responses.Response(server.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -500,6 +584,19 @@ def build_app(api: Api, max_body_bytes: int):
     @app.post("/generate")
     async def generate(request: fastapi.Request):
         return await api.generate(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: fastapi.Request):
+        return await api.tokenize_route(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: fastapi.Request):
+        return await api.detokenize_route(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: fastapi.Request):
+        api.check_key(request)
+        return api.tokenizer_info()
 
     return CountStatuses(LimitBodies(app, max_body_bytes), server.metrics)
 

@@ -1,5 +1,6 @@
 """`GET /metrics`: Prometheus text (prometheus_client, its own registry): requests by route and status, prompt and
-generated tokens, batch sizes (rows per admission), rows per decoding step, queue depth, latency and time to first token."""
+generated tokens, batch sizes (rows per admission), rows per decoding step, queue depth, rows held and slots free per
+replica, latency and time to first token."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ class Metrics:
         self.ttft = prometheus.Histogram(p + "time_to_first_token_seconds", "From arrival to the first new token",
                                          registry=r, buckets=LATENCY_BUCKETS)
         self.queue_full = prometheus.Counter(p + "queue_full", "Requests refused with 429", registry=r)
+        # read from the front's record of each replica when /metrics is asked (vLLM's num_requests_running and its
+        # cache's room): rows a replica holds (admitted and not yet answered: running, or starting at its next step)
+        # and the rows it would take now (its slots free; the batch engine takes none while it runs a batch)
+        self.rows_running = prometheus.Gauge(p + "rows_running", "Rows a replica holds (admitted, not yet answered)",
+                                             ["replica"], registry=r)
+        self.slots_free = prometheus.Gauge(p + "slots_free", "Rows a replica would take now", ["replica"], registry=r)
 
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -55,6 +62,12 @@ class Metrics:
             self.ttft.observe(job.first_token_at - job.arrived)
         self.prompt_tokens.inc(sum(len(r.prompt_ids) for r in job.rows))
         self.generation_tokens.inc(sum(len(s) for r in job.rows for s in (r.sequences or [])))
+
+    def held(self, replicas) -> None:
+        """The gauges of rows held and slots free, from the front's `replicas.Replica` records."""
+        for replica in replicas:
+            self.rows_running.labels(str(replica.index)).set(len(replica.rows))
+            self.slots_free.labels(str(replica.index)).set(replica.free())
 
     def text(self) -> bytes:
         return prometheus.generate_latest(self.registry)

@@ -92,6 +92,26 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's `POST /tokenize`: a prompt (special tokens added unless told otherwise) or chat messages (through the
+    chat template, its generation prompt added unless told otherwise; no special tokens added on top)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's `POST /detokenize`: token ids to their text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class GenerateParameters(_Body):
     max_new_tokens: int | None = None
     min_new_tokens: int = 0

@@ -86,6 +86,41 @@ class Texts:
         return out
 
 
+class Offsets:
+    """Where each token's text starts in the text its tokens decode to (OpenAI's `text_offset`: character offsets
+    into the returned text), token by token as they come: each token's text is what decoding it adds after the tokens
+    before it (the window since the last token whose text was complete, as vLLM's incremental detokenizer reads it),
+    so that a tokenizer whose decoder puts spaces between tokens (the embedded GPT-2's WordPiece), or a metaspace
+    one, gives each token the place its text has in the answer; a token that ends inside a character adds nothing
+    until the character is whole. Counting each token's own decoded text instead (what vLLM's server does) places
+    the tokens in the texts joined, which only byte-level BPE's equal the answer: for "five hundred" -> " and and"
+    on the embedded GPT-2 it gave 0, 3 (text[0:3] " an"), where the tokens start at 0 and 4. `context`: the tokens
+    the text follows (a prompt's last tokens: a completion's first token takes its leading space); `start`: the
+    offset of the first token."""
+
+    def __init__(self, tokenizer, context: list[int] | None = None, skip_special: bool = True, start: int = 0):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
+        self.ids = list(context or ())
+        self.prefix, self.read = 0, len(self.ids)  # the window before the unread tokens, and where they start
+        self.at = start
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
+
+    def extend(self, tokens) -> list[int]:
+        """The offsets of `tokens`, which follow those given before."""
+        out = []
+        for token in tokens:
+            out.append(self.at)
+            self.ids.append(token)
+            before = self._text(self.ids[self.prefix:self.read])
+            after = self._text(self.ids[self.prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.at += len(after) - len(before)
+                self.prefix, self.read = self.read, len(self.ids)
+        return out
+
+
 def context_of(row, encoder_decoder: bool) -> list[int]:
     """The prompt tokens a row's completion text is decoded after (see the module's docstring)."""
     return [] if encoder_decoder else row.prompt_ids[-CONTEXT_TOKENS:]
