@@ -136,15 +136,17 @@ def _plan(**kw):
 
 def test_presence_and_frequency_penalties_are_checked_and_reach_the_rows():
     """OpenAI's range (-2 to 2), refused with beams (generate's beam scores have no such rule), else on every row."""
-    key, rows = _plan(presence_penalty=0.5, frequency_penalty=-2.0, n=2, temperature=1.0)
+    key, rows = _plan(sampling={"presence_penalty": 0.5, "frequency_penalty": -2}, n=2, temperature=1.0)
     assert [(r.presence_penalty, r.frequency_penalty) for r in rows] == [(0.5, -2.0)] * 2
     assert (rows[0].spec(7).presence_penalty, rows[0].spec(7).frequency_penalty) == (0.5, -2.0)
     for name in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(ServeError, match=rf"^{name} 2.5 is out of range; valid: -2 to 2 \(0: none\)$"):
-            _plan(**{name: 2.5})
+            _plan(sampling={name: 2.5})
+        with pytest.raises(ServeError, match=rf"^{name} 'x' is out of range; valid: -2 to 2 \(0: none\)$"):
+            _plan(sampling={name: "x"})
         with pytest.raises(ServeError, match=rf"^{name} 1.0 with beam search: .* valid: 0, or num_beams 1"):
-            _plan(**{name: 1.0}, num_beams=2)
-    _plan(num_beams=2, presence_penalty=0.0, frequency_penalty=0.0)
+            _plan(sampling={name: 1}, num_beams=2)
+    _plan(num_beams=2, sampling={"presence_penalty": 0.0, "frequency_penalty": 0})
 
 
 def test_powers_a_beam_score_cannot_survive_are_refused_with_the_range_that_can():

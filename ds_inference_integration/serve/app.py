@@ -47,6 +47,7 @@ from .protocol import (
     outside_vocabulary,
     plan_rows,
 )
+from .sampling import rule_values
 from .server import Server
 from .settings import engine_settings
 from .text import Offsets, Texts, context_of, join_parts, template_reads_parts
@@ -160,7 +161,7 @@ class Api:
                          ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, num_beams=self.openai_beams(body),
                          stream=body.stream, repetition_penalty=body.repetition_penalty,
                          length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"),
-                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                         sampling=rule_values(body),
                          skip_special_tokens=(body.model_extra or {}).get("skip_special_tokens"),
                          include_stop_str_in_output=(body.model_extra or {}).get("include_stop_str_in_output"),
                          **more)

@@ -20,6 +20,7 @@ from typing import Any
 
 import pydantic  # DeepSpeed's own dependency (its config classes), so installed wherever the plugin is
 
+from .sampling import FIELDS, checked
 from .wire import BatchKey, RowSpec  # noqa: F401 - BatchKey: what plan_rows returns, named here for the routes
 
 
@@ -279,9 +280,10 @@ def generate_settings(parameters, generation_config, vocab_size: int | None = No
 
 
 def check_not_served(body) -> None:
-    """A field this server does not do, given a value that would change the answer: one 400 line naming it."""
+    """A field this server does not do, given a value that would change the answer: one 400 line naming it (a field a
+    sampling rule reads is served: `sampling.FIELDS`)."""
     for name, value in (body.model_extra or {}).items():
-        neutral = NOT_SERVED.get(name)
+        neutral = NOT_SERVED.get(name) if name not in FIELDS else None
         if neutral is not None and not _neutral(value, neutral):
             shown = ", ".join("null" if v is None else repr(v) for v in neutral)
             raise ServeError(400, f"{name} {value!r:.60} is not served here; valid: leave it out ({shown})", name)
@@ -410,11 +412,11 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
               min_tokens: int, num_beams: int, stream: bool, repetition_penalty: float | None = None,
               length_penalty: float | None = None, do_sample: bool | None = None,
               names: dict | None = None, stop_token_ids: list[int] | None = None,
-              generate: dict | None = None, presence_penalty: float | None = None,
-              frequency_penalty: float | None = None, skip_special_tokens=None,
+              generate: dict | None = None, sampling: dict | None = None, skip_special_tokens=None,
               include_stop_str_in_output=None, logprobs=None, echo: bool = False) -> tuple[BatchKey, list[Row]]:
     """The rows of one request (a prompt x n, or one row per prompt under beam search, which returns n
-    sequences of it), checked against the model and the server's limits; every problem is one ServeError."""
+    sequences of it), checked against the model and the server's limits; every problem is one ServeError.
+    `sampling`: the sampling rules' fields the request gives (`sampling.rule_values`), checked here."""
     names = {"max_tokens": "max_tokens", "n": "n", "min_tokens": "min_tokens", "num_beams": "num_beams",
              **(names or {})}
     if not prompts:
@@ -426,8 +428,6 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     _range("top_k", top_k, -1, None, "-1 or 0 (all tokens), or a positive count")
     _range(names["min_tokens"], min_tokens, 0, None, "0 or more")
     _range("repetition_penalty", repetition_penalty, 1e-6, None, "a positive number (1: none)")
-    _range("presence_penalty", presence_penalty, -2.0, 2.0, "-2 to 2 (0: none)")
-    _range("frequency_penalty", frequency_penalty, -2.0, 2.0, "-2 to 2 (0: none)")
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
     _range(names["max_tokens"], max_tokens, 1, None, "1 or more new tokens")
@@ -469,10 +469,7 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     if beams and stop_ids:
         raise ServeError(400, "stop_token_ids with beam search: beams share generate's own end; valid: num_beams 1",
                          "stop_token_ids")
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if beams and value:
-            raise ServeError(400, f"{name} {value} with beam search: beams are scored by generate's own rules; valid: "
-                                  "0, or num_beams 1 (repetition_penalty is served with beams)", name)
+    rules = checked(sampling or {}, beams, ServeError)
     if beams and ignore_eos:
         raise ServeError(400, "ignore_eos with beam search: beams end at EOS by design; valid: num_beams 1",
                          "ignore_eos")
@@ -508,8 +505,7 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
             rows.append(Row(prompt_ids=list(ids), max_new_tokens=max_tokens, temperature=temp,
                             top_p=top_p if top_p is not None else 1.0, top_k=max(top_k or 0, 0),
                             seed=(base + j) % 2**63, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                            stop=stops, stop_token_ids=stop_ids, presence_penalty=presence_penalty or 0.0,
-                            frequency_penalty=frequency_penalty or 0.0, prompt_index=p,
+                            stop=stops, stop_token_ids=stop_ids, **rules, prompt_index=p,
                             skip_special_tokens=skip_special_tokens is not False,
                             include_stop_str_in_output=bool(include_stop_str_in_output),
                             logprobs=-1 if logprobs is None else logprobs,

@@ -11,6 +11,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from .sampling import apply_draw, apply_scores
 from .wire import BatchKey
 
 
@@ -46,6 +47,7 @@ def sample(scores: torch.Tensor, row, generator: torch.Generator) -> int:
     logits = scores.float() / row.temperature
     if not torch.isfinite(logits.max()):
         logits = torch.where(scores == scores.max(), 0.0, -float("inf"))
+    logits = apply_draw(logits, row)  # the rules' own (`sampling.RULES`), after the temperature
     top_k = row.top_k or 0
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
@@ -57,14 +59,6 @@ def sample(scores: torch.Tensor, row, generator: torch.Generator) -> int:
         drop = cumulative - ordered.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, index, drop), -float("inf"))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-
-
-def penalise(scores: torch.Tensor, new: torch.Tensor, row) -> None:
-    """OpenAI's presence and frequency penalties on one row's scores, in place, as vLLM applies them (after generate's
-    own processors, the repetition penalty among them, and before sampling): each token the row has generated loses
-    `presence_penalty` once and `frequency_penalty` per time it was generated (the prompt's tokens are not counted)."""
-    counts = torch.bincount(new, minlength=scores.shape[-1])[:scores.shape[-1]].to(scores.dtype)
-    scores -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(scores.dtype)
 
 
 class RowRules:
@@ -89,8 +83,8 @@ class RowRules:
         produced = input_ids.shape[1] - self.start
         scores = scores.clone()
         for i, row in enumerate(self.rows):
-            if (row.presence_penalty or row.frequency_penalty) and produced > 0:
-                penalise(scores[i], input_ids[i, self.start:], row)
+            if produced > 0:
+                apply_scores(scores[i], input_ids[i, self.start:], row)  # the rules' own (`sampling.RULES`)
             if produced < row.min_tokens:  # EOS and the row's stop tokens wait for its minimum (vLLM's rule)
                 held = [*self.eos, *row.stop_token_ids]
                 if held:

@@ -39,6 +39,7 @@ from ..policy.configs import text_config
 from . import rules as row_rules
 from .beams import BeamGroup
 from .rules import RowRules, eos_ids, generation_config, own_failure, with_defaults
+from .sampling import changes_greedy
 from .slots import SlotCache, check_layers
 from .wire import Admit, BatchKey, RowSpec
 
@@ -541,11 +542,12 @@ class StepEngine:
             self.ended.append((row.spec.id, [row.new], [reason]))  # answered after the step's tokens (`step`)
 
     def _plain(self, row: _Row) -> bool:
-        """Whether the row's next token is simply the highest logit: greedy, no processor of generate's, no penalty,
-        nothing held back (its minimum reached); its scores are then checked and its token taken with every such row's at once,
-        the same token `_next`'s rules would take (argmax of the same float32 logits)."""
+        """Whether the row's next token is simply the highest logit: greedy, no processor of generate's, no rule that
+        changes a greedy row's token (`sampling.changes_greedy`), nothing held back (its minimum reached); its scores
+        are then checked and its token taken with every such row's at once, the same token `_next`'s rules would take
+        (argmax of the same float32 logits)."""
         return (row.spec.temperature <= 0 and not row.processors and row.produced >= row.spec.min_tokens
-                and not (row.spec.presence_penalty or row.spec.frequency_penalty) and self.record is None)
+                and not changes_greedy(row.spec) and self.record is None)
 
     def fail_running(self) -> list[int]:
         """A step that failed on every rank: its rows end (their ids returned, to be answered together)."""

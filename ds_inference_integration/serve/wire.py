@@ -17,6 +17,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
+from .sampling import SamplingParams
+
 FRONT_ENV = "DS_INFERENCE_SERVE_FRONT"  # host:port of the front's socket (the leader connects)
 AUTHKEY_ENV = "DS_INFERENCE_SERVE_AUTHKEY"  # hex; the front makes a random one per start
 
@@ -46,22 +48,17 @@ class BatchKey:
 
 
 @dataclass
-class RowSpec:
-    """One sequence to generate, as the engine needs it: its prompt and its own rules, and the id the front gave it
-    (`protocol.Row`, the front's record of a row, adds what comes back)."""
+class RowSpec(SamplingParams):
+    """One sequence to generate, as the engine needs it: its prompt, how its tokens are chosen (`SamplingParams`, the
+    sampler's, carried unchanged from the request), where it ends, and the id the front gave it (`protocol.Row`, the
+    front's record of a row, adds what comes back)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: end the row at any of these (kept in its text), not before min_tokens
-    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the row has generated
-    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the row has generated the token
     logprobs: int = -1  # each new token's log probability and the top `logprobs` (-1: none; the step engine's)
     prompt_logprobs: bool = False  # and each prompt token's after the first (`echo` with `logprobs`)
     id: int = 0
