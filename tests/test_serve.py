@@ -199,8 +199,8 @@ def test_openai_sdk_completes_streams_and_lists_the_model(gpt2):
 
 
 def test_penalties_and_vllms_text_fields_are_served_as_one_process(gpt2):
-    """A frequency penalty reaches the row (its text equals the unsharded model's with the same penalty, and differs
-    from the unpenalised one); `include_stop_str_in_output` keeps the stop string, streamed or whole;
+    """A frequency penalty and vLLM's min_p reach the row (its text equals the unsharded model's with the same
+    penalty or min_p, and differs from the one without); `include_stop_str_in_output` keeps the stop string, streamed or whole;
     `skip_special_tokens` false keeps EOS's own text; a penalty with beams is one 400 line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -219,6 +219,11 @@ def test_penalties_and_vllms_text_fields_are_served_as_one_process(gpt2):
                               "frequency_penalty": 2.0})
     assert status == 200 and body["choices"][0]["text"].strip() == alone(frequency_penalty=2.0).strip() != \
         alone().strip(), body
+    # vLLM's min_p: a seeded sampled row's text is the unsharded model's with the same min_p
+    status, body = post(url, {"prompt": PROMPTS[7], "max_tokens": 14, "ignore_eos": True, "temperature": 1.5,
+                              "seed": 21, "min_p": 0.1})
+    assert status == 200 and body["choices"][0]["text"].strip() == \
+        alone(min_p=0.1, temperature=1.5, seed=21).strip() != alone(temperature=1.5, seed=21).strip(), body
     kept = {"prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0, "stop": [" patru"],
             "include_stop_str_in_output": True}
     status, whole = post(url, kept)
@@ -302,7 +307,10 @@ BAD = [  # (what is wrong, method, path, body or raw bytes, expected status, a w
      400, "vocabulary"),
     ("best_of more than n, sampled", "POST", "/v1/completions", {"prompt": "a", "best_of": 3, "temperature": 1},
      400, "best_of"),
-    ("min_p", "POST", "/v1/completions", {"prompt": "a", "min_p": 0.1, "temperature": 1}, 400, "min_p"),
+    ("min_p out of its range", "POST", "/v1/completions", {"prompt": "a", "min_p": 1.5, "temperature": 1}, 400,
+     "min_p 1.5 is out of range"),
+    ("min_p with beams", "POST", "/v1/completions", {"prompt": "a", "min_p": 0.1, "num_beams": 2}, 400,
+     "min_p 0.1 with beam search"),
     ("a JSON schema", "POST", "/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("an empty body", "POST", "/v1/completions", b"", 400, "empty"),

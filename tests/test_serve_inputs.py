@@ -149,6 +149,18 @@ def test_presence_and_frequency_penalties_are_checked_and_reach_the_rows():
     _plan(num_beams=2, sampling={"presence_penalty": 0.0, "frequency_penalty": 0})
 
 
+def test_min_p_is_checked_and_reaches_the_rows():
+    """vLLM's range (0 to 1), refused with beams at any other value than 0; on every row of the request."""
+    key, rows = _plan(sampling={"min_p": 0.25}, n=2, temperature=1.0)
+    assert [r.spec(3).min_p for r in rows] == [0.25, 0.25]
+    for bad in (1.5, -0.1, "x", True):
+        with pytest.raises(ServeError, match=r"^min_p .* is out of range; valid: 0 to 1 \(0: none\)$"):
+            _plan(sampling={"min_p": bad})
+    with pytest.raises(ServeError, match=r"^min_p 0.1 with beam search: .* valid: 0, or num_beams 1"):
+        _plan(sampling={"min_p": 0.1}, num_beams=2)
+    _plan(sampling={"min_p": 0}, num_beams=2)
+
+
 def test_powers_a_beam_score_cannot_survive_are_refused_with_the_range_that_can():
     """length_penalty 1000 made transformers' beam search raise OverflowError ((length) ** 1000) in every rank, which
     ended the server; the range that float32 scores survive at the request's max_tokens is the valid one."""

@@ -240,6 +240,39 @@ def test_presence_and_frequency_penalties_are_the_rows_own(gpt2):
         assert answers.out[spec.id][0] == _penalised_alone(model, spec), spec
 
 
+def test_min_p_rows_draw_as_transformers_min_p_does_alone(gpt2):
+    """vLLM's `min_p` on sampled rows joining running ones (and a greedy row, which it leaves alone): each row's
+    tokens equal `generate` in one process with the same temperature, min_p and seed (transformers' own min-p
+    warper, the same draw where top-k and top-p are not set), and min_p changed what the sampled rows drew. A random
+    GPT-2 of the embedded one's shape, whose flat distributions min-p cuts."""
+    embedded, tokenizer = gpt2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(embedded.config).eval()
+    settings = [{"min_p": 0.3, "temperature": 1.0, "seed": 5}, {"min_p": 0.1, "temperature": 0.7, "seed": 9},
+                {"min_p": 0.6, "temperature": 1.3, "seed": 2}, {"min_p": 0.5}]
+    specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=12, id=i, **kw)
+             for i, (p, kw) in enumerate(zip(PROMPTS[2:], settings))]
+    plain = RowSpec(tuple(tokenizer(PROMPTS[9])["input_ids"]), max_new_tokens=16, id=9, ignore_eos=True)
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=5), Record()
+    _run(engine, {0: Admit(0, BatchKey(), (plain, specs[0])), 2: Admit(1, BatchKey(), tuple(specs[1:]))}, answers)
+    changed = 0
+    for spec in specs:
+        sampled = spec.temperature > 0
+        ids = torch.tensor([spec.prompt_ids])
+        runs = []
+        for min_p in (spec.min_p, None):
+            torch.manual_seed(spec.seed)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=sampled, max_new_tokens=12,
+                                 pad_token_id=tokenizer.pad_token_id, **({"temperature": spec.temperature, "top_k": 0,
+                                                                          "top_p": 1.0, "min_p": min_p} if sampled else {}))
+            new = out[0, ids.shape[1]:].tolist()
+            ends = [i for i, t in enumerate(new) if t == tokenizer.eos_token_id]
+            runs.append(new[:ends[0] + 1] if ends else new)  # the padding after its EOS is generate's, not a token
+        assert answers.out[spec.id][0] == runs[0], (spec, runs)
+        changed += sampled and runs[0] != runs[1]
+    assert changed >= 2  # min_p changed the sampled rows' draws, or this proves nothing
+
+
 def _reference_logprobs(model, prompt: list[int], new: list[int]) -> torch.Tensor:
     """Each position's log probabilities, from the unsharded model's one forward over prompt + new tokens."""
     with torch.no_grad():

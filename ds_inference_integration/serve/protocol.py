@@ -158,7 +158,7 @@ def one_line(error) -> tuple[str, str | None]:
 # their neutral ones they are refused in one line, not ignored (a client relying on `logit_bias` or `stop_token_ids`
 # would otherwise get other text with a 200). Unknown fields are still accepted, as vLLM accepts them.
 NOT_SERVED: dict[str, tuple] = {
-    "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
+    "suffix": (None, ""), "logit_bias": (None, {}),
     "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "tools": (None, []), "functions": (None, []),

@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int = 0
     presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token the row has generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the row has generated the token
+    min_p: float = 0.0  # vLLM's: a sampled row draws only tokens at least min_p x the likeliest's probability
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,20 @@ class Penalties(Rule):
             scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype)
 
 
-RULES: tuple[Rule, ...] = (Penalties(),)
+class MinP(Rule):
+    """vLLM's `min_p`: a sampled row draws only from the tokens whose probability (after its temperature) is at least
+    `min_p` times the likeliest token's, before top-k and top-p as vLLM applies it (transformers' own min-p warper
+    runs after them: the same draw where neither is set). A greedy row's token is the likeliest, which min-p never
+    removes. Not with beams: it would remove candidates generate's beam search keeps."""
+
+    fields = (Field("min_p", 0.0, 1.0, "0 to 1 (0: none)"),)
+
+    def draw(self, logits, params):
+        probs = logits.softmax(-1)
+        return logits.masked_fill(probs < params.min_p * probs.max(), -float("inf"))
+
+
+RULES: tuple[Rule, ...] = (Penalties(), MinP())
 FIELDS: dict[str, Field] = {f.name: f for rule in RULES for f in rule.fields}
 
 
