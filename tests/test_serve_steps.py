@@ -38,11 +38,13 @@ class Record(Answers):
         self.ended, self.out, self.whole, self.failures, self.counts = set(), {}, {}, {}, []
         self.logprobs, self.prompt = {}, {}
 
-    def tokens(self, step, tokens, counts=None, logprobs=None, prompt=None):
-        self.counts.append(dict(counts or {}))
-        for row, each in (logprobs or {}).items():
-            self.logprobs.setdefault(row, []).append(each)
-        self.prompt.update(prompt or {})
+    def tokens(self, rows):
+        self.counts.append({row: out.count for row, out in rows.items()})
+        for row, out in rows.items():
+            if out.logprobs is not None:
+                self.logprobs.setdefault(row, []).append(out.logprobs)
+            if out.prompt_logprobs is not None:
+                self.prompt[row] = out.prompt_logprobs
 
     def finished(self, row, sequences, reasons):
         self.ended.add(row)

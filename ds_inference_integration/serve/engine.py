@@ -48,6 +48,7 @@ from .wire import (
     Hello,
     Keepalive,
     Ready,
+    RowOutput,
     Stop,
     Tokens,
     no_delay,
@@ -121,10 +122,10 @@ class Answers:
     def __init__(self, control: Control):
         self.control, self.ended = control, set()
 
-    def tokens(self, step: int, tokens: dict[int, int], counts: dict[int, int] | None = None,
-               logprobs: dict | None = None, prompt: dict | None = None) -> None:
-        if tokens:
-            self.control.send(Tokens(step, tokens, counts, logprobs or None, prompt or None))
+    def tokens(self, rows: dict[int, RowOutput]) -> None:
+        """A step's new tokens, one record per row (row id -> `wire.RowOutput`)."""
+        if rows:
+            self.control.send(Tokens(rows))
 
     def finished(self, row: int, sequences: list[list[int]], reasons: list[str]) -> None:
         if row not in self.ended:
@@ -159,7 +160,7 @@ def run_batch(model, tokenizer, admit: Admit, device, control: Control | None = 
     if key.num_beams == 1:
         def report(step, tokens, finished, failed):
             if answers is not None:
-                answers.tokens(step, {rows[i].id: t for i, t in tokens.items()})
+                answers.tokens({rows[i].id: RowOutput(t, step) for i, t in tokens.items()})
                 for i, (reason, sequence) in finished.items():
                     answers.finished(rows[i].id, [sequence], [reason])
                 for i, (status, why) in failed.items():

@@ -305,7 +305,7 @@ class Row(RowSpec):
     prompt_text: str | None = None  # the prompt as the client sent it (a string), for `echo`
     # filled as it runs
     tokens: list[int] = field(default_factory=list)
-    token_logprobs: list[tuple] = field(default_factory=list)  # per new token, where asked (`wire.Tokens.logprobs`)
+    token_logprobs: list[tuple] = field(default_factory=list)  # per new token, where asked (`wire.RowOutput.logprobs`)
     prompt_token_logprobs: list[tuple] | None = None  # per prompt token after the first (`echo` with `logprobs`)
     sequences: list[list[int]] | None = None  # beams: num_return_sequences of them
     finish: list[str] | None = None

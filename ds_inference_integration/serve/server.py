@@ -252,20 +252,21 @@ class Server:
             self.wakeup.set()
         elif isinstance(message, Tokens):
             now = time.monotonic()
-            self.metrics.step_rows.observe(len(message.tokens))
-            for row_id, token in message.tokens.items():
+            self.metrics.step_rows.observe(len(message.rows))
+            for row_id, out in message.rows.items():
                 found = self.rows.get(row_id)
                 if found is None:
                     continue
                 job, ri = found
                 row = job.rows[ri]
-                if len(row.tokens) >= message.count(row_id):
+                if len(row.tokens) >= out.count:
                     continue  # a job run again alone (its batch failed): these tokens were sent the first time
+                token = out.token
                 row.tokens.append(token)
-                if message.logprobs is not None and row_id in message.logprobs:
-                    row.token_logprobs.append(message.logprobs[row_id])
-                if message.prompt is not None and row_id in message.prompt:
-                    row.prompt_token_logprobs = message.prompt[row_id]
+                if out.logprobs is not None:
+                    row.token_logprobs.append(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    row.prompt_token_logprobs = out.prompt_logprobs
                 if not job.cancelled:
                     if job.first_token_at is None:
                         job.first_token_at = now

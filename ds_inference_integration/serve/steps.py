@@ -41,7 +41,7 @@ from .beams import BeamGroup
 from .rules import RowRules, eos_ids, generation_config, own_failure, with_defaults
 from .sampling import changes_greedy
 from .slots import SlotCache, check_layers
-from .wire import Admit, BatchKey, RowSpec
+from .wire import Admit, BatchKey, RowOutput, RowSpec
 
 
 def top_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple]:
@@ -132,8 +132,8 @@ class StepEngine:
         self.joining: dict[int, torch.Tensor] = {}  # slot -> the encoder's output for a row whose first step is next
         self.record: dict[int, list[torch.Tensor]] | None = None  # row id -> each step's logits (`probe`)
         self.configs: dict = {}  # key -> its rows' generation config (`_config`)
-        # this step's log probabilities of rows that asked (`RowSpec.logprobs`, `prompt_logprobs`), by row id
-        self.logprobs: dict[int, tuple] = {}
+        # this step's prompt log probabilities of rows that asked (`RowSpec.prompt_logprobs`), by row id, until their
+        # first token's record (`wire.RowOutput`) carries them
         self.prompt_logprobs: dict[int, list] = {}
         self.ended: list[tuple] = []  # rows that ended this step: (id, sequences, reasons), answered after its tokens
 
@@ -175,17 +175,15 @@ class StepEngine:
     def step(self, answers, control=None) -> None:
         """One step; the step's tokens (with the log probabilities rows asked for) are answered before the rows that
         ended with them, so that the front has every token's before it answers a row."""
-        tokens: dict[int, tuple[int, int]] = {}
+        tokens: dict[int, RowOutput] = {}  # row id -> what this step gave it
         done = False
         try:
             self._step(answers, control, tokens)
             done = True
         finally:
             if done and tokens:
-                answers.tokens(0, {i: t for i, (_, t) in tokens.items()},
-                               counts={i: c for i, (c, _) in tokens.items()}, logprobs=self.logprobs,
-                               prompt=self.prompt_logprobs)
-            self.logprobs, self.prompt_logprobs = {}, {}
+                answers.tokens(tokens)
+            self.prompt_logprobs = {}
             ended, self.ended = self.ended, []
             for row_id, sequences, reasons in ended:  # also where the step failed: these rows had ended before
                 answers.finished(row_id, sequences, reasons)
@@ -534,9 +532,10 @@ class StepEngine:
             answers.failed((row.spec.id,), *failed)
             return
         row.ids.append(token)
-        tokens[row.spec.id] = (row.produced, token)
-        if row.spec.logprobs >= 0:
-            self.logprobs[row.spec.id] = top_logprobs(logits[None], [token], row.spec.logprobs)[0]
+        tokens[row.spec.id] = RowOutput(
+            token, row.produced,
+            top_logprobs(logits[None], [token], row.spec.logprobs)[0] if row.spec.logprobs >= 0 else None,
+            self.prompt_logprobs.pop(row.spec.id, None))
         if reason:
             del self.running[row.slot]
             self.ended.append((row.spec.id, [row.new], [reason]))  # answered after the step's tokens (`step`)
@@ -729,7 +728,7 @@ class Kept:
     def __init__(self):
         self.rows: dict[int, tuple[list[list[int]], list[str]]] = {}
 
-    def tokens(self, step, tokens, counts=None, logprobs=None, prompt=None):
+    def tokens(self, rows):
         pass
 
     def finished(self, row, sequences, reasons):

@@ -113,17 +113,22 @@ class Alive:
 
 
 @dataclass(frozen=True)
-class Tokens:
-    step: int  # the new tokens' count so far, this one included (the batch engine: every row's)
-    tokens: dict[int, int] = field(default_factory=dict)  # row id -> its new token
-    counts: dict[int, int] | None = None  # row id -> its count (the step engine: rows of one step differ)
-    # rows that asked for log probabilities (`RowSpec.logprobs`): row id -> (its new token's, ((id, top one's)...));
-    # `prompt`: row id -> the same for each prompt token after the first, sent with its first token
-    logprobs: dict[int, tuple] | None = None
-    prompt: dict[int, list] | None = None
+class RowOutput:
+    """What one step gave one row: its new token, its count of new tokens so far (this one included), and where the
+    row asked for them (`RowSpec.logprobs`, `prompt_logprobs`), the token's log probability with the top ones'
+    ((its own, ((id, log probability)...))) and, with its first token, each prompt token's after the first."""
 
-    def count(self, row: int) -> int:
-        return self.counts[row] if self.counts is not None else self.step
+    token: int
+    count: int
+    logprobs: tuple | None = None
+    prompt_logprobs: list | None = None
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A step's new tokens: one record per row that got one (row id -> `RowOutput`)."""
+
+    rows: dict[int, RowOutput] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
