@@ -23,7 +23,7 @@ from conftest import EXAMPLES, save_tiny_model
 from ds_inference_integration.serve.engine import Answers, run_batch
 from ds_inference_integration.serve.rules import Refused
 from ds_inference_integration.serve.slots import SlotCache
-from ds_inference_integration.serve.steps import DecoderPositions, Kept, StepEngine, probe
+from ds_inference_integration.serve.steps import DecoderPositions, Kept, Status, StepEngine, probe
 from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
 
 GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
@@ -533,6 +533,37 @@ def test_cancelled_failed_wide_beam_and_alone_rows_between_steps(gpt2):
         engine.step(answers)
     assert answers.out[7] == ([], "cancelled")
     assert answers.out[6] == _alone(model, tokenizer, RowSpec(ids[0], max_new_tokens=3, id=6))
+
+
+def test_a_row_is_one_record_with_its_status_from_admission_to_answer(gpt2):
+    """Every row the engine takes is one record (a beam request's beams too) whose status says where it is: waiting
+    while the slots are full, running once admitted, then finished, cancelled (its client left) or failed (its own
+    rules failed: every token masked), as the answers say."""
+    model, tokenizer = gpt2
+    ids = [tuple(tokenizer(p)["input_ids"]) for p in PROMPTS[:4]]
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=3), Record()
+    everything = tuple(range(model.config.vocab_size))
+    engine.take(Admit(0, BatchKey(), (RowSpec(ids[0], 6, id=0, ignore_eos=True),
+                                      RowSpec(ids[1], 20, id=1, ignore_eos=True),
+                                      RowSpec(ids[2], 6, id=2, min_tokens=3, stop_token_ids=everything))))
+    engine.take(Admit(1, BatchKey(num_beams=2, num_return_sequences=1, max_new_tokens=4), (RowSpec(ids[3], 4, id=3),)))
+    rows = {row.spec.id: row for row in engine.waiting}
+    assert {i: r.status for i, r in rows.items()} == {i: Status.WAITING for i in range(4)}
+    engine.step(answers)
+    # row 2's stop ids held back with EOS cover every token: it fails at its first token; the beams wait for 2 slots
+    assert {i: r.status for i, r in rows.items()} == {0: Status.RUNNING, 1: Status.RUNNING, 2: Status.FAILED,
+                                                      3: Status.WAITING}
+    assert "every token is masked" in answers.failures[2][1]
+    engine.step(answers)  # row 2's slot is free, but the beams need two
+    assert rows[3].status is Status.WAITING
+    engine.cancel([1])
+    engine.step(answers)  # row 1 leaves; the beams take its slot and row 2's
+    assert rows[1].status is Status.CANCELLED and answers.out[1][1] == "cancelled"
+    assert rows[3].status is Status.RUNNING and rows[3].group is not None
+    assert sorted({r.spec.id for r in engine.running.values()}) == [0, 3]
+    _run(engine, {}, answers)
+    assert {i: r.status for i, r in rows.items()} == {0: Status.FINISHED, 1: Status.CANCELLED, 2: Status.FAILED,
+                                                      3: Status.FINISHED}
 
 
 def test_waiting_rows_join_by_tgis_rule(gpt2):

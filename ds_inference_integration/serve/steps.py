@@ -17,7 +17,9 @@ generated alone in one process.
 
 Decoders that take no per-row positions (an encoder-decoder's decoder computes them from its cache's one length:
 BART's family adds learned or sinusoidal embeddings at that position, T5's a relative bias from it) get them from
-`DecoderPositions` while a step runs. Beam requests are groups of slots (`beams.BeamGroup`); one with more beams
+`DecoderPositions` while a step runs. Every row taken is one record (`_Row`) from its admission to its answer, its
+`Status` saying where it is (waiting, prefilling, running, finished, cancelled, failed); `running` maps each slot to
+the row holding it. Beam requests are groups of slots (a row whose `group` is its `beams.BeamGroup`); one with more beams
 than the slots is run by the batch engine (`engine.run_batch`, one generate) when no row is running, rows behind it
 waiting (first come, first served). A model whose probe (`probe`: rows joining a running batch must
 give each row's logits alone) fails, or whose cache is not plain per-layer keys and values, is served by the batch
@@ -27,8 +29,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList
@@ -69,14 +72,32 @@ def steps_take(key: BatchKey, capacity: int) -> bool:
     return key.num_beams <= capacity
 
 
+class Status(enum.Enum):
+    """Where a row is, from its admission to its answer."""
+
+    WAITING = "waiting"  # taken, not yet given a slot
+    PREFILLING = "prefilling"  # given its slots; its prompt goes through the model this step
+    RUNNING = "running"  # decoding a token a step
+    FINISHED = "finished"  # answered with its tokens
+    CANCELLED = "cancelled"  # its client left
+    FAILED = "failed"  # answered with why it failed
+
+
 @dataclass(eq=False)  # a row is itself (a set member, a dict key)
 class _Row:
+    """One row of the engine from its admission to its answer (a beam request: one record for its beams, `group`),
+    with its status; `running` maps each slot it holds to it."""
+
     spec: RowSpec
-    slot: int
-    ids: list[int]  # prompt and new tokens
-    start: int  # the prompt's length
-    processors: LogitsProcessorList
-    rules: RowRules
+    key: BatchKey
+    arrived: int  # the step it was taken at
+    status: Status = Status.WAITING
+    slot: int = -1
+    ids: list[int] = field(default_factory=list)  # prompt (decoder-only) or decoder start, and new tokens
+    start: int = 0  # where its new tokens start in `ids`
+    processors: LogitsProcessorList | None = None
+    rules: RowRules | None = None
+    group: BeamGroup | None = None  # a beam request's search: its slots are the group's
 
     @property
     def new(self) -> list[int]:
@@ -99,7 +120,7 @@ class StepEngine:
         # when waiting rows join running ones (TGI's rule): once they are `waiting_served_ratio` x the running rows,
         # or the oldest has waited `max_waiting_steps` steps, or nothing runs (0, 0: at the next step, always)
         self.waiting_served_ratio, self.max_waiting_steps = waiting_served_ratio, max_waiting_steps
-        self.steps, self.arrived = 0, {}  # steps run; row id -> the step it arrived at
+        self.steps = 0  # steps run
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         # sliding-window attention: every key kept, the window the step's mask's; the sliding layers' mask passed as
         # the model's mapping by layer type where its config names its layers' types (Qwen2, Gemma 2/3...), as the
@@ -124,8 +145,8 @@ class StepEngine:
         parameters = set(inspect.signature(model.forward).parameters)
         self.cache_name = "cache" if "cache" in parameters else "past_key_values"
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
-        self.waiting: collections.deque = collections.deque()  # (spec, key) of a row, or an Admit for the batch engine
-        self.running: dict[int, _Row] = {}  # slot -> row
+        self.waiting: collections.deque = collections.deque()  # rows (`_Row`), or an Admit for the batch engine
+        self.running: dict[int, _Row] = {}  # slot -> the row holding it (a beam request holds several)
         self.cancelled: set[int] = set()
         self.alone = False  # running an admission that must run alone
         self.cache: SlotCache | None = None
@@ -140,8 +161,7 @@ class StepEngine:
     # ----- what the leader passes on
     def take(self, admit: Admit) -> None:
         if steps_take(admit.key, self.capacity) and not admit.alone:
-            self.arrived.update((spec.id, self.steps) for spec in admit.rows)
-            self.waiting.extend((spec, admit.key) for spec in admit.rows)  # a row, or a beam request's group
+            self.waiting.extend(_Row(spec, admit.key, self.steps) for spec in admit.rows)  # a row, or a beam request
         else:  # run whole, with no other row beside it
             self.waiting.append(admit)
 
@@ -155,7 +175,7 @@ class StepEngine:
         """The ids of every row held (running or waiting), in order."""
         held = list(dict.fromkeys(r.spec.id for r in self.running.values()))  # a beam group holds several slots
         for item in self.waiting:
-            held.extend(s.id for s in item.rows) if isinstance(item, Admit) else held.append(item[0].id)
+            held.extend(s.id for s in item.rows) if isinstance(item, Admit) else held.append(item.spec.id)
         return held
 
     # ----- one step
@@ -169,7 +189,7 @@ class StepEngine:
             return True
         running = len(set(map(id, self.running.values())))
         waiting = sum(1 for item in self.waiting if not isinstance(item, Admit))
-        oldest = self.arrived.get(self.waiting[0][0].id, self.steps)
+        oldest = self.waiting[0].arrived
         return waiting >= self.waiting_served_ratio * running or self.steps - oldest >= self.max_waiting_steps
 
     def step(self, answers, control=None) -> None:
@@ -203,23 +223,22 @@ class StepEngine:
                     self.cancel(control.cancelled)  # cancellations that came while it ran
                 return
             self.alone = True  # a request run again alone (its batch failed): nothing joins it until it ends
-            self.waiting.extendleft(reversed([(spec, admit.key) for spec in admit.rows]))
+            self.waiting.extendleft(reversed([_Row(spec, admit.key, self.steps) for spec in admit.rows]))
             limit = len(admit.rows)
         else:
             limit = 0 if (self.alone and self.running) or not self._admit_now() else len(self.waiting)
         joining, groups, free = [], [], self.capacity - len(self.running)
         while self.waiting and not isinstance(self.waiting[0], Admit) and len(joining) + len(groups) < limit:
-            need = self.waiting[0][1].num_beams  # a beam request takes its beams' slots at once (first come first)
+            need = self.waiting[0].key.num_beams  # a beam request takes its beams' slots at once (first come first)
             if need > free:
                 break
             free -= need
-            self.arrived.pop(self.waiting[0][0].id, None)
             (groups if need > 1 else joining).append(self.waiting.popleft())
         if joining:
             for row in self._admit(joining, tokens, answers):
                 decoding[row.slot] = row  # an encoder-decoder's row: its first decoder step is this step's
-        for spec, key in groups:
-            self._admit_beams(spec, key, answers)
+        for row in groups:
+            self._admit_beams(row, answers)
         if decoding:
             self._decode(decoding, tokens, answers)
         if not self.running:
@@ -252,31 +271,35 @@ class StepEngine:
         for slot, row in list(self.running.items()):
             if row.spec.id in self.cancelled:
                 del self.running[slot]
-                answers.finished(row.spec.id, [row.new] if isinstance(row, _Row) else [[]], ["cancelled"])
+                if row.status is not Status.CANCELLED:  # once for a beam request's slots
+                    row.status = Status.CANCELLED
+                    answers.finished(row.spec.id, [row.new] if row.group is None else [[]], ["cancelled"])
         kept = collections.deque()
         for item in self.waiting:
-            specs = item.rows if isinstance(item, Admit) else (item[0],)
+            specs = item.rows if isinstance(item, Admit) else (item.spec,)
             if all(s.id in self.cancelled for s in specs):
+                if not isinstance(item, Admit):
+                    item.status = Status.CANCELLED
                 for s in specs:
                     answers.finished(s.id, [[]], ["cancelled"])
             else:
                 kept.append(item)
         self.waiting = kept
         self.cancelled &= set(self.rows())  # ids no longer held are forgotten
-        waiting = {item[0].id for item in kept if not isinstance(item, Admit)}
-        self.arrived = {i: at for i, at in self.arrived.items() if i in waiting}
 
-    def _row(self, spec: RowSpec, key: BatchKey, slot: int) -> _Row:
-        """A new row's record: its processors (generate's, from the model's generation config and the key), rules and
-        stops; its ids start as its prompt (a decoder-only model) or the decoder's start token."""
+    def _prepare(self, row: _Row, slot: int) -> _Row:
+        """A row given its slot, prefilled next: its processors (generate's, from the model's generation config and
+        its key), rules and stops; its ids start as its prompt (a decoder-only model) or the decoder's start token."""
+        spec = row.spec
         prompt = torch.tensor([list(spec.prompt_ids)], dtype=torch.long, device=self.device)
-        config = self._config(key)
-        processors = self.model._get_logits_processor(
+        config = self._config(row.key)
+        row.processors = self.model._get_logits_processor(
             generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
             logits_processor=LogitsProcessorList(), device=self.device, model_kwargs={})
-        ids = self._start(spec, config)
-        start = len(ids)
-        return _Row(spec, slot, ids, start, processors, RowRules([spec], start, self.eos, self.device))
+        row.ids = self._start(spec, config)
+        row.start, row.slot, row.status = len(row.ids), slot, Status.PREFILLING
+        row.rules = RowRules([spec], row.start, self.eos, self.device)
+        return row
 
     def _config(self, key: BatchKey):
         """The generation config of a row of `key` (`rules.generation_config`, generate's defaults and special
@@ -301,7 +324,7 @@ class StepEngine:
         return list(spec.prompt_ids)
 
     def _admit(self, items: list, tokens: dict, answers) -> list[_Row]:
-        """New rows ((spec, key) each): prefilled together, copied into free slots, each given its first token. A
+        """New rows (`_Row`s waiting): prefilled together, copied into free slots, each given its first token. A
         prefill that fails is run again a row at a time, so that only the row that fails alone fails.
 
         An encoder-decoder's rows, once the slots exist, only run their encoder here (together), and their
@@ -314,15 +337,15 @@ class StepEngine:
         A row that asked for its prompt's log probabilities is prefilled alone: every position of a prefill then goes
         through the head, and together with the admission's other rows the logits held were [rows, longest prompt,
         vocabulary] (16 rows of 2048 tokens of a 150k vocabulary: 20 GB in fp32); alone, its own prompt's."""
-        if len(items) > 1 and any(spec.prompt_logprobs for spec, _ in items):
-            plain = [item for item in items if not item[0].prompt_logprobs]
+        if len(items) > 1 and any(item.spec.prompt_logprobs for item in items):
+            plain = [item for item in items if not item.spec.prompt_logprobs]
             joined = self._admit(plain, tokens, answers) if plain else []
             for item in items:
-                if item[0].prompt_logprobs:
+                if item.spec.prompt_logprobs:
                     joined += self._admit([item], tokens, answers)
             return joined
         free = sorted(set(range(self.capacity)) - set(self.running))
-        rows = [self._row(spec, key, slot) for (spec, key), slot in zip(items, free)]
+        rows = [self._prepare(item, slot) for item, slot in zip(items, free)]
         fused = self.encoder_decoder and self.cache is not None
         projected = None
         try:
@@ -339,10 +362,12 @@ class StepEngine:
             failure = own_failure(e)
             if len(items) > 1:
                 return [row for item in items for row in self._admit([item], tokens, answers)]
+            rows[0].status = Status.FAILED
             answers.failed((rows[0].spec.id,), *failure)
             return []
         for b, row in enumerate(rows):
             self.running[row.slot] = row
+            row.status = Status.RUNNING
             if fused:
                 if projected is not None:  # its cross-attention keys in its slot now: the step decodes it as any row
                     self.cache.write_cross(row.slot, [(k[b:b + 1], v[b:b + 1]) for k, v in projected],
@@ -415,8 +440,10 @@ class StepEngine:
             self.cache = SlotCache(len(layers.layers), self.capacity, cross=self.encoder_decoder)
         return prefilled, logits.to(dtype=torch.float32)
 
-    def _admit_beams(self, spec: RowSpec, key: BatchKey, answers) -> None:
+    def _admit_beams(self, row: _Row, answers) -> None:
         """A beam request: its prompt prefilled once, copied into `num_beams` free slots, and its first step taken."""
+        spec, key = row.spec, row.key
+        row.status = Status.PREFILLING
         slots = sorted(set(range(self.capacity)) - set(self.running))[:key.num_beams]
         config = with_defaults(self.model, generation_config(self.model, key, key.max_new_tokens or spec.max_new_tokens,
                                                              self.tokenizer.pad_token_id))
@@ -427,28 +454,33 @@ class StepEngine:
         except NotPerRow:
             raise
         except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
+            row.status = Status.FAILED
             answers.failed((spec.id,), *own_failure(e))
             return
+        row.group, row.status = group, Status.RUNNING
         for slot in slots:
             self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids))
-            self.running[slot] = group
-        self._beam_step(group, logits[0][None].expand(len(slots), -1), answers)
+            self.running[slot] = row
+        self._beam_step(row, logits[0][None].expand(len(slots), -1), answers)
 
-    def _beam_step(self, group: BeamGroup, logits: torch.Tensor, answers) -> None:
-        """A beam group's step from its beams' logits: the search advances, its slots are reordered within the group,
-        and it is answered when the search ends; a request with nothing left to take fails alone."""
+    def _beam_step(self, row: _Row, logits: torch.Tensor, answers) -> None:
+        """A beam request's step from its beams' logits: the search advances, its slots are reordered within its
+        group, and it is answered when the search ends; a request with nothing left to take fails alone."""
+        group = row.group
         try:
             sources = group.step(logits)
         except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
             failure = own_failure(e)
             for slot in group.slots:
                 del self.running[slot]
+            row.status = Status.FAILED
             answers.failed((group.spec.id,), *failure)
             return
         self.cache.reorder(group.slots, [group.slots[j] for j in sources])
         if group.done:
             for slot in group.slots:
                 del self.running[slot]
+            row.status = Status.FINISHED
             answers.finished(group.spec.id, *group.result(self.tokenizer.pad_token_id))
 
     def _decode(self, rows: dict, tokens: dict, answers) -> None:
@@ -457,9 +489,9 @@ class StepEngine:
         feed, positions = [], {}
         for slot in range(hi):
             held = rows.get(slot)
-            if isinstance(held, BeamGroup):
-                feed.append(held.last_tokens()[held.slots.index(slot)])
-                positions[slot] = held.position()
+            if held is not None and held.group is not None:
+                feed.append(held.group.last_tokens()[held.group.slots.index(slot)])
+                positions[slot] = held.group.position()
             elif held is not None:
                 feed.append(held.ids[-1])
                 positions[slot] = len(held.ids) - 1
@@ -495,16 +527,16 @@ class StepEngine:
         finally:
             self.cache.done()
         logits = out.logits[:, -1].to(dtype=torch.float32)
-        plain = [s for s, held in rows.items() if isinstance(held, _Row) and self._plain(held)]
+        plain = [s for s, held in rows.items() if held.group is None and self._plain(held)]
         taken = {}
         if plain:  # one argmax and one finiteness check for every plain row (a row with a problem takes `_next`'s way)
             index = torch.tensor(plain, device=logits.device)
             scores = logits[index]
             fine = (~(torch.isnan(scores) | torch.isposinf(scores)).any(-1) & ~torch.isneginf(scores).all(-1)).tolist()
             taken = {s: t for s, t, ok in zip(plain, scores.argmax(-1).tolist(), fine) if ok}
-        for held in dict.fromkeys(rows.values()):  # each row, each beam group once
-            if isinstance(held, BeamGroup):
-                self._beam_step(held, logits[held.slots], answers)
+        for held in dict.fromkeys(rows.values()):  # each row, a beam request once
+            if held.group is not None:
+                self._beam_step(held, logits[held.group.slots], answers)
             else:
                 self._next(held, logits[held.slot], tokens, answers, taken.get(held.slot))
 
@@ -529,6 +561,7 @@ class StepEngine:
             failed = own_failure(e)
         if failed is not None:
             del self.running[row.slot]
+            row.status = Status.FAILED
             answers.failed((row.spec.id,), *failed)
             return
         row.ids.append(token)
@@ -538,6 +571,7 @@ class StepEngine:
             self.prompt_logprobs.pop(row.spec.id, None))
         if reason:
             del self.running[row.slot]
+            row.status = Status.FINISHED
             self.ended.append((row.spec.id, [row.new], [reason]))  # answered after the step's tokens (`step`)
 
     def _plain(self, row: _Row) -> bool:
@@ -551,6 +585,8 @@ class StepEngine:
     def fail_running(self) -> list[int]:
         """A step that failed on every rank: its rows end (their ids returned, to be answered together)."""
         ids = list(dict.fromkeys(r.spec.id for r in self.running.values()))
+        for row in self.running.values():
+            row.status = Status.FAILED
         self.running.clear()
         self._release()  # what the failed step left in the cache goes with its rows
         return ids
