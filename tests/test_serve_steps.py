@@ -875,10 +875,13 @@ def test_bench_steps_writes_its_figures(tmp_path):
     """`ds-inference bench steps` on a tiny model, once: every point has its admission and step times and ratios."""
     from ds_inference_integration.tools.bench_steps import run_bench_steps
 
-    results = run_bench_steps([4, 8], [1, 2], 1, 64, 1, tmp_path)
+    results = run_bench_steps([4, 8], [1, 2], 1, 64, 1, tmp_path, together=3)
     assert {(p["prompt_tokens"], p["running_rows"]) for p in results["points"]} == {(4, 1), (4, 2), (8, 1), (8, 2)}
     assert all(p["admission_ms"]["median"] > 0 and p["step_ms"]["median"] > 0 for p in results["points"])
-    assert "| 8 | 2 |" in (tmp_path / "bench_steps.md").read_text()
+    assert [(t["prompt_tokens"], t["rows"]) for t in results["together"]] == [(4, 3), (8, 3)]
+    assert all(t["together_ms"]["median"] > 0 and t["together_vs_one"]["median"] > 0 for t in results["together"])
+    table = (tmp_path / "bench_steps.md").read_text()
+    assert "| 8 | 2 |" in table and "3 rows of L/4 to L together" in table
 
 
 def test_t5s_per_row_position_bias_is_its_own_compute_bias_for_each_row_at_any_reach():

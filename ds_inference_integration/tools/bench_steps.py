@@ -6,10 +6,13 @@ no server), on a random Llama built from a config (grouped-query attention, rota
   batch (B). Reported as the ratio of each B's time to B=1's at the same L.
 - decoding step: the time of one step for B running rows of ~L tokens, against B single-row steps (the speed-up a
   shared step gives).
+- rows admitted together: the time to admit `--together` N rows at once (prompts of L/4 to L tokens, prefilled in
+  one forward) beside one running row, against one row of L tokens admitted alone: what an admission of N costs
+  against one.
 
 Each figure is the median of `--repeats` (with min-max), every configuration measured in one run, alternating.
 
-    ds-inference bench steps [--lengths 16,256,1024] [--batches 1,8,31] [--repeats 5]
+    ds-inference bench steps [--lengths 16,256,1024] [--batches 1,8,31] [--together 16] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class TokenIds:
 
 
 def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden: int, layers: int,
-                    output_dir: Path) -> dict:
+                    output_dir: Path, together: int = 16) -> dict:
     import torch
 
     from ..serve.steps import Kept, StepEngine
@@ -59,7 +62,7 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     vocab = 1024
     model = _model(hidden, layers, vocab)
-    capacity = max(batches) + 1
+    capacity = max(max(batches), together) + 1
     key = BatchKey()
 
     def prompt(n, salt):
@@ -74,8 +77,21 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
 
     admission = {(length, b): [] for length in lengths for b in batches}
     step = {(length, b): [] for length in lengths for b in batches}
+    joint = {(length, n): [] for length in lengths for n in (1, together)}
     for _ in range(repeats):
         for length in lengths:
+            for n in (1, together):  # n rows admitted at once beside one running row
+                engine = engine_with(1, length)
+                for layer in engine.cache.layers:
+                    layer.grow(2 * length + 8)
+                sizes = [length] if n == 1 else [max(1, length // 4 + (length - length // 4) * r // (n - 1))
+                                                  for r in range(n)]
+                engine.take(Admit(1, key, tuple(RowSpec(prompt(size, 50 + r), max_new_tokens=10_000,
+                                                        ignore_eos=True, id=10_000 + r) for r, size in enumerate(sizes))))
+                rows = [engine.waiting.popleft() for _ in sizes]
+                start = time.perf_counter()
+                engine._admit(rows, {}, Kept())
+                joint[(length, n)].append((time.perf_counter() - start) * 1000)
             for b in batches:
                 engine = engine_with(b, length)
                 for layer in engine.cache.layers:
@@ -101,6 +117,11 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
                 "step_ms": spread(step[(length, b)]),
                 "step_per_row_vs_alone": spread([s / b / o for s, o in zip(step[(length, b)],
                                                                            step[(length, batches[0])])])})
+    results["together"] = [{"prompt_tokens": length, "rows": together,
+                            "one_ms": spread(joint[(length, 1)]), "together_ms": spread(joint[(length, together)]),
+                            "together_vs_one": spread([t / o for t, o in zip(joint[(length, together)],
+                                                                             joint[(length, 1)])])}
+                           for length in lengths]
     output_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(output_dir / "bench_steps.json", json.dumps(results, indent=1) + "\n")
     write_text_atomic(output_dir / "bench_steps.md", _table(results))
@@ -118,4 +139,11 @@ def _table(results: dict) -> str:
     for p in results["points"]:
         lines.append(f"| {p['prompt_tokens']} | {p['running_rows']} | {f(p['admission_ms'])} | "
                      f"{f(p['admission_vs_one_running'])} | {f(p['step_ms'])} | {f(p['step_per_row_vs_alone'])} |")
+    if results.get("together"):
+        n = results["together"][0]["rows"]
+        lines += ["", f"| prompt tokens (L) | one row of L, ms | {n} rows of L/4 to L together, ms | together / one |",
+                  "|---|---|---|---|"]
+        for t in results["together"]:
+            lines.append(f"| {t['prompt_tokens']} | {f(t['one_ms'])} | {f(t['together_ms'])} | "
+                         f"{f(t['together_vs_one'])} |")
     return "\n".join(lines) + "\n"
