@@ -23,7 +23,7 @@ from conftest import EXAMPLES, save_tiny_model
 from ds_inference_integration.serve.engine import Answers, run_batch
 from ds_inference_integration.serve.rules import Refused
 from ds_inference_integration.serve.slots import SlotCache
-from ds_inference_integration.serve.steps import DecoderPositions, Kept, Status, StepEngine, probe
+from ds_inference_integration.serve.steps import DecoderPositions, Kept, Status, StepEngine, choose, probe
 from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
 
 GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
@@ -533,6 +533,43 @@ def test_cancelled_failed_wide_beam_and_alone_rows_between_steps(gpt2):
         engine.step(answers)
     assert answers.out[7] == ([], "cancelled")
     assert answers.out[6] == _alone(model, tokenizer, RowSpec(ids[0], max_new_tokens=3, id=6))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
+def test_rows_admitted_together_are_prefilled_packed_in_one_forward_as_each_alone(gpt2, kind):
+    """Rows admitted at one step are prefilled as one sequence (their prompts one after another, each at its own
+    positions from 0 under a block-diagonal causal mask): one forward of their tokens' sum, no padding, and each row's
+    tokens equal that row generated alone. Where packing gives a row another's positions (a deliberately wrong
+    packing here), the start-up probe finds it and the engine prefills right-padded instead."""
+    model, tokenizer = gpt2
+    if kind == "llama-gqa":
+        model = _llama(tokenizer)
+    specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=5 + i, id=i) for i, p in enumerate(PROMPTS[3:7])]
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
+    assert engine.pack
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        _run(engine, {0: Admit(0, BatchKey(), tuple(specs))}, answers)
+    finally:
+        hook.remove()
+    assert shapes[0] == (1, sum(len(s.prompt_ids) for s in specs)), shapes[:2]
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
+    assert choose(model, tokenizer, "cpu", 4) == (None, {})
+
+    def wrong(self, prompts):  # every row at the positions of one sequence, the first row's mask for all
+        prefilled, logits, places = packed(self, [[t for p in prompts for t in p]])
+        return prefilled, logits.expand(len(prompts), -1), [(0, 0)] * len(prompts)
+
+    packed = StepEngine._packed
+    StepEngine._packed = wrong
+    try:
+        assert "do not give their single-row logits" in probe(model, tokenizer, "cpu", 4)
+        assert choose(model, tokenizer, "cpu", 4) == (None, {"pack_prefill": False})
+    finally:
+        StepEngine._packed = packed
 
 
 def test_a_row_is_one_record_with_its_status_from_admission_to_answer(gpt2):

@@ -141,12 +141,14 @@ class SlotCache(Cache):
         self.cross = Cache(layers=[CrossSlotLayer(slots) for _ in range(layers)]) if cross else None
         self.sources = [1] * slots  # each slot's source length (an encoder-decoder's)
 
-    def write_prompt(self, slot: int, prefilled: Cache, row: int, length: int, source: int = 0) -> None:
-        """Row `row` of a prefill (its first `length` positions; an encoder-decoder's first `source` source
-        positions of its cross-attention) into `slot`."""
+    def write_prompt(self, slot: int, prefilled: Cache, row: int, length: int, source: int = 0,
+                     offset: int = 0) -> None:
+        """Row `row` of a prefill (its `length` positions from `offset`: a packed prefill's rows follow each other in
+        one sequence; an encoder-decoder's first `source` source positions of its cross-attention) into `slot`."""
         own = prefilled.self_attention_cache if self.cross is not None else prefilled
         for mine, theirs in zip(self.layers, own.layers):
-            mine.write_prompt(slot, theirs.keys[row:row + 1, :, :length], theirs.values[row:row + 1, :, :length])
+            mine.write_prompt(slot, theirs.keys[row:row + 1, :, offset:offset + length],
+                              theirs.values[row:row + 1, :, offset:offset + length])
         if self.cross is not None:
             self.sources[slot] = source
             for mine, theirs in zip(self.cross.layers, prefilled.cross_attention_cache.layers):
