@@ -1,11 +1,13 @@
 """The step engine (`--scheduler continuous`): rows join and leave a running batch at every decoding step.
 
 Every rank runs the same steps in lock step (the leader broadcasts each step's admissions and cancellations,
-`engine.Serving.steps_loop`). A step: rows whose clients left end (their slots freed); the rows waiting are admitted
-while slots are free, prefilled together (their prompts right-padded through the model with transformers' own
-cache, as generate prefills; an encoder-decoder's encoder runs here, once per row, and its first decoder step), each
-row's keys and values copied into its slot of `slots.SlotCache`, and each given its first token; then every row that
-was running decodes one token, all together, each at its own position under a 4D mask (`SlotCache.decode`). A row
+`engine.Serving.steps_loop`). A step is three parts, each with its own type: `schedule` (rows whose clients left end,
+their slots freed; the rows waiting are admitted while slots are free: a `Plan`), `execute` (the forwards: the
+admitted rows prefilled together, with transformers' own cache, packed into one sequence or right-padded; an
+encoder-decoder's admitted rows only their encoder, their first decoder step this step's; each row's keys and values
+copied into its slot of `slots.SlotCache`; then every row that was running decodes one token, all together, each at
+its own position under a 4D mask, `SlotCache.decode`: its `Outputs`), `update` (each row's token chosen by its rules,
+beams advanced, rows that end answered). A row
 ends the step it ends (answered, slot freed), so a short row never waits for a long one and a new row never waits
 for a batch.
 
@@ -106,6 +108,29 @@ class _Row:
     @property
     def produced(self) -> int:
         return len(self.ids) - self.start
+
+
+@dataclass
+class Plan:
+    """What one step does, decided before anything runs (`StepEngine.schedule`): an admission the batch engine runs
+    whole and alone, or the rows admitted now (`joining`: one each; `groups`: beam requests) and the rows that were
+    running, which decode a token (slot -> row)."""
+
+    whole: Admit | None = None
+    joining: list[_Row] = field(default_factory=list)
+    groups: list[_Row] = field(default_factory=list)
+    decoding: dict[int, _Row] = field(default_factory=dict)
+
+
+@dataclass
+class Outputs:
+    """What a step's forwards gave (`StepEngine.execute`), for `StepEngine.update` to choose tokens from: each
+    admitted row's first logits (a decoder-only row's prefill; a beam request's, one row per beam), and the decoding
+    rows with the step's logits (a row per slot up to the highest decoding)."""
+
+    first: list[tuple[_Row, torch.Tensor]] = field(default_factory=list)
+    decoded: dict[int, _Row] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
 
 
 class StepEngine:
@@ -215,42 +240,77 @@ class StepEngine:
                 answers.finished(row_id, sequences, reasons)
 
     def _step(self, answers, control, tokens: dict) -> None:
+        """schedule -> execute -> update: which rows are admitted, run and ended; the forwards over them on every
+        rank; each row's token chosen, beams advanced, rows ended and answered."""
         self.steps += 1
         self._end_cancelled(answers)
-        decoding = dict(self.running)  # the rows that were running: they decode together below
+        plan = self.schedule()
+        if plan.whole is not None:  # the batch engine's: one generate, no other row beside it
+            if control is not None:
+                control.cancelled = set(self.cancelled)
+            self.run_batch(plan.whole, control, answers)
+            if control is not None:
+                self.cancel(control.cancelled)  # cancellations that came while it ran
+            return
+        self.update(self.execute(plan, answers), tokens, answers)
+        if not self.running:
+            self.alone = False
+            if not self.waiting:
+                self.joining = {}
+
+    def schedule(self) -> Plan:
+        """This step's plan: the rows that were running decode; the rows waiting join them while slots are free (first
+        come, first served; a beam request takes its beams' slots at once) where `_admit_now` says; an admission the
+        batch engine runs whole waits until no row runs."""
+        plan = Plan(decoding=dict(self.running))
         if self.waiting and isinstance(self.waiting[0], Admit) and not self.running:
             # a whole admission's turn, alone (while rows run, none is admitted before it: first come, first served)
             admit = self.waiting.popleft()
             if not steps_take(admit.key, self.capacity):
-                if control is not None:
-                    control.cancelled = set(self.cancelled)
-                self.run_batch(admit, control, answers)
-                if control is not None:
-                    self.cancel(control.cancelled)  # cancellations that came while it ran
-                return
+                plan.whole = admit
+                return plan
             self.alone = True  # a request run again alone (its batch failed): nothing joins it until it ends
             self.waiting.extendleft(reversed([_Row(spec, admit.key, self.steps) for spec in admit.rows]))
             limit = len(admit.rows)
         else:
             limit = 0 if (self.alone and self.running) or not self._admit_now() else len(self.waiting)
-        joining, groups, free = [], [], self.capacity - len(self.running)
-        while self.waiting and not isinstance(self.waiting[0], Admit) and len(joining) + len(groups) < limit:
-            need = self.waiting[0].key.num_beams  # a beam request takes its beams' slots at once (first come first)
+        free = self.capacity - len(self.running)
+        while self.waiting and not isinstance(self.waiting[0], Admit) and len(plan.joining) + len(plan.groups) < limit:
+            need = self.waiting[0].key.num_beams
             if need > free:
                 break
             free -= need
-            (groups if need > 1 else joining).append(self.waiting.popleft())
-        if joining:
-            for row in self._admit(joining, tokens, answers):
-                decoding[row.slot] = row  # an encoder-decoder's row: its first decoder step is this step's
-        for row in groups:
-            self._admit_beams(row, answers)
+            (plan.groups if need > 1 else plan.joining).append(self.waiting.popleft())
+        return plan
+
+    def execute(self, plan: Plan, answers) -> Outputs:
+        """The plan's forwards, on every rank alike: the admitted rows' prefills (an encoder-decoder's rows, once its
+        cache exists, only their encoder: their first decoder step is this step's decoding forward), then one
+        decoding forward over the decoding rows. A prefill that fails fails its rows alone (answered here)."""
+        outputs, decoding = Outputs(), dict(plan.decoding)
+        if plan.joining:
+            first, joined = self._admit(plan.joining, answers)
+            outputs.first += first
+            for row in joined:
+                decoding[row.slot] = row
+        for row in plan.groups:
+            found = self._admit_beams(row, answers)
+            if found is not None:
+                outputs.first.append(found)
         if decoding:
-            self._decode(decoding, tokens, answers)
-        if not self.running:
-            self.alone = False
-            if not self.waiting:
-                self.joining = {}
+            outputs.decoded, outputs.logits = decoding, self._forward(decoding)
+        return outputs
+
+    def update(self, outputs: Outputs, tokens: dict, answers) -> None:
+        """Each row's token from its logits, by its rules: admitted rows' first tokens, beam requests' steps, then the
+        decoding rows' (plain greedy rows together, `_plain`); rows that end are answered."""
+        for row, logits in outputs.first:
+            if row.group is not None:
+                self._beam_step(row, logits, answers)
+            else:
+                self._next(row, logits, tokens, answers)
+        if outputs.logits is not None:
+            self._choose(outputs.decoded, outputs.logits, tokens, answers)
 
     def idle(self) -> None:
         """No row held for a while (the server's loop calls this when nothing came for a keep-alive interval, on
@@ -329,7 +389,7 @@ class StepEngine:
             return [int(config._decoder_start_token_tensor.reshape(-1)[0])]
         return list(spec.prompt_ids)
 
-    def _admit(self, items: list, tokens: dict, answers) -> list[_Row]:
+    def _admit(self, items: list, answers) -> tuple[list, list[_Row]]:
         """New rows (`_Row`s waiting): prefilled together, copied into free slots, each given its first token. A
         prefill that fails is run again a row at a time, so that only the row that fails alone fails.
 
@@ -342,14 +402,18 @@ class StepEngine:
 
         A row that asked for its prompt's log probabilities is prefilled alone: every position of a prefill then goes
         through the head, and together with the admission's other rows the logits held were [rows, longest prompt,
-        vocabulary] (16 rows of 2048 tokens of a 150k vocabulary: 20 GB in fp32); alone, its own prompt's."""
+        vocabulary] (16 rows of 2048 tokens of a 150k vocabulary: 20 GB in fp32); alone, its own prompt's.
+
+        Returns the decoder-only rows' first logits ((row, logits) each) and the encoder-decoder rows that decode in
+        this step's forward."""
         if len(items) > 1 and any(item.spec.prompt_logprobs for item in items):
             plain = [item for item in items if not item.spec.prompt_logprobs]
-            joined = self._admit(plain, tokens, answers) if plain else []
+            first, joined = self._admit(plain, answers) if plain else ([], [])
             for item in items:
                 if item.spec.prompt_logprobs:
-                    joined += self._admit([item], tokens, answers)
-            return joined
+                    more = self._admit([item], answers)
+                    first, joined = first + more[0], joined + more[1]
+            return first, joined
         free = sorted(set(range(self.capacity)) - set(self.running))
         rows = [self._prepare(item, slot) for item, slot in zip(items, free)]
         fused = self.encoder_decoder and self.cache is not None
@@ -367,10 +431,12 @@ class StepEngine:
         except Exception as e:  # noqa: BLE001 - the rows' failure (alike on every rank), unless `fatal`
             failure = own_failure(e)
             if len(items) > 1:
-                return [row for item in items for row in self._admit([item], tokens, answers)]
+                alone = [self._admit([item], answers) for item in items]
+                return [f for a in alone for f in a[0]], [r for a in alone for r in a[1]]
             rows[0].status = Status.FAILED
             answers.failed((rows[0].spec.id,), *failure)
-            return []
+            return [], []
+        first = []
         for b, row in enumerate(rows):
             self.running[row.slot] = row
             row.status = Status.RUNNING
@@ -383,8 +449,8 @@ class StepEngine:
                 continue
             at, offset = places[b]
             self.cache.write_prompt(row.slot, prefilled, at, len(row.ids), len(row.spec.prompt_ids), offset)
-            self._next(row, logits[b], tokens, answers)
-        return rows if fused else []
+            first.append((row, logits[b]))
+        return first, (rows if fused else [])
 
     def _padded(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts right-padded to the longest: (ids, attention mask)."""
@@ -494,8 +560,9 @@ class StepEngine:
                                                                      spec.logprobs)
         return prefilled, logits
 
-    def _admit_beams(self, row: _Row, answers) -> None:
-        """A beam request: its prompt prefilled once, copied into `num_beams` free slots, and its first step taken."""
+    def _admit_beams(self, row: _Row, answers) -> tuple[_Row, torch.Tensor] | None:
+        """A beam request: its prompt prefilled once and copied into `num_beams` free slots; its first logits, one row
+        per beam, for its first step (None where its prefill failed: answered)."""
         spec, key = row.spec, row.key
         row.status = Status.PREFILLING
         slots = sorted(set(range(self.capacity)) - set(self.running))[:key.num_beams]
@@ -510,12 +577,12 @@ class StepEngine:
         except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
             row.status = Status.FAILED
             answers.failed((spec.id,), *own_failure(e))
-            return
+            return None
         row.group, row.status = group, Status.RUNNING
         for slot in slots:
             self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids))
             self.running[slot] = row
-        self._beam_step(row, logits[0][None].expand(len(slots), -1), answers)
+        return row, logits[0][None].expand(len(slots), -1)
 
     def _beam_step(self, row: _Row, logits: torch.Tensor, answers) -> None:
         """A beam request's step from its beams' logits: the search advances, its slots are reordered within its
@@ -537,8 +604,9 @@ class StepEngine:
             row.status = Status.FINISHED
             answers.finished(group.spec.id, *group.result(self.tokenizer.pad_token_id))
 
-    def _decode(self, rows: dict, tokens: dict, answers) -> None:
-        """One token for every row in `rows` (slot -> its row, or its beam group), each at its own position."""
+    def _forward(self, rows: dict) -> torch.Tensor:
+        """One decoding forward for every row in `rows` (slot -> its row; a beam request's at each of its slots), each
+        at its own position: the last position's logits of each slot up to the highest, in float32."""
         hi = self.capacity if self.fixed_shapes else max(rows) + 1
         feed, positions = [], {}
         for slot in range(hi):
@@ -580,7 +648,11 @@ class StepEngine:
                                      **{self.cache_name: self.cache}, **self.keep)
         finally:
             self.cache.done()
-        logits = out.logits[:, -1].to(dtype=torch.float32)
+        return out.logits[:, -1].to(dtype=torch.float32)
+
+    def _choose(self, rows: dict, logits: torch.Tensor, tokens: dict, answers) -> None:
+        """Each decoding row's token from the step's logits (`_forward`): the plain greedy rows' together, the others
+        by their own rules (`_next`), a beam request's step once for its slots."""
         plain = [s for s, held in rows.items() if held.group is None and self._plain(held)]
         taken = {}
         if plain:  # one argmax and one finiteness check for every plain row (a row with a problem takes `_next`'s way)

@@ -51,6 +51,16 @@ class TokenIds:
         return ""
 
 
+def _admission(engine, rows) -> None:
+    """Rows admitted as a step admits them: prefilled (`StepEngine._admit`), each given its first token."""
+    from ..serve.steps import Kept
+
+    answers = Kept()
+    first, _ = engine._admit(rows, answers)
+    for row, logits in first:
+        engine._next(row, logits, {}, answers)
+
+
 def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden: int, layers: int,
                     output_dir: Path, together: int = 16) -> dict:
     import torch
@@ -90,7 +100,7 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
                                                         ignore_eos=True, id=10_000 + r) for r, size in enumerate(sizes))))
                 rows = [engine.waiting.popleft() for _ in sizes]
                 start = time.perf_counter()
-                engine._admit(rows, {}, Kept())
+                _admission(engine, rows)
                 joint[(length, n)].append((time.perf_counter() - start) * 1000)
             for b in batches:
                 engine = engine_with(b, length)
@@ -102,7 +112,7 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
                 engine.take(Admit(1, key, (RowSpec(prompt(length, 99), max_new_tokens=10_000, ignore_eos=True,
                                                    id=10_000),)))
                 start = time.perf_counter()
-                engine._admit([engine.waiting.popleft()], {}, Kept())  # the admission alone, no step after it
+                _admission(engine, [engine.waiting.popleft()])  # the admission alone, no decoding step after it
                 admission[(length, b)].append((time.perf_counter() - start) * 1000)
     results = {"command": "ds-inference bench steps " + " ".join(sys.argv[3:]), "date": time.strftime("%Y-%m-%d"),
                "model": f"random Llama, hidden {hidden}, {layers} layers, fp32, 1 rank",
