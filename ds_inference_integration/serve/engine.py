@@ -315,6 +315,12 @@ def main(argv: list[str]) -> None:
     keepalive = keepalive_seconds(inference_args.inference_timeout)
     control = Control(conn, group, world, keepalive)
     capacity = settings["capacity"]
+    guard = None
+    if topology.tp_size > 1 and inference_args.lockstep_guard:
+        def guard(rows, index):
+            check_lockstep(model_inputs(rows, tokenizer.pad_token_id, False, "cpu"), topology, setup.groups.tp,
+                           device, index)
+    serve = Serving(model, tokenizer, device, control, group, world, guard)
     steps, scheduler = None, "batch"
     if settings.get("scheduler", "batch") == "continuous":
         from .steps import StepEngine, choose
@@ -322,22 +328,16 @@ def main(argv: list[str]) -> None:
         why, options = choose(model, tokenizer, device, capacity)
         why = agree(None if why is None else (0, why), group, world)
         if why is None:
-            steps = StepEngine(model, tokenizer, device, capacity, None, *settings.get("admission", (0.0, 0)),
-                               **options)
+            # the batch engine behind the step engine, for what it cannot run (`steps_take`: more beams than slots)
+            steps = StepEngine(model, tokenizer, device, capacity, serve.run_batch,
+                               *settings.get("admission", (0.0, 0)), **options)
             scheduler = "continuous"
         else:
             scheduler = f"batch (--scheduler continuous: this model is served by the batch engine: {why[1]})"
-    guard = None
-    if topology.tp_size > 1 and inference_args.lockstep_guard:
-        def guard(rows, index):
-            check_lockstep(model_inputs(rows, tokenizer.pad_token_id, False, "cpu"), topology, setup.groups.tp,
-                           device, index)
     if leader:
         print(f"ds-inference serve: scheduler {scheduler}", flush=True)
     control.send(Ready(f"{setup.report}; scheduler {scheduler}", capacity=capacity, joins_running=steps is not None))
-    serve = Serving(model, tokenizer, device, control, group, world, guard)
     if steps is not None:
-        steps.run_batch = serve.run_batch
         serve.steps_loop(steps)
     else:
         serve.batch_loop()
