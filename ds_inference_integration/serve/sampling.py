@@ -20,8 +20,12 @@ range, refused with beams where the rule does not serve them); a field a rule re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+# torch is imported where a rule runs: the wire's records (wire.RowSpec) are read by the front, whose commands import
+# no torch before their ranks do (tests/test_layout.py)
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(kw_only=True)
@@ -72,6 +76,8 @@ class Penalties(Rule):
     greedy = True
 
     def scores(self, scores, new, params):
+        import torch
+
         if new.numel():
             counts = torch.bincount(new, minlength=scores.shape[-1])[:scores.shape[-1]].to(scores.dtype)
             scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype)
