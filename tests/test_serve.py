@@ -401,7 +401,8 @@ def test_the_tokenizer_routes_offsets_into_the_text_and_a_chunk_for_every_token(
     added or not) and /detokenize, each the tokenizer's own answer; bad input one line. `text_offset`: where each
     token's text starts in the returned text (echoed prompt and completion: counted into the tokens' texts joined
     before, text[offset:] started inside a word). A stream with a stop string that holds its text back sends a chunk
-    for every token (before: none until text came, silent while a long stop string might still match). /metrics
+    for every token (before: none until text came, silent while a long stop string might still match), the last
+    with the row's end (before: a chunk of its own after it; vLLM's last token chunk carries it). /metrics
     tells rows held and slots free per replica."""
     from transformers import AutoTokenizer
 
@@ -445,8 +446,9 @@ def test_the_tokenizer_routes_offsets_into_the_text_and_a_chunk_for_every_token(
                 chunks.append(json.loads(line[6:]))
                 if len(chunks) == 1:
                     gauges = [_metric(url, "ds_inference_rows_running"), _metric(url, "ds_inference_slots_free")]
-    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is None]
+    tokens = [c for c in chunks if c["choices"]]  # a chunk a token, the last with the row's end (as vLLM's)
     assert len(tokens) == 12 and any(c["choices"][0]["text"] == "" for c in tokens[:3]), chunks[:4]
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None] * 11 + ["length"], tokens[-2:]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
         post(url + "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 12, "ignore_eos": True})[1]["choices"][0]["text"]
     assert gauges[0] >= 1 and gauges[1] >= 1, gauges  # mid-stream: its row held, room for more on the replicas

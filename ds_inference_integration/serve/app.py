@@ -377,7 +377,7 @@ class Api:
                         "logprobs": None, "finish_reason": finish}
             return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
 
-        finished = 0
+        finished, ended = 0, set()  # rows answered; rows whose last chunk went with their last token
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -389,7 +389,15 @@ class Api:
                     yield f"data: {json.dumps(i.body())}\n\n"
                     break
                 row = job.rows[i]
-                if kind_ == "token":
+                if kind_ == "token" and event[2] is not None and i not in ended:
+                    # the row's last token (the step engine says so): its chunk carries the row's end, as vLLM's
+                    # last chunk does; its Finished, after it, adds no chunk
+                    ended.add(i)
+                    generated[i] = len(row.tokens)
+                    found = texts[i].final(row.tokens)[1]
+                    yield chunk([choice(i, texts[i].rest(row.tokens), "stop" if found else event[2],
+                                        logprobs(i, row.tokens))], usage_now() if continuous else None)
+                elif kind_ == "token" and i not in ended:
                     generated[i] = len(row.tokens)
                     text = texts[i].delta(row.tokens)
                     lp = logprobs(i, row.tokens)  # with the tokens that came, also where their text is held back
@@ -399,10 +407,11 @@ class Api:
                     # cuts such a stream
                     yield chunk([choice(i, text, lp=lp)], usage_now() if continuous else None)
                 elif kind_ == "finish":
-                    tokens = (row.sequences or [row.tokens])[0]
-                    generated[i] = len(tokens)
-                    yield chunk([choice(i, texts[i].rest(tokens), _finish_reason(row, texts[i], tokens),
-                                        logprobs(i, tokens))], usage_now() if continuous else None)
+                    if i not in ended:
+                        tokens = (row.sequences or [row.tokens])[0]
+                        generated[i] = len(tokens)
+                        yield chunk([choice(i, texts[i].rest(tokens), _finish_reason(row, texts[i], tokens),
+                                            logprobs(i, tokens))], usage_now() if continuous else None)
                     finished += 1
                     if finished == len(job.rows):
                         if include_usage:

@@ -270,7 +270,8 @@ class Server:
                 if not job.cancelled:
                     if job.first_token_at is None:
                         job.first_token_at = now
-                    job.events.put_nowait(("token", ri, token))
+                    # the row's last token, where the engine says so: its stream's chunk carries the end
+                    job.events.put_nowait(("token", ri, out.ends))
         elif isinstance(message, Finished):
             found = self._answered(replica, message.row)
             if found is not None and message.reasons != ["cancelled"]:

@@ -694,7 +694,7 @@ class StepEngine:
         tokens[row.spec.id] = RowOutput(
             token, row.produced,
             top_logprobs(logits[None], [token], row.spec.logprobs)[0] if row.spec.logprobs >= 0 else None,
-            self.prompt_logprobs.pop(row.spec.id, None))
+            self.prompt_logprobs.pop(row.spec.id, None), reason or None)
         if reason:
             del self.running[row.slot]
             row.status = Status.FINISHED

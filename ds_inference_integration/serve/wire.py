@@ -114,14 +114,16 @@ class Alive:
 
 @dataclass(frozen=True)
 class RowOutput:
-    """What one step gave one row: its new token, its count of new tokens so far (this one included), and where the
-    row asked for them (`RowSpec.logprobs`, `prompt_logprobs`), the token's log probability with the top ones'
-    ((its own, ((id, log probability)...))) and, with its first token, each prompt token's after the first."""
+    """What one step gave one row: its new token, its count of new tokens so far (this one included), where the row
+    asked for them (`RowSpec.logprobs`, `prompt_logprobs`) the token's log probability with the top ones' ((its own,
+    ((id, log probability)...))) and, with its first token, each prompt token's after the first; and why the row
+    ends with this token, where it does (the step engine's: a stream's last token chunk then carries it, as vLLM's)."""
 
     token: int
     count: int
     logprobs: tuple | None = None
     prompt_logprobs: list | None = None
+    ends: str | None = None  # "stop" or "length" where this token ends the row (its Finished follows)
 
 
 @dataclass(frozen=True)
