@@ -572,6 +572,74 @@ def test_rows_admitted_together_are_prefilled_packed_in_one_forward_as_each_alon
         StepEngine._packed = packed
 
 
+def _multilingual(tmp_path):
+    """A tiny random M2M100-style encoder-decoder whose word-level tokenizer has NLLB-style language codes among its
+    special tokens (fra_Latn, deu_Latn, ron_Latn), saved: (model, tokenizer, its directory)."""
+    import transformers as tr
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "</s>", "<unk>", "<s>", "fra_Latn", "deu_Latn", "ron_Latn"] + \
+        "one two three four five six seven eight nine ten hundred thousand and".split()
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = tr.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                           unk_token="<unk>", bos_token="<s>",
+                                           additional_special_tokens=["fra_Latn", "deu_Latn", "ron_Latn"])
+    torch.manual_seed(0)
+    config = tr.M2M100Config(vocab_size=len(words), d_model=64, encoder_layers=2, decoder_layers=2,
+                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                             decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                             bos_token_id=3, decoder_start_token_id=1)
+    model = tr.M2M100ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "m2m")
+    tokenizer.save_pretrained(tmp_path / "m2m")
+    return model, tokenizer, tmp_path / "m2m"
+
+
+def test_rows_of_different_target_languages_share_a_step_each_as_generate_alone(tmp_path):
+    """A request's `target_lang` on a multilingual encoder-decoder: the language's token, as its tokenizer names it,
+    forced as the decoder's first (NLLB's, M2M100's and mBART-50's way); rows of three languages and one without
+    share steps, and each equals `generate` alone with that forced first token. (M2M100's decoder counts its
+    positions over the tokens that are not padding: the start-up probe refused it, its per-row position table read
+    with padding tokens.) A model without language codes, or a code it does not have, is one 400 line."""
+    from ds_inference_integration.serve.app import Api
+    from ds_inference_integration.serve.protocol import CompletionRequest, ModelLimits, ServeError
+
+    model, tokenizer, _ = _multilingual(tmp_path)
+    assert choose(model, tokenizer, "cpu", 4) == (None, {})  # the step engine serves it
+    limits = ModelLimits(encoder_decoder=True, max_positions=60, max_source_positions=60, max_n=4, max_batch_size=4,
+                         default_max_tokens=6, vocab_size=len(tokenizer))
+    api = Api(None, tokenizer, "m2m", limits, None, model.generation_config)
+    specs, want = [], {}
+    for i, lang in enumerate(["fra_Latn", "deu_Latn", None, "ron_Latn"]):
+        body = CompletionRequest(prompt="one hundred and " + ["two", "three", "four", "five"][i], max_tokens=6,
+                                 temperature=0, **({"target_lang": lang} if lang else {}))
+        key, rows = api.plan_completion(body)
+        specs.append((key, rows[0].spec(i)))
+        ids = torch.tensor([rows[0].prompt_ids])
+        forced = {"forced_bos_token_id": tokenizer.convert_tokens_to_ids(lang)} if lang else {}
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             num_beams=1, **forced)
+        want[i] = out[0, 1:].tolist()
+        if lang:
+            assert want[i][0] == tokenizer.convert_tokens_to_ids(lang)
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
+    _run(engine, {0: Admit(0, specs[0][0], (specs[0][1],)), 1: Admit(1, specs[1][0], (specs[1][1],)),
+                  2: Admit(2, specs[2][0], (specs[2][1],)), 3: Admit(3, specs[3][0], (specs[3][1],))}, answers)
+    assert max(len(c) for c in answers.counts) >= 3  # rows of different languages decoded in one step
+    for i in range(4):
+        got = answers.out[i][0]
+        assert got == want[i][:len(got)] and (len(got) == 6 or got[-1] == tokenizer.eos_token_id), (i, got, want[i])
+    with pytest.raises(ServeError, match=r"^target_lang 'spa_Latn' is not one of this model's language codes; "
+                                         r"valid: fra_Latn, deu_Latn, ron_Latn$"):
+        api.plan_completion(CompletionRequest(prompt="one", target_lang="spa_Latn"))
+    plain = Api(None, tokenizer, "m2m", ModelLimits(encoder_decoder=False, max_positions=60, max_source_positions=None,
+                                                    max_n=4, max_batch_size=4, default_max_tokens=6,
+                                                    vocab_size=len(tokenizer)), None, model.generation_config)
+    with pytest.raises(ServeError, match=r"^target_lang 'fra_Latn': model 'm2m' has no language codes"):
+        plain.plan_completion(CompletionRequest(prompt="one", target_lang="fra_Latn"))
+
+
 def test_a_row_is_one_record_with_its_status_from_admission_to_answer(gpt2):
     """Every row the engine takes is one record (a beam request's beams too) whose status says where it is: waiting
     while the slots are full, running once admitted, then finished, cancelled (its client left) or failed (its own

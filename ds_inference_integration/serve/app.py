@@ -154,6 +154,29 @@ class Api:
             raise ServeError(400, f"num_beams {num_beams!r} is not an integer; valid: 1 to 16", "num_beams")
         return num_beams or 1
 
+    def target_language(self, lang) -> dict:
+        """A request's `target_lang` (a multilingual encoder-decoder's output language) as the generate setting that
+        makes it: the decoder forced to start with the language's token, as the model's tokenizer names it (the code
+        itself, NLLB's `fra_Latn` and mBART-50's `fr_XX`, or M2M100's `__fr__`); {} without one. Rows of different
+        languages have different keys, and the step engine runs rows of any keys in one step."""
+        if lang is None:
+            return {}
+        codes = []  # its special tokens beyond the usual ones (transformers 5's `extra_special_tokens`, 4's
+        for name in ("extra_special_tokens", "additional_special_tokens", "lang_code_to_id", "lang_token_to_id"):
+            found = getattr(self.tokenizer, name, None)  # `additional_special_tokens`), or its language maps
+            codes += [t for t in (found or ()) if isinstance(t, str) and t not in codes]
+        shown = ", ".join(codes[:6]) + (", ..." if len(codes) > 6 else "")
+        if not self.limits.encoder_decoder or not codes:
+            raise ServeError(400, f"target_lang {lang!r:.40}: model {self.model_id!r} has no language codes (a "
+                                  "multilingual encoder-decoder's, as NLLB's or M2M100's); valid: leave it out",
+                             "target_lang")
+        vocab = self.tokenizer.get_vocab()
+        found = next((vocab[name] for name in (lang, f"__{lang}__") if isinstance(lang, str) and name in vocab), None)
+        if found is None:
+            raise ServeError(400, f"target_lang {lang!r:.40} is not one of this model's language codes; valid: "
+                                  f"{shown}", "target_lang")
+        return {"forced_bos_token_id": found}
+
     def plan_openai(self, body, prompts, **more):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return plan_rows(prompts, limits=self.limits, max_tokens=max_tokens, temperature=body.temperature,
@@ -162,6 +185,7 @@ class Api:
                          stream=body.stream, repetition_penalty=body.repetition_penalty,
                          length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"),
                          sampling=rule_values(body),
+                         generate=self.target_language((body.model_extra or {}).get("target_lang")) or None,
                          skip_special_tokens=(body.model_extra or {}).get("skip_special_tokens"),
                          include_stop_str_in_output=(body.model_extra or {}).get("include_stop_str_in_output"),
                          **more)
@@ -487,7 +511,8 @@ class Api:
                          ignore_eos=p.ignore_eos, min_tokens=p.min_new_tokens, num_beams=p.num_beams,
                          stream=False, repetition_penalty=p.repetition_penalty,
                          length_penalty=p.length_penalty, do_sample=p.do_sample, names=names,
-                         generate=generate_settings(p, self.generation_config, self.limits.vocab_size))
+                         generate={**generate_settings(p, self.generation_config, self.limits.vocab_size),
+                                   **self.target_language((p.model_extra or {}).get("target_lang"))})
 
     async def tokenize_route(self, request):
         self.check_key(request)

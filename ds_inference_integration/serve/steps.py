@@ -789,6 +789,11 @@ class DecoderPositions:
     def __init__(self, model):
         self.decoder = model.get_decoder()
         self.embed = getattr(self.decoder, "embed_positions", None)
+        # the token the table is read with: not the padding one, which a module that counts positions over the
+        # tokens that are not padding (M2M100's and NLLB's sinusoidal embedding) gives no position at all (the table
+        # read with padding was its padding row at every position: the probe refused M2M100, relative difference 1.1)
+        pad = getattr(model.config, "pad_token_id", None)
+        self.fill = 1 if pad == 0 else 0
         self.biases = [m for m in self.decoder.modules()
                        if getattr(m, "has_relative_attention_bias", False) and hasattr(m, "compute_bias")]
         self.table: torch.Tensor | None = None
@@ -813,7 +818,7 @@ class DecoderPositions:
             handle = self.embed.register_forward_hook(capture)
             try:
                 with torch.no_grad():
-                    self.decoder(input_ids=torch.zeros((1, size), dtype=torch.long, device=weight.device),
+                    self.decoder(input_ids=torch.full((1, size), self.fill, dtype=torch.long, device=weight.device),
                                  encoder_hidden_states=torch.zeros((1, 1, self.embed.embedding_dim),
                                                                    dtype=weight.dtype, device=weight.device))
             except _Captured:
