@@ -555,6 +555,9 @@ def test_rows_admitted_together_are_prefilled_packed_in_one_forward_as_each_alon
     finally:
         hook.remove()
     assert shapes[0] == (1, sum(len(s.prompt_ids) for s in specs)), shapes[:2]
+    # past PACKED_TOKENS, or where padding costs less (long prompts), right-padded
+    assert not engine._packing_pays([[5] * 600, [5] * 600]) and not engine._packing_pays([[5] * 500] * 2)
+    assert engine._packing_pays([[5] * 16] + [[5] * 4] * 15)
     for spec in specs:
         assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
     assert choose(model, tokenizer, "cpu", 4) == (None, {})

@@ -63,6 +63,12 @@ def top_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple]
     return [(lp, tuple(zip(ids, values))) for lp, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
+# At most this many tokens prefilled packed: the mask, and the attention weights where attention is computed with
+# them, are [packed tokens]^2 a head (1,024: 4 MiB a head in fp32), where right-padded rows hold rows x longest^2;
+# a wide model's cost rule alone would pack 16 rows of 2,048 tokens into one sequence of ~20k (1.6 GB a head)
+PACKED_TOKENS = 1024
+
+
 class NotPerRow(Exception):
     """A model whose cache the step engine cannot hold a row of (`probe` says why)."""
 
@@ -522,6 +528,8 @@ class StepEngine:
         2,560 packed, whose 6.6M attention scores outweigh the tokens saved)."""
         sizes = [len(p) for p in prompts]
         total, longest, n = sum(sizes), max(sizes), len(sizes)
+        if total > PACKED_TOKENS:
+            return False
         per_token = 6 * self.width
         return total * per_token + total * total <= n * longest * per_token + n * longest * longest
 
