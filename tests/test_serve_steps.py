@@ -633,9 +633,10 @@ def test_rows_of_different_target_languages_share_a_step_each_as_generate_alone(
     for i in range(4):
         got = answers.out[i][0]
         assert got == want[i][:len(got)] and (len(got) == 6 or got[-1] == tokenizer.eos_token_id), (i, got, want[i])
-    with pytest.raises(ServeError, match=r"^target_lang 'spa_Latn' is not one of this model's language codes; "
-                                         r"valid: fra_Latn, deu_Latn, ron_Latn$"):
-        api.plan_completion(CompletionRequest(prompt="one", target_lang="spa_Latn"))
+    for bad in ("spa_Latn", "one"):  # "one" is a word of the vocabulary, not a language
+        with pytest.raises(ServeError, match=rf"^target_lang '{bad}' is not one of this model's language codes; "
+                                             r"valid: fra_Latn, deu_Latn, ron_Latn$"):
+            api.plan_completion(CompletionRequest(prompt="one", target_lang=bad))
     plain = Api(None, tokenizer, "m2m", ModelLimits(encoder_decoder=False, max_positions=60, max_source_positions=None,
                                                     max_n=4, max_batch_size=4, default_max_tokens=6,
                                                     vocab_size=len(tokenizer)), None, model.generation_config)

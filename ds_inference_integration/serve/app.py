@@ -75,6 +75,12 @@ class Api:
         self.api_key, self.generation_config = api_key, generation_config
         self.created = int(time.time())
         self.reads_parts = template_reads_parts(getattr(tokenizer, "chat_template", None))
+        # a multilingual tokenizer's language codes (`target_language`): its special tokens beyond the usual ones
+        # (transformers 5's `extra_special_tokens`, 4's `additional_special_tokens`) or its language maps' keys
+        self.language_codes: list[str] = []
+        for name in ("extra_special_tokens", "additional_special_tokens", "lang_code_to_id", "lang_token_to_id"):
+            self.language_codes += [t for t in getattr(tokenizer, name, None) or ()
+                                    if isinstance(t, str) and t not in self.language_codes]
         # decoding, checking and tokenizing a body: off the event loop, so /live and every stream go on meanwhile
         # (a 10 MB prompt held the loop for 11 s); a few at once, the rest wait their turn
         self.workers = ThreadPoolExecutor(4, thread_name_prefix="ds-inference-body")
@@ -161,21 +167,17 @@ class Api:
         languages have different keys, and the step engine runs rows of any keys in one step."""
         if lang is None:
             return {}
-        codes = []  # its special tokens beyond the usual ones (transformers 5's `extra_special_tokens`, 4's
-        for name in ("extra_special_tokens", "additional_special_tokens", "lang_code_to_id", "lang_token_to_id"):
-            found = getattr(self.tokenizer, name, None)  # `additional_special_tokens`), or its language maps
-            codes += [t for t in (found or ()) if isinstance(t, str) and t not in codes]
-        shown = ", ".join(codes[:6]) + (", ..." if len(codes) > 6 else "")
+        codes = self.language_codes
         if not self.limits.encoder_decoder or not codes:
             raise ServeError(400, f"target_lang {lang!r:.40}: model {self.model_id!r} has no language codes (a "
                                   "multilingual encoder-decoder's, as NLLB's or M2M100's); valid: leave it out",
                              "target_lang")
-        vocab = self.tokenizer.get_vocab()
-        found = next((vocab[name] for name in (lang, f"__{lang}__") if isinstance(lang, str) and name in vocab), None)
+        found = next((name for name in (lang, f"__{lang}__") if isinstance(lang, str) and name in codes), None)
         if found is None:
+            shown = ", ".join(codes[:6]) + (", ..." if len(codes) > 6 else "")
             raise ServeError(400, f"target_lang {lang!r:.40} is not one of this model's language codes; valid: "
                                   f"{shown}", "target_lang")
-        return {"forced_bos_token_id": found}
+        return {"forced_bos_token_id": self.tokenizer.convert_tokens_to_ids(found)}
 
     def plan_openai(self, body, prompts, **more):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

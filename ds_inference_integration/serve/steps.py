@@ -396,8 +396,9 @@ class StepEngine:
         return list(spec.prompt_ids)
 
     def _admit(self, items: list, answers) -> tuple[list, list[_Row]]:
-        """New rows (`_Row`s waiting): prefilled together, copied into free slots, each given its first token. A
-        prefill that fails is run again a row at a time, so that only the row that fails alone fails.
+        """New rows (`_Row`s waiting): prefilled together and copied into free slots; their first tokens are chosen
+        by `update` from the logits returned. A prefill that fails is run again a row at a time, so that only the row
+        that fails alone fails.
 
         An encoder-decoder's rows, once the slots exist, only run their encoder here (together), and their
         cross-attention keys and values are projected from it into their slots (`CrossProjection`; where the probe
