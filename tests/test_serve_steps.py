@@ -346,7 +346,8 @@ def test_a_row_joins_without_the_running_rows_cache_being_copied(gpt2):
 
 def test_the_probe_sends_what_the_slots_cannot_hold_to_the_batch_engine(gpt2, bart, monkeypatch):
     """GPT-2, a GQA Llama, T5, BART and sliding-window models pass; a model whose attention does not follow per-row
-    positions and masks (Bloom's ALiBi, computed from a 2D mask) and a state-space model (Mamba) are refused, with
+    positions and masks (Bloom's ALiBi, computed from a 2D mask) and a model whose cache keeps neither keys nor
+    states per layer (RWKV: its own state, outside the cache) are refused, with
     why; and so are T5 and BART where their decoders are not given each row's position, and the sliding-window
     models where the step's mask leaves the window out (the probe sees what it must)."""
     from ds_inference_integration.serve.steps import choose
@@ -366,16 +367,16 @@ def test_the_probe_sends_what_the_slots_cannot_hold_to_the_batch_engine(gpt2, ba
     for model, tokenizer in (t5, bart):
         assert "do not give their single-row logits" in probe(model, tokenizer, "cpu")
     decode = SlotCache.decode
-    monkeypatch.setattr(SlotCache, "decode", lambda self, positions, window=None, hi=None, fixed=False:
-                        decode(self, positions, None, hi, fixed))
+    monkeypatch.setattr(SlotCache, "decode", lambda self, positions, window=None, hi=None, fixed=False, held=None:
+                        decode(self, positions, None, hi, fixed, held))
     for model in windowed:
         assert "do not give their single-row logits" in probe(model, gpt2[1], "cpu")
     monkeypatch.undo()
-    from transformers import MambaConfig
+    from transformers import RwkvConfig
 
-    mamba = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=len(gpt2[1]), hidden_size=32, num_hidden_layers=2,
-                                                         state_size=4)).eval()
-    assert "not held per row" in probe(mamba, gpt2[1], "cpu")
+    rwkv = AutoModelForCausalLM.from_config(RwkvConfig(vocab_size=len(gpt2[1]), hidden_size=32, num_hidden_layers=2,
+                                                       attention_hidden_size=32, intermediate_size=64)).eval()
+    assert probe(rwkv, gpt2[1], "cpu") == "the step engine cannot hold this model's cache: its layer 0 keeps no 4D keys"
     model, tokenizer = gpt2
     from transformers import BloomConfig
 
@@ -888,7 +889,96 @@ def test_beam_groups_and_generate_settings_join_running_rows_as_generate_alone(g
         assert answers.out[spec.id] == _alone(model, tokenizer, spec)
 
 
+def _zoo(name):
+    from ds_inference_integration.load.skeleton import model_class_for
+    from ds_inference_integration.tools.architecture_zoo import ZOO
+
+    torch.manual_seed(0)
+    config = ZOO[name]()
+    return model_class_for(config).from_config(config).eval()
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "jamba", "falcon_h1", "qwen3_next"])
+def test_state_space_and_hybrid_rows_each_get_their_answer_alone(gpt2, name):
+    """Models that keep states (`slots.SlotStateLayer`) on the step engine: a pure state-space model (Mamba, Mamba2),
+    hybrids with Mamba layers beside attention layers (Jamba), with both in one layer (Falcon-H1) and with gated delta
+    nets (Qwen3-Next). 16 rows of 1 to 40 prompt tokens and 1 to 30 new ones, greedy and sampled with seeds, arrive
+    in five admissions into 8 slots (so that rows join under running ones, in slots freed below them) and a beam
+    request among them: every row's tokens and reason equal the batch engine's answer to that request alone (one
+    generate), and the probe passes (so the server runs these models on the step engine)."""
+    model, tokenizer = _zoo(name), gpt2[1]
+    assert probe(model, tokenizer, "cpu") is None
+    generator = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    specs = []
+    for i in range(16):
+        length = (1, 2, 3, 40, 7, 17, 5, 29, 11, 1, 23, 4, 36, 9, 13, 2)[i]
+        prompt = tuple(torch.randint(3, vocab, (length,), generator=generator).tolist())
+        settings = {"temperature": 1.0, "top_k": 20, "seed": 7 + i} if i % 4 == 1 else {}
+        specs.append(RowSpec(prompt, max_new_tokens=(30, 3, 12, 8, 1, 20, 6, 15)[i % 8], id=i, ignore_eos=True,
+                             **settings))
+    arrivals = {0: Admit(0, BatchKey(), tuple(specs[:6])), 2: Admit(1, BatchKey(), tuple(specs[6:8])),
+                5: Admit(2, BatchKey(), tuple(specs[8:12])), 9: Admit(3, BatchKey(), tuple(specs[12:15])),
+                14: Admit(4, BatchKey(), (specs[15],))}
+    beams = Admit(5, BatchKey(num_beams=2, max_new_tokens=6), (RowSpec(specs[3].prompt_ids, 6, id=99),))
+    arrivals[4] = beams
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=8), Record()
+    assert engine.states
+    _run(engine, arrivals, answers)
+    assert not answers.failures, answers.failures
+    assert isinstance(engine.cache, SlotCache) and engine.cache.states
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
+    whole = run_batch(model, tokenizer, beams, "cpu")
+    assert answers.whole[99] == (whole["sequences"][0], whole["finish"][0])
+    assert len({tuple(answers.out[s.id][0]) for s in specs}) > 8  # the rows' answers are their own, not one answer
+    assert any(len(set(c.values())) > 1 for c in answers.counts), "no step held rows of different lengths"
+
+
 # ---- launched: a server with --scheduler continuous at tp 2
+
+@pytest.mark.launched
+@pytest.mark.parametrize("name", ["jamba", pytest.param("mamba", marks=pytest.mark.slow)])
+def test_a_state_space_model_is_served_continuously_at_tp_2_as_one_process(tmp_path, name):
+    """A hybrid (Jamba: Mamba layers, attention and experts) and a pure state-space model (Mamba; `make test-all`:
+    the same path without attention) at tp 2 with --scheduler continuous: the step engine serves it (said at start),
+    and 16 concurrent clients' requests of 1 to 24 prompt words and 2 to 30 tokens, greedy and seeded sampling,
+    each get what the unsharded model generates for that request alone."""
+    from ds_inference_integration.load.skeleton import model_class_for
+    from ds_inference_integration.tools.architecture_zoo import ZOO
+
+    tokenizer = AutoTokenizer.from_pretrained(GPT2)
+    config = ZOO[name]()
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    model = model_class_for(config).from_config(config).eval()
+    path = tmp_path / name
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    server = ServerProc(path, ["--tp_size", "2", "--inference_timeout", "60", "--scheduler", "continuous",
+                               "--max_batch_size", "16"], tmp_path, 2)
+    try:
+        server.wait_ready()
+        assert "scheduler continuous" in server.output() and "served by the batch engine" not in server.output()
+        words = " ".join(PROMPTS).split()
+        bodies = []
+        for i in range(16):
+            prompt = " ".join(words[7 * i:7 * i + (1, 20, 3, 15, 9, 24, 2, 12)[i % 8]])  # within 64 positions
+            body = {"prompt": prompt, "max_tokens": (30, 2, 17, 8, 25, 5, 12, 20)[i % 8], "ignore_eos": True}
+            body.update({"temperature": 1.0, "top_k": 20, "seed": 3 + i} if i % 3 == 2 else {"temperature": 0})
+            bodies.append(body)
+        got = post_all(server.url + "/v1/completions", bodies, concurrency=16)
+        for body, (status, answer) in zip(bodies, got):
+            assert status == 200, answer
+            spec = RowSpec(tuple(tokenizer(body["prompt"])["input_ids"]), max_new_tokens=body["max_tokens"],
+                           temperature=body["temperature"], top_k=body.get("top_k", 0), seed=body.get("seed", 0),
+                           ignore_eos=True)
+            want = tokenizer.decode(_alone(model, tokenizer, spec)[0], skip_special_tokens=True)
+            assert answer["choices"][0]["text"].strip() == want.strip(), (body, answer)
+        assert len({answer["choices"][0]["text"] for _, answer in got}) > 8
+    finally:
+        server.stop()
+
 
 @pytest.mark.launched
 def test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_wait(tmp_path):

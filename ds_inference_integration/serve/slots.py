@@ -11,16 +11,23 @@ admission costs the admitted rows' lengths, whatever the batch holds. A decoding
 
 The width grows by doubling as rows need it (a copy of the whole cache, log2(longest row) times in a server's
 life), so memory follows the longest row held so far, not `--max_model_len` x slots; the step's shapes change only
-then and when the highest slot in use changes. Layers this cache cannot hold a row of (state-space and
-linear-attention states, anything but plain keys and values) are refused by `check_layers`, and the model is then
-served by the batch engine. A
-sliding-window model keeps every key here too (a row's prefill runs with transformers' plain cache, which keeps
-them all); its window is the step's mask's (`decode(window=...)`)."""
+then and when the highest slot in use changes. A sliding-window model keeps every key here too (a row's prefill runs
+with transformers' plain cache, which keeps them all); its window is the step's mask's (`decode(window=...)`).
+
+State-space and linear-attention layers (Mamba's and Mamba2's mixers, gated delta nets, short convolutions: every
+layer transformers keeps as a `LinearAttentionLayer`, alone or beside attention in one layer) keep a state per slot
+(`SlotStateLayer`: each convolution state `[slots, channels, kernel]`, each recurrent state `[slots, ...]`), written
+once from a row's prefill. A decoding step gives the model the first `hi` slots' states as views, which its layers
+update in place as they update transformers' own; a slot below `hi` holding a row that does not decode in the step
+(admitted in it) has its states put back after the step (`decode`, `done`). Layers of any other kind are refused by
+`check_layers` in one line naming the layer, and the model is then served by the batch engine."""
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import (Cache, CacheLayerMixin, DummyLayer, DynamicLayer,
+                                      LinearAttentionAndFullAttentionLayer, LinearAttentionCacheLayerMixin,
+                                      LinearAttentionLayer)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -83,6 +90,83 @@ class SlotLayer(CacheLayerMixin):
         return -1
 
 
+class SlotStateLayer(LinearAttentionLayer):
+    """A state-space or linear-attention layer's states for every slot: each of its convolution and recurrent states
+    (transformers' `LinearAttentionLayer` keeps them `[batch, ...]`) as `[slots, ...]`, written once from a row's
+    prefill (`write_state`). While a step runs (`begin`) the layer's own states are views of the first `hi` slots,
+    which the model's mixers read and update in place (`causal_conv1d_update`, `update_recurrent_state`'s copy), so no
+    state is copied per step; the states of slots below `hi` whose rows do not decode in the step are kept aside and
+    put back (`end`): a step overwrites every state it runs over, and a row admitted in it would otherwise lose its
+    prompt's state to the pad token fed at its slot."""
+
+    def __init__(self, slots: int, number_of_states: int = 1):
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        self.slots = slots
+        self.stored: dict[tuple[str, int], torch.Tensor] = {}  # ("conv_states" | "recurrent_states", i) -> [slots, ...]
+        self.kept: dict | None = None
+        self.seen = 0
+
+    def write_state(self, slot: int, theirs: LinearAttentionCacheLayerMixin, row: int) -> None:
+        """Row `row` of a prefilled layer's states (transformers' own) into `slot`."""
+        for index in range(theirs.number_of_states):
+            for name in ("conv_states", "recurrent_states"):
+                state = getattr(theirs, name)[index]
+                if state is None:
+                    continue
+                stored = self.stored.get((name, index))
+                if stored is None:
+                    stored = self.stored[(name, index)] = state.new_zeros((self.slots, *state.shape[1:]))
+                    self.device, self.dtype = state.device, state.dtype
+                stored[slot] = state[row]
+            if theirs.conv_kernel_size.get(index) is not None:
+                self.conv_kernel_size[index] = theirs.conv_kernel_size[index]
+
+    def begin(self, hi: int, keep: list[int], seen: int) -> None:
+        """A step over slots 0..hi-1: the layer's states are views of its slots' (updated in place by the step);
+        `keep`'s slots (below `hi`, not decoding) are kept aside, put back by `end`."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.device) if keep else None
+        self.kept = {} if index is None else {k: (index, stored[index].clone()) for k, stored in self.stored.items()}
+        for (name, i), stored in self.stored.items():
+            getattr(self, name)[i] = stored[:hi]
+            getattr(self, f"is_{name}_initialized")[i] = True
+            self.has_previous_state[i] = True
+        self.seen = seen
+
+    def end(self) -> None:
+        for key, (index, saved) in (self.kept or {}).items():
+            self.stored[key][index] = saved
+        self.kept = None
+        for name, i in self.stored:
+            getattr(self, name)[i] = None
+
+    def reorder(self, into: torch.Tensor, come: torch.Tensor) -> None:
+        for stored in self.stored.values():
+            stored[into] = stored[come]
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotHybridLayer(SlotStateLayer, SlotLayer):
+    """A layer holding both a state (its linear-attention part) and keys and values (its attention: Falcon-H1's and
+    Zamba's layers run both), as transformers' `LinearAttentionAndFullAttentionLayer`."""
+
+    def __init__(self, slots: int, number_of_states: int = 1):
+        SlotLayer.__init__(self, slots)
+        SlotStateLayer.__init__(self, slots, number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:  # keys and values (two positional), else a state's
+        if len(args) == 2 and not kwargs:
+            SlotLayer.lazy_initialization(self, *args)
+        else:
+            SlotStateLayer.lazy_initialization(self, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return SlotLayer.get_seq_length(self)
+
 class CrossSlotLayer(SlotLayer):
     """One cross-attention layer's keys and values for every slot (`[slots, heads, source width, head_dim]`),
     written once when a row is admitted (its encoder ran once: `write_prompt`, as a self-attention slot is written)
@@ -132,13 +216,37 @@ class CrossSlotLayer(SlotLayer):
         return -1
 
 
-class SlotCache(Cache):
-    """One `SlotLayer` per attention layer of the model, and the plan of the step being run."""
+# a prefilled layer's kind (`layer_kind`) -> the slot layer that holds it
+KINDS = {"attention": SlotLayer, "state": SlotStateLayer, "hybrid": SlotHybridLayer}
 
-    def __init__(self, layers: int, slots: int, cross: bool = False):
-        super().__init__(layers=[SlotLayer(slots) for _ in range(layers)])
+
+def layer_kind(layer) -> str | None:
+    """What a layer of transformers' cache keeps, as this cache holds it: "attention" (plain keys and values of every
+    past position), "state" (a linear-attention layer's states), "hybrid" (both), "none" (a layer that keeps nothing:
+    NemotronH's MLP layers); None: a kind not held per row."""
+    if type(layer) is DynamicLayer:
+        return "attention"
+    if type(layer) is LinearAttentionLayer:
+        return "state"
+    if type(layer) is LinearAttentionAndFullAttentionLayer:
+        return "hybrid"
+    if type(layer) is DummyLayer:
+        return "none"
+    return None
+
+
+class SlotCache(Cache):
+    """A slot layer for each layer of the model (`kinds`: each layer's `layer_kind`, or a number of attention layers),
+    and the plan of the step being run."""
+
+    def __init__(self, kinds: int | list[str], slots: int, cross: bool = False):
+        kinds = ["attention"] * kinds if isinstance(kinds, int) else list(kinds)
+        layers = [DummyLayer() if kind == "none" else KINDS[kind](slots) for kind in kinds]
+        super().__init__(layers=layers)
         self.slots = slots
-        self.cross = Cache(layers=[CrossSlotLayer(slots) for _ in range(layers)]) if cross else None
+        self.attention = [each for each in layers if isinstance(each, SlotLayer)]  # keys and values
+        self.states = [each for each in layers if isinstance(each, SlotStateLayer)]  # states (a hybrid's in both)
+        self.cross = Cache(layers=[CrossSlotLayer(slots) for _ in range(len(layers))]) if cross else None
         self.sources = [1] * slots  # each slot's source length (an encoder-decoder's)
 
     def write_prompt(self, slot: int, prefilled: Cache, row: int, length: int, source: int = 0,
@@ -147,8 +255,11 @@ class SlotCache(Cache):
         one sequence; an encoder-decoder's first `source` source positions of its cross-attention) into `slot`."""
         own = prefilled.self_attention_cache if self.cross is not None else prefilled
         for mine, theirs in zip(self.layers, own.layers):
-            mine.write_prompt(slot, theirs.keys[row:row + 1, :, offset:offset + length],
-                              theirs.values[row:row + 1, :, offset:offset + length])
+            if isinstance(mine, SlotLayer):
+                mine.write_prompt(slot, theirs.keys[row:row + 1, :, offset:offset + length],
+                                  theirs.values[row:row + 1, :, offset:offset + length])
+            if isinstance(mine, SlotStateLayer):
+                mine.write_state(slot, theirs, row)
         if self.cross is not None:
             self.sources[slot] = source
             for mine, theirs in zip(self.cross.layers, prefilled.cross_attention_cache.layers):
@@ -156,7 +267,7 @@ class SlotCache(Cache):
 
     def shrink(self) -> None:
         """Every layer back to its first width (16 columns), contents dropped: for when no row is held."""
-        for each in (*self.layers, *(self.cross.layers if self.cross is not None else ())):
+        for each in (*self.attention, *(self.cross.layers if self.cross is not None else ())):
             if each.is_initialized and each.width() > 16:
                 keys, values = each.keys, each.values
                 each.keys = keys.new_zeros((*keys.shape[:2], 16, keys.shape[3]))
@@ -171,12 +282,14 @@ class SlotCache(Cache):
 
     def reorder(self, slots: list[int], sources: list[int]) -> None:
         """Beam search's reorder within one request: slot slots[i] continues the self-attention past of sources[i]
-        (a copy of the group's own slots; its cross-attention is the same in every beam)."""
+        (a copy of the group's own slots, keys and states; its cross-attention is the same in every beam)."""
         if slots != sources:
             into, come = torch.tensor(slots), torch.tensor(sources)
-            for each in self.layers:
+            for each in self.attention:
                 each.keys[into] = each.keys[come]
                 each.values[into] = each.values[come]
+            for each in self.states:
+                each.reorder(into, come)
 
     def join(self, sources: dict[int, int]) -> None:
         """Rows whose first decoder step is the next (slot -> source length): their cross-attention keys are written
@@ -206,11 +319,11 @@ class SlotCache(Cache):
         width = self.cross.layers[0].width() if fixed else max(self.sources[:hi])
         for each in self.cross.layers:
             each.view = (hi, width)
-        lengths = torch.tensor(self.sources[:hi], device=self.layers[0].keys.device)
+        lengths = torch.tensor(self.sources[:hi], device=self.attention[0].keys.device)
         return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
 
     def decode(self, positions: dict[int, int], window: int | None = None, hi: int | None = None,
-               fixed: bool = False) -> tuple:
+               fixed: bool = False, held=None) -> tuple:
         """Plan a step over slots 0..hi-1 (hi: the highest slot in `positions`, + 1, unless given), slot s writing at
         `positions[s]`; returns the step's `position_ids` (`[hi, 1]`) and additive 4D mask (`[hi, 1, 1, width]`: 0 on
         each row's own past and new token, the dtype's lowest elsewhere; a slot not decoding sees its column 0 only,
@@ -218,18 +331,25 @@ class SlotCache(Cache):
         sliding layers, which also hides what lies `window` or more positions back (transformers' sliding overlay: a
         key at k is seen from q when q - window < k <= q; the keys themselves are all kept), else None. `fixed`: the
         step's width is the cache's whole width (grown first where a row needs it), so that with a fixed `hi` the
-        step's shapes change only when the cache grows (log2 times), as CUDA graphs and `torch.compile` need."""
+        step's shapes change only when the cache grows (log2 times), as CUDA graphs and `torch.compile` need.
+        State layers run over the same slots; those of `held`'s slots (default: every slot) below `hi` that do not
+        decode are put back after the step (`done`). A model with no attention layer is given no mask (None, None)."""
         hi, width = (max(positions) + 1 if hi is None else hi), max(positions.values()) + 1
-        if fixed:
-            for each in self.layers:
+        if fixed and self.attention:
+            for each in self.attention:
                 each.grow(width)
-            width = self.layers[0].width()
-        layer = self.layers[0]
+            width = self.attention[0].width()
+        for each in self.states:
+            each.begin(hi, [s for s in range(hi) if s not in positions and (held is None or s in held)], width - 1)
+        if not self.attention:
+            device = self.states[0].device
+            return torch.tensor([positions.get(s, 0) for s in range(hi)], device=device)[:, None], None, None
+        layer = self.attention[0]
         device, dtype = layer.keys.device, layer.keys.dtype
         slots = torch.tensor(sorted(positions), device=device)
         pos = torch.tensor([positions[s] for s in sorted(positions)], device=device)
         plan = (slots, pos, hi, width, len(positions) == hi)
-        for each in self.layers:
+        for each in self.attention:
             each.plan = plan
         every = torch.zeros(hi, dtype=torch.long, device=device).index_copy(0, slots, pos)
         columns = torch.arange(width, device=device)
@@ -239,25 +359,50 @@ class SlotCache(Cache):
         return every[:, None], masks[0], (masks[1] if window is not None else None)
 
     def done(self) -> None:
-        for each in self.layers:
+        for each in self.attention:
             each.plan = None
+        for each in self.states:
+            each.end()
         for each in self.cross.layers if self.cross is not None else ():
             each.view, each.fill = None, None
 
 
 def check_layers(prefilled: Cache) -> str | None:
-    """Why a model's cache cannot be held a slot per row (None: it can): each of its layers (an encoder-decoder's
-    self- and cross-attention alike) must be transformers' plain `DynamicLayer` (keys and values of every past
-    position, one tensor per layer)."""
+    """Why a model's cache cannot be held a slot per row (None: it can), naming the first layer that cannot: each
+    layer (an encoder-decoder's self- and cross-attention alike) must be one `layer_kind` knows: transformers'
+    plain `DynamicLayer` (keys and values of every past position, 4D), a `LinearAttentionLayer` (states), both in one
+    layer, or a layer that keeps nothing."""
     from transformers import EncoderDecoderCache
 
     if isinstance(prefilled, EncoderDecoderCache):
+        if any(layer_kind(each) not in ("attention", None) for each in prefilled.self_attention_cache.layers):
+            return "its decoder keeps states beside a cross-attention: not held per row"
         layers = [*prefilled.self_attention_cache.layers, *prefilled.cross_attention_cache.layers]
     else:
         layers = prefilled.layers
     for i, layer in enumerate(layers):
-        if type(layer) is not DynamicLayer:
-            return f"its layer {i} keeps a {type(layer).__name__} (a state, not keys and values): not held per row yet"
-        if layer.keys is None or layer.keys.dim() != 4:
+        kind = layer_kind(layer)
+        if kind is None:
+            return (f"its layer {i} keeps a {type(layer).__name__}, not keys and values of every position nor a "
+                    f"linear-attention state")
+        if kind in ("attention", "hybrid") and (layer.keys is None or layer.keys.dim() != 4):
             return f"its layer {i} keeps no 4D keys"
     return None
+
+
+def layer_kinds(prefilled: Cache) -> list[str]:
+    """Each layer's `layer_kind` (of a cache `check_layers` passed)."""
+    own = getattr(prefilled, "self_attention_cache", prefilled)
+    return [layer_kind(each) for each in own.layers]
+
+
+def state_layers(model) -> bool:
+    """Whether the model's cache, as transformers builds it from its config, keeps a state-space or linear-attention
+    state in some layer."""
+    from transformers import DynamicCache
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001 - a config transformers cannot build a cache from: its prefill's cache decides
+        return False
+    return any(isinstance(each, LinearAttentionCacheLayerMixin) for each in layers)

@@ -23,9 +23,10 @@ BART's family adds learned or sinusoidal embeddings at that position, T5's a rel
 `Status` saying where it is (waiting, prefilling, running, finished, cancelled, failed); `running` maps each slot to
 the row holding it. Beam requests are groups of slots (a row whose `group` is its `beams.BeamGroup`); one with more beams
 than the slots is run by the batch engine (`engine.run_batch`, one generate) when no row is running, rows behind it
-waiting (first come, first served). A model whose probe (`probe`: rows joining a running batch must
-give each row's logits alone) fails, or whose cache is not plain per-layer keys and values, is served by the batch
-engine alone, said at start."""
+waiting (first come, first served). State-space and linear-attention layers keep a state per slot
+(`slots.SlotStateLayer`), their rows prefilled left-padded. A model whose probe (`probe`: rows joining a running
+batch must give each row's logits alone) fails, or whose cache holds layers of another kind (`slots.check_layers`),
+is served by the batch engine alone, said at start."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from . import rules as row_rules
 from .beams import BeamGroup
 from .rules import RowRules, eos_ids, generation_config, own_failure, with_defaults
 from .sampling import changes_greedy
-from .slots import SlotCache, check_layers
+from .slots import SlotCache, check_layers, layer_kinds, state_layers
 from .wire import Admit, BatchKey, RowOutput, RowSpec
 
 
@@ -161,9 +162,13 @@ class StepEngine:
         self.window = getattr(text, "sliding_window", None)
         self.mapping = bool(getattr(text, "layer_types", None))
         self.positions = DecoderPositions(model) if self.encoder_decoder else None
+        # state-space or linear-attention layers (`slots.SlotStateLayer`): a state is the sum of every token before,
+        # so rows are prefilled left-padded (the padding zeroed by the model's own mask, as generate batches them),
+        # never packed or right-padded (the tokens after a row's own would enter its state)
+        self.states = not self.encoder_decoder and state_layers(model)
         # a decoder-only model's admitted prompts prefilled packed (`_packed`): one sequence, each row's positions
         # from 0 and a block-diagonal causal mask, no padding; where the probe finds that wrong, right-padded
-        self.pack = pack_prefill and not self.encoder_decoder and self.window is None
+        self.pack = pack_prefill and not self.encoder_decoder and self.window is None and not self.states
         self.width = next((w for w in (getattr(text, n, None) for n in ("hidden_size", "n_embd", "d_model"))
                            if isinstance(w, int)), 1024)
         # a decoding step over every slot and the cache's whole width (`SlotCache.decode(fixed=True)`): its shapes
@@ -486,14 +491,12 @@ class StepEngine:
         if self.pack and n > 1 and not any(spec is not None for spec in wants or ()) and self._packing_pays(prompts):
             prefilled, logits, places = self._packed(prompts)
         else:
-            prefilled, logits = self._padded_prefill(rows, prompts, wants)
-            places = [(b, 0) for b in range(n)]
+            prefilled, logits, places = self._padded_prefill(rows, prompts, wants)
         if self.cache is None:
             why = check_layers(prefilled)
             if why:
                 raise NotPerRow(f"the step engine cannot hold this model's cache: {why}")
-            layers = prefilled.self_attention_cache if self.encoder_decoder else prefilled
-            self.cache = SlotCache(len(layers.layers), self.capacity, cross=self.encoder_decoder)
+            self.cache = SlotCache(layer_kinds(prefilled), self.capacity, cross=self.encoder_decoder)
         return prefilled, logits.to(dtype=torch.float32), places
 
     def _packed(self, prompts: list[list[int]]) -> tuple:
@@ -535,10 +538,15 @@ class StepEngine:
         return total * per_token + total * total <= n * longest * per_token + n * longest * longest
 
     def _padded_prefill(self, rows: list[tuple], prompts: list[list[int]], wants: list | None) -> tuple:
-        """`_prefill`'s way for an encoder-decoder, one row, or a model not packed: right-padded to the longest."""
+        """`_prefill`'s way for an encoder-decoder, one row, or a model not packed: right-padded to the longest, or
+        left-padded where the model keeps states (`self.states`), each row's positions from 0 at its first token.
+        (cache, each row's last logits, places)."""
         n = len(rows)
         ids, mask = self._padded(prompts)
         width = ids.shape[1]
+        places = [(b, 0) for b in range(n)]
+        if self.states:
+            return self._left_padded_prefill(prompts, wants)
         with torch.no_grad():
             if self.encoder_decoder:
                 encoded = BaseModelOutput(last_hidden_state=self._encode(ids, mask))
@@ -567,7 +575,30 @@ class StepEngine:
                         n_b = len(prompts[b])
                         self.prompt_logprobs[spec.id] = top_logprobs(out.logits[b, :n_b - 1], prompts[b][1:],
                                                                      spec.logprobs)
-        return prefilled, logits
+        return prefilled, logits, places
+
+    def _left_padded_prefill(self, prompts: list[list[int]], wants: list | None) -> tuple:
+        """A state-keeping model's prompts through it at once, left-padded to the longest (generate's own batching of
+        such models: the model's 2D mask zeroes the padding's inputs, so a row's states start from zero at its first
+        token, and its attention layers' keys sit at the last `len(prompt)` positions); each row's positions from 0 at
+        its first token. (cache, each row's last logits, places: (its batch row, where its first token is))."""
+        n, width = len(prompts), max(len(p) for p in prompts)
+        pads = [width - len(p) for p in prompts]
+        ids = torch.tensor([[self.pad] * pad + list(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
+                           device=self.device)
+        mask = torch.tensor([[0] * pad + [1] * len(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
+                            device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        whole = any(spec is not None for spec in wants or ())
+        prefilled = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self.cache_name: prefilled}, **({} if whole else self.keep))
+        for b, spec in enumerate(wants or ()):
+            if spec is not None:
+                self.prompt_logprobs[spec.id] = top_logprobs(out.logits[b, pads[b]:width - 1], prompts[b][1:],
+                                                             spec.logprobs)
+        return prefilled, out.logits[:, -1], [(b, pad) for b, pad in enumerate(pads)]
 
     def _admit_beams(self, row: _Row, answers) -> tuple[_Row, torch.Tensor] | None:
         """A beam request: its prompt prefilled once and copied into `num_beams` free slots; its first logits, one row
@@ -580,7 +611,7 @@ class StepEngine:
         try:
             group = BeamGroup(self.model, spec, key, slots, config, self.eos, self.tokenizer, self.device,
                               start=lambda prepared: self._start(spec, prepared))
-            prefilled, logits, _ = self._prefill([(spec.prompt_ids, group.start)])
+            prefilled, logits, places = self._prefill([(spec.prompt_ids, group.start)])
         except NotPerRow:
             raise
         except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
@@ -589,7 +620,7 @@ class StepEngine:
             return None
         row.group, row.status = group, Status.RUNNING
         for slot in slots:
-            self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids))
+            self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids), places[0][1])
             self.running[slot] = row
         return row, logits[0][None].expand(len(slots), -1)
 
@@ -630,7 +661,8 @@ class StepEngine:
                 feed.append(self.pad)
         ids = torch.tensor([[t] for t in feed], dtype=torch.long, device=self.device)
         joining, self.joining = self.joining, {}
-        position_ids, mask, sliding = self.cache.decode(positions, self.window, hi, self.fixed_shapes)
+        position_ids, mask, sliding = self.cache.decode(positions, self.window, hi, self.fixed_shapes,
+                                                        held=set(self.running))
         if sliding is not None:
             mask = {"full_attention": mask, "sliding_attention": sliding} if self.mapping else sliding
         try:
@@ -652,6 +684,8 @@ class StepEngine:
                         out = self.model(encoder_outputs=BaseModelOutput(last_hidden_state=states),
                                          attention_mask=sources, decoder_input_ids=ids, decoder_attention_mask=mask,
                                          use_cache=True, **{self.cache_name: self.cache.for_step()}, **self.keep)
+                elif mask is None:  # no attention layer (a state-space model): no mask, no positions
+                    out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.keep)
                 else:
                     out = self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
                                      **{self.cache_name: self.cache}, **self.keep)
@@ -953,7 +987,10 @@ def probe(model, tokenizer, device, capacity: int = 4, project_cross: bool = Tru
     try:
         # one row admitted a step, then two together: a right-padded prefill is generate's own (checked against rows
         # alone in fp32 by tests/test_serve_steps.py), a packed one must keep each row to its own positions and past
-        engine.take(Admit(0, key, (RowSpec(tuple(prompts[0]), 10, ignore_eos=True, id=0),)))
+        # the first row ends (5 tokens) before the last two join, so that one of them takes its slot, below a row
+        # that runs on: a slot of a row admitted in a step, under that step's highest (a state there is overwritten
+        # by the step unless put back, `slots.SlotStateLayer`)
+        engine.take(Admit(0, key, (RowSpec(tuple(prompts[0]), 5, ignore_eos=True, id=0),)))
         engine.step(answers)
         engine.take(Admit(1, key, (RowSpec(tuple(prompts[1]), 10, ignore_eos=True, id=1),)))
         for _ in range(5):
@@ -974,7 +1011,8 @@ def probe(model, tokenizer, device, capacity: int = 4, project_cross: bool = Tru
         tolerance = PROBE_TOLERANCE[model.dtype == torch.float32]
         if not worst <= tolerance:
             return (f"rows in one step do not give their single-row logits (relative difference {worst:.2g} at "
-                    f"most, against {tolerance:g}): its attention does not follow per-row positions and masks")
+                    f"most, against {tolerance:g}): its attention or states do not follow per-row positions, masks "
+                    f"and slots")
     except NotPerRow as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - any failure: the batch engine serves it
@@ -1002,10 +1040,13 @@ def _alone(model, engine: StepEngine, prompt: list[int], tokens: list[int]) -> t
             return torch.stack(found)
         cache = DynamicCache(config=model.config)
         ids = torch.tensor([[*prompt, *tokens]], dtype=torch.long, device=engine.device)
+        done = 0
         for n in range(len(prompt), len(prompt) + len(tokens)):
-            done = cache.get_seq_length()
-            out = model(input_ids=ids[:, done:n], attention_mask=torch.ones_like(ids[:, :n]),
-                        position_ids=torch.arange(done, n, device=engine.device)[None], use_cache=True,
-                        **{engine.cache_name: cache}, **engine.keep)
+            # a state-space model decodes as generate runs it: no mask once its states exist (Mamba's layers multiply
+            # their input by a 2D mask as it is)
+            mask = {} if engine.states and done else {"attention_mask": torch.ones_like(ids[:, :n])}
+            out = model(input_ids=ids[:, done:n], position_ids=torch.arange(done, n, device=engine.device)[None],
+                        use_cache=True, **mask, **{engine.cache_name: cache}, **engine.keep)
+            done = n
             found.append(out.logits[0, -1].to(dtype=torch.float32))
     return torch.stack(found)

@@ -92,7 +92,7 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
         for length in lengths:
             for n in (1, together):  # n rows admitted at once beside one running row
                 engine = engine_with(1, length)
-                for layer in engine.cache.layers:
+                for layer in engine.cache.attention:
                     layer.grow(2 * length + 8)
                 sizes = [length] if n == 1 else [max(1, length // 4 + (length - length // 4) * r // (n - 1))
                                                   for r in range(n)]
@@ -104,7 +104,7 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
                 joint[(length, n)].append((time.perf_counter() - start) * 1000)
             for b in batches:
                 engine = engine_with(b, length)
-                for layer in engine.cache.layers:
+                for layer in engine.cache.attention:
                     layer.grow(2 * length + 8)  # no growth inside the timed parts
                 start = time.perf_counter()
                 engine.step(Kept())  # one decoding step of b rows
