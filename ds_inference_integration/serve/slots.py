@@ -25,9 +25,15 @@ update in place as they update transformers' own; a slot below `hi` holding a ro
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import (Cache, CacheLayerMixin, DummyLayer, DynamicLayer,
-                                      LinearAttentionAndFullAttentionLayer, LinearAttentionCacheLayerMixin,
-                                      LinearAttentionLayer)
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 
 class SlotLayer(CacheLayerMixin):

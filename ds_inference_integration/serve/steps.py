@@ -541,12 +541,12 @@ class StepEngine:
         """`_prefill`'s way for an encoder-decoder, one row, or a model not packed: right-padded to the longest, or
         left-padded where the model keeps states (`self.states`), each row's positions from 0 at its first token.
         (cache, each row's last logits, places)."""
+        if self.states:
+            return self._left_padded_prefill(prompts, wants)
         n = len(rows)
         ids, mask = self._padded(prompts)
         width = ids.shape[1]
         places = [(b, 0) for b in range(n)]
-        if self.states:
-            return self._left_padded_prefill(prompts, wants)
         with torch.no_grad():
             if self.encoder_decoder:
                 encoded = BaseModelOutput(last_hidden_state=self._encode(ids, mask))
@@ -582,7 +582,7 @@ class StepEngine:
         such models: the model's 2D mask zeroes the padding's inputs, so a row's states start from zero at its first
         token, and its attention layers' keys sit at the last `len(prompt)` positions); each row's positions from 0 at
         its first token. (cache, each row's last logits, places: (its batch row, where its first token is))."""
-        n, width = len(prompts), max(len(p) for p in prompts)
+        width = max(len(p) for p in prompts)
         pads = [width - len(p) for p in prompts]
         ids = torch.tensor([[self.pad] * pad + list(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
                            device=self.device)
