@@ -1081,6 +1081,9 @@ def test_bench_steps_writes_its_figures(tmp_path):
     assert all(t["together_ms"]["median"] > 0 and t["together_vs_one"]["median"] > 0 for t in results["together"])
     table = (tmp_path / "bench_steps.md").read_text()
     assert "| 8 | 2 |" in table and "3 rows of L/4 to L together" in table
+    # bench serve's T5 (an encoder-decoder's admission: its encoder and cross-attention keys)
+    results = run_bench_steps([4], [1], 1, 64, 1, tmp_path / "t5", together=2, model_name="t5")
+    assert "the embedded T5" in results["model"] and results["together"][0]["together_ms"]["median"] > 0
 
 
 def test_t5s_per_row_position_bias_is_its_own_compute_bias_for_each_row_at_any_reach():

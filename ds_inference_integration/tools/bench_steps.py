@@ -13,6 +13,10 @@ no server), on a random Llama built from a config (grouped-query attention, rota
 Each figure is the median of `--repeats` (with min-max), every configuration measured in one run, alternating.
 
     ds-inference bench steps [--lengths 16,256,1024] [--batches 1,8,31] [--together 16] [--repeats 5]
+                             [--model llama|gpt2-256|t5]
+
+An encoder-decoder's admission, once rows run, is its rows' encoder and their cross-attention keys written into
+their slots: their first decoder step is the next decoding step's, shared with the running rows.
 """
 
 from __future__ import annotations
@@ -61,8 +65,28 @@ def _admission(engine, rows) -> None:
         engine._next(row, logits, {}, answers)
 
 
+# `--model`: the random Llama (`--hidden`, `--layers`), or one of `bench serve`'s models
+MODELS = ("llama", "gpt2-256", "t5")
+
+
+def _served_model(name: str):
+    """`bench serve`'s model of that name, as it serves it: gpt2-256 (built from the embedded GPT-2's config, random
+    weights, seed 0) or the embedded T5."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from .bench import REPO
+
+    models = REPO / "examples" / "models"
+    if name == "t5":
+        return AutoModelForSeq2SeqLM.from_pretrained(models / "t5-num2words-en-ro").eval(), "the embedded T5"
+    config = AutoConfig.from_pretrained(models / "gpt2-num2words-en-ro", n_layer=2, n_positions=256)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval(), "gpt2-256 (bench serve's: GPT-2 width 128, 2 layers)"
+
+
 def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden: int, layers: int,
-                    output_dir: Path, together: int = 16) -> dict:
+                    output_dir: Path, together: int = 16, model_name: str = "llama") -> dict:
     import torch
 
     from ..serve.steps import Kept, StepEngine
@@ -70,8 +94,13 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
 
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    vocab = 1024
-    model = _model(hidden, layers, vocab)
+    if model_name == "llama":
+        vocab = 1024
+        model = _model(hidden, layers, vocab)
+        described = f"random Llama, hidden {hidden}, {layers} layers"
+    else:
+        model, described = _served_model(model_name)
+        vocab = model.config.vocab_size
     capacity = max(max(batches), together) + 1
     key = BatchKey()
 
@@ -115,7 +144,7 @@ def run_bench_steps(lengths: list[int], batches: list[int], repeats: int, hidden
                 _admission(engine, [engine.waiting.popleft()])  # the admission alone, no decoding step after it
                 admission[(length, b)].append((time.perf_counter() - start) * 1000)
     results = {"command": "ds-inference bench steps " + " ".join(sys.argv[3:]), "date": time.strftime("%Y-%m-%d"),
-               "model": f"random Llama, hidden {hidden}, {layers} layers, fp32, 1 rank",
+               "model": f"{described}, fp32, 1 rank",
                "threads": torch.get_num_threads(), "repeats": repeats, "points": []}
     for length in lengths:
         for b in batches:

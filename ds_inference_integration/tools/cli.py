@@ -236,7 +236,7 @@ def _bench_steps(ns: argparse.Namespace) -> int:
     lengths, batches = _int_list(ns.lengths, "--lengths"), _int_list(ns.batches, "--batches")
     if ns.together < 2:
         raise InferenceSetupError(f"--together {ns.together} is too few; valid: 2 or more rows admitted at once")
-    run_bench_steps(lengths, batches, ns.repeats, ns.hidden, ns.layers, Path(ns.output_dir), ns.together)
+    run_bench_steps(lengths, batches, ns.repeats, ns.hidden, ns.layers, Path(ns.output_dir), ns.together, ns.model)
     print(f"wrote {ns.output_dir}/bench_steps.json, bench_steps.md")
     return 0
 
@@ -398,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsteps.add_argument("--batches", default="1,8,31", help="rows running when one is admitted (the first is the "
                                                            "baseline of the ratios)")
     bsteps.add_argument("--together", type=int, default=16, help="rows admitted at once, against one alone")
+    bsteps.add_argument("--model", default="llama", choices=("llama", "gpt2-256", "t5"),
+                        help="a random Llama of --hidden and --layers, or bench serve's model of that name")
     bsteps.add_argument("--hidden", type=int, default=512)
     bsteps.add_argument("--layers", type=int, default=4)
     bsteps.add_argument("--repeats", type=int, default=5)
