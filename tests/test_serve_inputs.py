@@ -17,6 +17,7 @@ from ds_inference_integration.serve import bodies
 from ds_inference_integration.serve.batching import Job, Queue
 from ds_inference_integration.serve.engine import keepalive_seconds, run_batch
 from ds_inference_integration.serve.protocol import (
+    Asked,
     BatchKey,
     ModelLimits,
     Row,
@@ -128,10 +129,8 @@ def test_prompts_are_counted_before_they_are_tokenized():
     _plan(limits=budget, n=3, temperature=1.0)
 
 
-def _plan(**kw):
-    args = dict(limits=LIMITS, max_tokens=8, temperature=None, top_p=None, top_k=None, n=1, stop=None, seed=None,
-                ignore_eos=False, min_tokens=0, num_beams=1, stream=False)
-    return plan_rows([[5, 6, 7]], **{**args, **kw})
+def _plan(limits=LIMITS, **kw):
+    return plan_rows([[5, 6, 7]], Asked(**{"max_tokens": 8, **kw}), limits)
 
 
 def test_presence_and_frequency_penalties_are_checked_and_reach_the_rows():
@@ -396,8 +395,7 @@ def test_max_model_len_is_the_models_positions_or_a_stated_default():
     assert limits.max_source_positions == 512 and "model_max_length" in line
     limits, _ = model_limits(t5_config, t5_generation, ServeArguments(max_model_len=100), t5_tokenizer)
     with pytest.raises(ServeError, match=r"prompt 0 has 101 tokens; valid: at most 100 \(--max_model_len\)"):
-        plan_rows([[5] * 101], limits=limits, max_tokens=8, temperature=None, top_p=None, top_k=None, n=1, stop=None,
-                  seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False)
+        plan_rows([[5] * 101], Asked(max_tokens=8), limits)
     config, tokenizer, generation = read_model_dir(str(GPT2))
     with pytest.raises(InferenceSetupError, match=r"--max_model_len 65 is past the model's 64 positions; valid: 2 to 64"):
         model_limits(config, generation, ServeArguments(max_model_len=65), tokenizer)

@@ -13,7 +13,7 @@ from conftest import EXAMPLES
 from ds_inference_integration.serve.app import Texts
 from ds_inference_integration.serve.batching import Job, Queue
 from ds_inference_integration.serve.engine import run_batch
-from ds_inference_integration.serve.protocol import BatchKey, ModelLimits, Row, ServeError, plan_rows
+from ds_inference_integration.serve.protocol import Asked, BatchKey, ModelLimits, Row, ServeError, plan_rows
 
 GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
 T5 = EXAMPLES / "models" / "t5-num2words-en-ro"
@@ -156,10 +156,8 @@ def test_the_front_sends_a_step_replica_what_fits_its_token_budget_and_the_rest_
 
 
 def test_a_request_is_checked_against_the_model_and_the_limits():
-    def plan(**kw):
-        args = dict(limits=LIMITS, max_tokens=8, temperature=None, top_p=None, top_k=None, n=1, stop=None,
-                    seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False)
-        return plan_rows([[5, 6, 7]], **{**args, **kw})
+    def plan(limits=LIMITS, **kw):
+        return plan_rows([[5, 6, 7]], Asked(**{"max_tokens": 8, **kw}), limits)
 
     for kw, word in (({"max_tokens": 62}, "positions"), ({"n": 5}, "--max_n"), ({"num_beams": 2, "stream": True}, "stream"),
                      ({"num_beams": 2, "n": 3}, "beam"), ({"min_tokens": 9}, "min_tokens"), ({"stop": [""]}, "empty"),
@@ -243,13 +241,11 @@ def test_stop_token_ids_end_their_row_and_wait_for_min_tokens():
     assert stopped == seq[:first + 1] and out["finish"][0] == ["stop"]
     assert beside == seq
     assert stop not in held[:first + 1] and len(held) > first + 1
-    _, planned = plan_rows([ids], limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=1, stop=None,
-                           seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False, stop_token_ids=[stop])
+    _, planned = plan_rows([ids], Asked(max_tokens=5, stop_token_ids=[stop]), LIMITS)
     assert planned[0].stop_token_ids == (stop,) and planned[0].spec(0).stop_token_ids == (stop,)
     for bad, says in (([LIMITS.vocab_size], "not in the vocabulary"), (["7"], "list of token ids"), ([-1], "vocabulary")):
         with pytest.raises(ServeError, match=says):
-            plan_rows([ids], limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=1, stop=None,
-                      seed=None, ignore_eos=False, min_tokens=0, num_beams=1, stream=False, stop_token_ids=bad)
+            plan_rows([ids], Asked(max_tokens=5, stop_token_ids=bad), LIMITS)
 
 
 def test_streamed_text_never_passes_a_stop_string_and_adds_up_to_the_final_text():
@@ -276,15 +272,14 @@ def test_a_stop_string_kept_in_the_output_and_special_tokens_kept_in_the_text():
     with_eos = tokens[:2] + [tokenizer.eos_token_id]
     assert Texts(tokenizer, ()).final(with_eos) == ("cinci sute", False)
     assert Texts(tokenizer, (), skip_special=False).final(with_eos) == ("cinci sute </s>", False)
-    args = dict(limits=LIMITS, max_tokens=5, temperature=None, top_p=None, top_k=None, n=2, stop=None, seed=None,
-                ignore_eos=False, min_tokens=0, num_beams=1, stream=False)
-    _, rows = plan_rows([tokens], **args, skip_special_tokens=False, include_stop_str_in_output=True)
+    args = dict(max_tokens=5, n=2)
+    _, rows = plan_rows([tokens], Asked(**args, skip_special_tokens=False, include_stop_str_in_output=True), LIMITS)
     assert [(r.skip_special_tokens, r.include_stop_str_in_output) for r in rows] == [(False, True)] * 2
-    _, rows = plan_rows([tokens], **args)
+    _, rows = plan_rows([tokens], Asked(**args), LIMITS)
     assert [(r.skip_special_tokens, r.include_stop_str_in_output) for r in rows] == [(True, False)] * 2
     for name in ("skip_special_tokens", "include_stop_str_in_output"):
         with pytest.raises(ServeError, match=rf"^{name} 'yes' is not a boolean; valid: true or false$"):
-            plan_rows([tokens], **args, **{name: "yes"})
+            plan_rows([tokens], Asked(**args, **{name: "yes"}), LIMITS)
 
 
 @pytest.mark.parametrize("args, says", [

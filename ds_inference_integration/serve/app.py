@@ -32,6 +32,7 @@ from . import bodies
 from .asgi import CountStatuses, LimitBodies, Uvicorn, error_response
 from .batching import Job, Queue
 from .protocol import (
+    Asked,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -179,18 +180,20 @@ class Api:
                                   f"{shown}", "target_lang")
         return {"forced_bos_token_id": self.tokenizer.convert_tokens_to_ids(found)}
 
+    def asked_openai(self, body, **more) -> Asked:
+        """What an OpenAI body (completions or chat) asks: its fields and vLLM's extensions, read once."""
+        extra = body.model_extra or {}
+        return Asked(max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None
+                     else body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, n=body.n,
+                     stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                     num_beams=self.openai_beams(body), stream=body.stream, repetition_penalty=body.repetition_penalty,
+                     length_penalty=body.length_penalty, stop_token_ids=extra.get("stop_token_ids"),
+                     sampling=rule_values(body), generate=self.target_language(extra.get("target_lang")) or None,
+                     skip_special_tokens=extra.get("skip_special_tokens"),
+                     include_stop_str_in_output=extra.get("include_stop_str_in_output"), **more)
+
     def plan_openai(self, body, prompts, **more):
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return plan_rows(prompts, limits=self.limits, max_tokens=max_tokens, temperature=body.temperature,
-                         top_p=body.top_p, top_k=body.top_k, n=body.n, stop=body.stop, seed=body.seed,
-                         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, num_beams=self.openai_beams(body),
-                         stream=body.stream, repetition_penalty=body.repetition_penalty,
-                         length_penalty=body.length_penalty, stop_token_ids=(body.model_extra or {}).get("stop_token_ids"),
-                         sampling=rule_values(body),
-                         generate=self.target_language((body.model_extra or {}).get("target_lang")) or None,
-                         skip_special_tokens=(body.model_extra or {}).get("skip_special_tokens"),
-                         include_stop_str_in_output=(body.model_extra or {}).get("include_stop_str_in_output"),
-                         **more)
+        return plan_rows(prompts, self.asked_openai(body, **more), self.limits)
 
     def plan_completion(self, body):
         """A /v1/completions body to rows (in a worker thread): checked, counted, then tokenized."""
@@ -500,21 +503,25 @@ class Api:
             raise ServeError(400, "POST /generate does not stream; valid: stream false, or POST /v1/completions with "
                                   "stream true", "stream")
         inputs = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
-        names = {"max_tokens": "max_new_tokens", "n": "num_return_sequences", "min_tokens": "min_new_tokens"}
-        check_count(len(inputs), p.num_return_sequences, p.num_beams > 1, self.limits, names)
+        asked = self.asked_generate(p)
+        check_count(len(inputs), p.num_return_sequences, p.num_beams > 1, self.limits, asked.names)
+        return plan_rows(self.tokenize(inputs), asked, self.limits)
+
+    def asked_generate(self, p) -> Asked:
+        """What /generate's parameters ask, read once (max_new_tokens defaults to the model's generation config's)."""
         max_new = p.max_new_tokens
         if max_new is None:
             config = self.generation_config
             max_new = getattr(config, "max_new_tokens", None)
             if max_new is None and getattr(config, "max_length", None):
                 max_new = config.max_length - (1 if self.limits.encoder_decoder else 0)
-        return plan_rows(self.tokenize(inputs), limits=self.limits, max_tokens=max_new, temperature=p.temperature,
-                         top_p=p.top_p, top_k=p.top_k, n=p.num_return_sequences, stop=p.stop, seed=p.seed,
-                         ignore_eos=p.ignore_eos, min_tokens=p.min_new_tokens, num_beams=p.num_beams,
-                         stream=False, repetition_penalty=p.repetition_penalty,
-                         length_penalty=p.length_penalty, do_sample=p.do_sample, names=names,
-                         generate={**generate_settings(p, self.generation_config, self.limits.vocab_size),
-                                   **self.target_language((p.model_extra or {}).get("target_lang"))})
+        return Asked(max_tokens=max_new, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                     n=p.num_return_sequences, stop=p.stop, seed=p.seed, ignore_eos=p.ignore_eos,
+                     min_tokens=p.min_new_tokens, num_beams=p.num_beams, repetition_penalty=p.repetition_penalty,
+                     length_penalty=p.length_penalty, do_sample=p.do_sample,
+                     names={"max_tokens": "max_new_tokens", "n": "num_return_sequences", "min_tokens": "min_new_tokens"},
+                     generate={**generate_settings(p, self.generation_config, self.limits.vocab_size),
+                               **self.target_language((p.model_extra or {}).get("target_lang"))})
 
     async def tokenize_route(self, request):
         self.check_key(request)

@@ -407,18 +407,51 @@ def check_length(i: int, length: int, max_tokens: int, limits: ModelLimits, name
                          f"positions{why}; valid: 1 to {limits.max_positions - length}", name)
 
 
-def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int | None, temperature: float | None,
-              top_p: float | None, top_k: int | None, n: int, stop, seed: int | None, ignore_eos: bool,
-              min_tokens: int, num_beams: int, stream: bool, repetition_penalty: float | None = None,
-              length_penalty: float | None = None, do_sample: bool | None = None,
-              names: dict | None = None, stop_token_ids: list[int] | None = None,
-              generate: dict | None = None, sampling: dict | None = None, skip_special_tokens=None,
-              include_stop_str_in_output=None, logprobs=None, echo: bool = False) -> tuple[BatchKey, list[Row]]:
+@dataclass(kw_only=True)
+class Asked:
+    """What one request asks, read once from its body by its route (`app.Api.asked_openai`: OpenAI's fields and vLLM's
+    extensions; `app.Api.asked_generate`: /generate's parameters), as the body gives it (None: not given), for
+    `plan_rows` to check and turn into rows, whose records carry the sampling part (`sampling.SamplingParams`) to the
+    sampler unchanged. `sampling`: the sampling rules' fields the body gives (`sampling.rule_values`); `generate`:
+    generate's own settings (/generate's processors, a target language's forced first token); `names`: the body's
+    own names of max_tokens, n, min_tokens and num_beams, for the error lines."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stop: Any = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    num_beams: int = 1
+    stream: bool = False
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+    do_sample: bool | None = None
+    stop_token_ids: Any = None
+    generate: dict | None = None
+    sampling: dict | None = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    logprobs: Any = None
+    echo: bool = False
+    names: dict | None = None
+
+
+def plan_rows(prompts: list[list[int]], asked: Asked, limits: ModelLimits) -> tuple[BatchKey, list[Row]]:
     """The rows of one request (a prompt x n, or one row per prompt under beam search, which returns n
-    sequences of it), checked against the model and the server's limits; every problem is one ServeError.
-    `sampling`: the sampling rules' fields the request gives (`sampling.rule_values`), checked here."""
+    sequences of it), checked against the model and the server's limits; every problem is one ServeError."""
+    a = asked
     names = {"max_tokens": "max_tokens", "n": "n", "min_tokens": "min_tokens", "num_beams": "num_beams",
-             **(names or {})}
+             **(a.names or {})}
+    max_tokens, temperature, top_p, top_k, n, seed = a.max_tokens, a.temperature, a.top_p, a.top_k, a.n, a.seed
+    min_tokens, num_beams, stream, logprobs, echo = a.min_tokens, a.num_beams, a.stream, a.logprobs, a.echo
+    repetition_penalty, length_penalty, do_sample, generate = (a.repetition_penalty, a.length_penalty, a.do_sample,
+                                                               a.generate)
+    ignore_eos, skip_special_tokens, include_stop_str_in_output = (a.ignore_eos, a.skip_special_tokens,
+                                                                   a.include_stop_str_in_output)
     if not prompts:
         raise ServeError(400, "prompt: empty; valid: a string, a list of strings, or token ids", "prompt")
     _range(names["n"], n, 1, limits.max_n, f"1 to {limits.max_n} (--max_n)")
@@ -434,7 +467,7 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     if min_tokens > max_tokens:
         raise ServeError(400, f"{names['min_tokens']} {min_tokens} is more than {names['max_tokens']} {max_tokens}; "
                          f"valid: at most {names['max_tokens']}", names["min_tokens"])
-    stops = _stops(stop)
+    stops = _stops(a.stop)
     for name, value in (("skip_special_tokens", skip_special_tokens),
                         ("include_stop_str_in_output", include_stop_str_in_output)):
         if value is not None and not isinstance(value, bool):
@@ -465,11 +498,11 @@ def plan_rows(prompts: list[list[int]], *, limits: ModelLimits, max_tokens: int 
     if beams and sampled and temperature is not None and temperature > 0:
         raise ServeError(400, "sampling with beam search is not served; valid: num_beams 1 to sample, or "
                          "temperature 0 with beams", "temperature")
-    stop_ids = _stop_token_ids(stop_token_ids, limits.vocab_size)
+    stop_ids = _stop_token_ids(a.stop_token_ids, limits.vocab_size)
     if beams and stop_ids:
         raise ServeError(400, "stop_token_ids with beam search: beams share generate's own end; valid: num_beams 1",
                          "stop_token_ids")
-    rules = checked(sampling or {}, beams, ServeError)
+    rules = checked(a.sampling or {}, beams, ServeError)
     if beams and ignore_eos:
         raise ServeError(400, "ignore_eos with beam search: beams end at EOS by design; valid: num_beams 1",
                          "ignore_eos")

@@ -132,10 +132,11 @@ class Plan:
 @dataclass
 class Outputs:
     """What a step's forwards gave (`StepEngine.execute`), for `StepEngine.update` to choose tokens from: each
-    admitted row's first logits (a decoder-only row's prefill; a beam request's, one row per beam), and the decoding
-    rows with the step's logits (a row per slot up to the highest decoding)."""
+    admitted row's first logits (a decoder-only row's prefill; a beam request's, one row per beam) with its prompt's
+    log probabilities where it asked for them (else None), and the decoding rows with the step's logits (a row per
+    slot up to the highest decoding)."""
 
-    first: list[tuple[_Row, torch.Tensor]] = field(default_factory=list)
+    first: list[tuple[_Row, torch.Tensor, list | None]] = field(default_factory=list)
     decoded: dict[int, _Row] = field(default_factory=dict)
     logits: torch.Tensor | None = None
 
@@ -195,9 +196,6 @@ class StepEngine:
         self.joining: dict[int, torch.Tensor] = {}  # slot -> the encoder's output for a row whose first step is next
         self.record: dict[int, list[torch.Tensor]] | None = None  # row id -> each step's logits (`probe`)
         self.configs: dict = {}  # key -> its rows' generation config (`_config`)
-        # this step's prompt log probabilities of rows that asked (`RowSpec.prompt_logprobs`), by row id, until their
-        # first token's record (`wire.RowOutput`) carries them
-        self.prompt_logprobs: dict[int, list] = {}
         self.ended: list[tuple] = []  # rows that ended this step: (id, sequences, reasons), answered after its tokens
 
     # ----- what the leader passes on
@@ -245,7 +243,6 @@ class StepEngine:
         finally:
             if done and tokens:
                 answers.tokens(tokens)
-            self.prompt_logprobs = {}
             ended, self.ended = self.ended, []
             for row_id, sequences, reasons in ended:  # also where the step failed: these rows had ended before
                 answers.finished(row_id, sequences, reasons)
@@ -315,11 +312,11 @@ class StepEngine:
     def update(self, outputs: Outputs, tokens: dict, answers) -> None:
         """Each row's token from its logits, by its rules: admitted rows' first tokens, beam requests' steps, then the
         decoding rows' (plain greedy rows together, `_plain`); rows that end are answered."""
-        for row, logits in outputs.first:
+        for row, logits, prompt in outputs.first:
             if row.group is not None:
                 self._beam_step(row, logits, answers)
             else:
-                self._next(row, logits, tokens, answers)
+                self._next(row, logits, tokens, answers, prompt_logprobs=prompt)
         if outputs.logits is not None:
             self._choose(outputs.decoded, outputs.logits, tokens, answers)
 
@@ -416,8 +413,8 @@ class StepEngine:
         through the head, and together with the admission's other rows the logits held were [rows, longest prompt,
         vocabulary] (16 rows of 2048 tokens of a 150k vocabulary: 20 GB in fp32); alone, its own prompt's.
 
-        Returns the decoder-only rows' first logits ((row, logits) each) and the encoder-decoder rows that decode in
-        this step's forward."""
+        Returns the decoder-only rows' first logits ((row, logits, its prompt's log probabilities or None) each) and
+        the encoder-decoder rows that decode in this step's forward."""
         if len(items) > 1 and any(item.spec.prompt_logprobs for item in items):
             plain = [item for item in items if not item.spec.prompt_logprobs]
             first, joined = self._admit(plain, answers) if plain else ([], [])
@@ -437,7 +434,7 @@ class StepEngine:
                     projected = self.projection(encoded)
             else:
                 wants = [r.spec if r.spec.prompt_logprobs else None for r in rows]
-                prefilled, logits, places = self._prefill([(r.spec.prompt_ids, r.ids) for r in rows], wants)
+                prefilled, logits, places, prompt = self._prefill([(r.spec.prompt_ids, r.ids) for r in rows], wants)
         except NotPerRow:
             raise
         except Exception as e:  # noqa: BLE001 - the rows' failure (alike on every rank), unless `fatal`
@@ -461,7 +458,7 @@ class StepEngine:
                 continue
             at, offset = places[b]
             self.cache.write_prompt(row.slot, prefilled, at, len(row.ids), len(row.spec.prompt_ids), offset)
-            first.append((row, logits[b]))
+            first.append((row, logits[b], prompt.get(row.spec.id)))
         return first, (rows if fused else [])
 
     def _padded(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,18 +483,20 @@ class StepEngine:
         with transformers' own cache: (that cache, each row's last logits in float32, and where each row is in the
         cache: (its batch row, its first position)). Several decoder-only rows are prefilled packed where `self.pack`
         (`_packed`). A decoder-only row whose spec is given in `wants` (one that asked for its prompt's log
-        probabilities) has them kept (`self.prompt_logprobs`): every position's logits go through the head then."""
+        probabilities) has them returned too (by row id, the fourth item): every position's logits go through the
+        head then."""
         n, prompts = len(rows), [list(prompt) for prompt, _ in rows]
         if self.pack and n > 1 and not any(spec is not None for spec in wants or ()) and self._packing_pays(prompts):
             prefilled, logits, places = self._packed(prompts)
+            prompt = {}
         else:
-            prefilled, logits, places = self._padded_prefill(rows, prompts, wants)
+            prefilled, logits, places, prompt = self._padded_prefill(rows, prompts, wants)
         if self.cache is None:
             why = check_layers(prefilled)
             if why:
                 raise NotPerRow(f"the step engine cannot hold this model's cache: {why}")
             self.cache = SlotCache(layer_kinds(prefilled), self.capacity, cross=self.encoder_decoder)
-        return prefilled, logits.to(dtype=torch.float32), places
+        return prefilled, logits.to(dtype=torch.float32), places, prompt
 
     def _packed(self, prompts: list[list[int]]) -> tuple:
         """Decoder-only prompts through the model as one sequence: each row's positions from 0, each token seeing its
@@ -540,13 +539,13 @@ class StepEngine:
     def _padded_prefill(self, rows: list[tuple], prompts: list[list[int]], wants: list | None) -> tuple:
         """`_prefill`'s way for an encoder-decoder, one row, or a model not packed: right-padded to the longest, or
         left-padded where the model keeps states (`self.states`), each row's positions from 0 at its first token.
-        (cache, each row's last logits, places)."""
+        (cache, each row's last logits, places, prompt log probabilities by row id)."""
         if self.states:
             return self._left_padded_prefill(prompts, wants)
         n = len(rows)
         ids, mask = self._padded(prompts)
         width = ids.shape[1]
-        places = [(b, 0) for b in range(n)]
+        places, prompt = [(b, 0) for b in range(n)], {}
         with torch.no_grad():
             if self.encoder_decoder:
                 encoded = BaseModelOutput(last_hidden_state=self._encode(ids, mask))
@@ -573,15 +572,15 @@ class StepEngine:
                 for b, spec in enumerate(wants or ()):
                     if spec is not None:
                         n_b = len(prompts[b])
-                        self.prompt_logprobs[spec.id] = top_logprobs(out.logits[b, :n_b - 1], prompts[b][1:],
-                                                                     spec.logprobs)
-        return prefilled, logits, places
+                        prompt[spec.id] = top_logprobs(out.logits[b, :n_b - 1], prompts[b][1:], spec.logprobs)
+        return prefilled, logits, places, prompt
 
     def _left_padded_prefill(self, prompts: list[list[int]], wants: list | None) -> tuple:
         """A state-keeping model's prompts through it at once, left-padded to the longest (generate's own batching of
         such models: the model's 2D mask zeroes the padding's inputs, so a row's states start from zero at its first
         token, and its attention layers' keys sit at the last `len(prompt)` positions); each row's positions from 0 at
-        its first token. (cache, each row's last logits, places: (its batch row, where its first token is))."""
+        its first token. (cache, each row's last logits, places: (its batch row, where its first token is), prompt
+        log probabilities by row id)."""
         width = max(len(p) for p in prompts)
         pads = [width - len(p) for p in prompts]
         ids = torch.tensor([[self.pad] * pad + list(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
@@ -594,13 +593,11 @@ class StepEngine:
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              **{self.cache_name: prefilled}, **({} if whole else self.keep))
-        for b, spec in enumerate(wants or ()):
-            if spec is not None:
-                self.prompt_logprobs[spec.id] = top_logprobs(out.logits[b, pads[b]:width - 1], prompts[b][1:],
-                                                             spec.logprobs)
-        return prefilled, out.logits[:, -1], [(b, pad) for b, pad in enumerate(pads)]
+        prompt = {spec.id: top_logprobs(out.logits[b, pads[b]:width - 1], prompts[b][1:], spec.logprobs)
+                  for b, spec in enumerate(wants or ()) if spec is not None}
+        return prefilled, out.logits[:, -1], [(b, pad) for b, pad in enumerate(pads)], prompt
 
-    def _admit_beams(self, row: _Row, answers) -> tuple[_Row, torch.Tensor] | None:
+    def _admit_beams(self, row: _Row, answers) -> tuple[_Row, torch.Tensor, None] | None:
         """A beam request: its prompt prefilled once and copied into `num_beams` free slots; its first logits, one row
         per beam, for its first step (None where its prefill failed: answered)."""
         spec, key = row.spec, row.key
@@ -611,7 +608,7 @@ class StepEngine:
         try:
             group = BeamGroup(self.model, spec, key, slots, config, self.eos, self.tokenizer, self.device,
                               start=lambda prepared: self._start(spec, prepared))
-            prefilled, logits, places = self._prefill([(spec.prompt_ids, group.start)])
+            prefilled, logits, places, _ = self._prefill([(spec.prompt_ids, group.start)])
         except NotPerRow:
             raise
         except Exception as e:  # noqa: BLE001 - the request's failure (alike on every rank), unless `fatal`
@@ -622,7 +619,7 @@ class StepEngine:
         for slot in slots:
             self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids), places[0][1])
             self.running[slot] = row
-        return row, logits[0][None].expand(len(slots), -1)
+        return row, logits[0][None].expand(len(slots), -1), None
 
     def _beam_step(self, row: _Row, logits: torch.Tensor, answers) -> None:
         """A beam request's step from its beams' logits: the search advances, its slots are reordered within its
@@ -709,9 +706,10 @@ class StepEngine:
             else:
                 self._next(held, logits[held.slot], tokens, answers, taken.get(held.slot))
 
-    def _next(self, row: _Row, logits: torch.Tensor, tokens: dict, answers, token: int | None = None) -> None:
+    def _next(self, row: _Row, logits: torch.Tensor, tokens: dict, answers, token: int | None = None,
+              prompt_logprobs: list | None = None) -> None:
         """The row's next token from its logits, by its rules (`token`: already taken, where `_plain` allows); the
-        row ends here if that ends it."""
+        row ends here if that ends it. `prompt_logprobs`: its prompt's, with its first token."""
         if self.record is not None:
             self.record.setdefault(row.spec.id, []).append(logits.clone())
         failed = reason = None
@@ -737,7 +735,7 @@ class StepEngine:
         tokens[row.spec.id] = RowOutput(
             token, row.produced,
             top_logprobs(logits[None], [token], row.spec.logprobs)[0] if row.spec.logprobs >= 0 else None,
-            self.prompt_logprobs.pop(row.spec.id, None), reason or None)
+            prompt_logprobs, reason or None)
         if reason:
             del self.running[row.slot]
             row.status = Status.FINISHED

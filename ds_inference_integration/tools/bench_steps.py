@@ -61,7 +61,7 @@ def _admission(engine, rows) -> None:
 
     answers = Kept()
     first, _ = engine._admit(rows, answers)
-    for row, logits in first:
+    for row, logits, _ in first:
         engine._next(row, logits, {}, answers)
 
 
