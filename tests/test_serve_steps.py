@@ -889,6 +889,37 @@ def test_beam_groups_and_generate_settings_join_running_rows_as_generate_alone(g
         assert answers.out[spec.id] == _alone(model, tokenizer, spec)
 
 
+def test_an_encoder_decoder_beam_groups_beams_read_one_copy_of_its_cross_attention_keys():
+    """A T5 beam request of 4 beams beside running rows: its cross-attention keys and values are written once, in its
+    first slot; its other beams' slots read that one (`SlotCache.holder`) and hold none of their own (their rows of
+    each cross-attention layer stay as the cache made them); its sequences equal generate's on it alone, and a row
+    admitted after it into one of its freed slots reads its own."""
+    model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
+    ids = [tuple(tokenizer(p)["input_ids"]) for p in PROMPTS[:4]]
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=6), Record()
+    engine.take(Admit(0, BatchKey(), (RowSpec(ids[0], 12, id=0, ignore_eos=True),)))
+    engine.step(answers)
+    beams = Admit(1, BatchKey(num_beams=4, max_new_tokens=8), (RowSpec(ids[1], 8, id=1),))
+    engine.take(beams)
+    engine.step(answers)
+    slots = sorted(s for s, row in engine.running.items() if row.group is not None)
+    assert len(slots) == 4 and [engine.cache.holder[s] for s in slots] == [slots[0]] * 4
+    for layer in engine.cache.cross.layers:
+        assert layer.keys[slots[0]].abs().sum() > 0
+        assert all(layer.keys[s].abs().sum() == 0 for s in slots[1:])  # never written: no copy
+    _run(engine, {}, answers)
+    assert not answers.failures
+    whole = run_batch(model, tokenizer, beams, "cpu")
+    assert answers.whole[1] == (whole["sequences"][0], whole["finish"][0])
+    later = tuple(RowSpec(ids[j % 4], 5 + j, id=10 + j) for j in range(6))  # every slot, the beams' among them
+    engine.take(Admit(2, BatchKey(), later))
+    engine.step(answers)
+    assert sorted(engine.running) == list(range(6)) and engine.cache.holder == list(range(6))
+    _run(engine, {}, answers)
+    for spec in (RowSpec(ids[0], 12, id=0, ignore_eos=True), *later):
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec)
+
+
 def _zoo(name):
     from ds_inference_integration.load.skeleton import model_class_for
     from ds_inference_integration.tools.architecture_zoo import ZOO

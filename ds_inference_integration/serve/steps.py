@@ -616,8 +616,9 @@ class StepEngine:
             answers.failed((spec.id,), *own_failure(e))
             return None
         row.group, row.status = group, Status.RUNNING
-        for slot in slots:
-            self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids), places[0][1])
+        for slot in slots:  # an encoder-decoder's beams read the first beam's cross-attention keys
+            self.cache.write_prompt(slot, prefilled, 0, len(group.start), len(spec.prompt_ids), places[0][1],
+                                    holder=None if slot == slots[0] else slots[0])
             self.running[slot] = row
         return row, logits[0][None].expand(len(slots), -1), None
 
