@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 
 from conftest import EXAMPLES, save_tiny_model
 from ds_inference_integration.serve.engine import Answers, run_batch
+from ds_inference_integration.serve.prefill import Prefill
 from ds_inference_integration.serve.rules import Refused
 from ds_inference_integration.serve.slots import SlotCache
 from ds_inference_integration.serve.steps import DecoderPositions, Kept, Status, StepEngine, choose, probe
@@ -547,7 +548,7 @@ def test_rows_admitted_together_are_prefilled_packed_in_one_forward_as_each_alon
         model = _llama(tokenizer)
     specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=5 + i, id=i) for i, p in enumerate(PROMPTS[3:7])]
     engine, answers = StepEngine(model, tokenizer, "cpu", capacity=4), Record()
-    assert engine.pack
+    assert engine.prefill.pack
     shapes = []
     hook = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
                                            with_kwargs=True)
@@ -557,8 +558,8 @@ def test_rows_admitted_together_are_prefilled_packed_in_one_forward_as_each_alon
         hook.remove()
     assert shapes[0] == (1, sum(len(s.prompt_ids) for s in specs)), shapes[:2]
     # past PACKED_TOKENS, or where padding costs less (long prompts), right-padded
-    assert not engine._packing_pays([[5] * 600, [5] * 600]) and not engine._packing_pays([[5] * 500] * 2)
-    assert engine._packing_pays([[5] * 16] + [[5] * 4] * 15)
+    assert not engine.prefill.packing_pays([[5] * 600, [5] * 600]) and not engine.prefill.packing_pays([[5] * 500] * 2)
+    assert engine.prefill.packing_pays([[5] * 16] + [[5] * 4] * 15)
     for spec in specs:
         assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
     assert choose(model, tokenizer, "cpu", 4) == (None, {})
@@ -567,13 +568,13 @@ def test_rows_admitted_together_are_prefilled_packed_in_one_forward_as_each_alon
         prefilled, logits, places = packed(self, [[t for p in prompts for t in p]])
         return prefilled, logits.expand(len(prompts), -1), [(0, 0)] * len(prompts)
 
-    packed = StepEngine._packed
-    StepEngine._packed = wrong
+    packed = Prefill.packed
+    Prefill.packed = wrong
     try:
         assert "do not give their single-row logits" in probe(model, tokenizer, "cpu", 4)
         assert choose(model, tokenizer, "cpu", 4) == (None, {"pack_prefill": False})
     finally:
-        StepEngine._packed = packed
+        Prefill.packed = packed
 
 
 def _multilingual(tmp_path):

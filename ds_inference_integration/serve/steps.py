@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -44,30 +43,11 @@ from ..errors import first_line
 from ..policy.configs import text_config
 from . import rules as row_rules
 from .beams import BeamGroup
+from .prefill import Prefill, top_logprobs
 from .rules import RowRules, eos_ids, generation_config, own_failure, with_defaults
 from .sampling import changes_greedy
-from .slots import SlotCache, check_layers, layer_kinds, state_layers
+from .slots import SlotCache, check_layers, layer_kinds
 from .wire import Admit, BatchKey, RowOutput, RowSpec
-
-
-def top_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple]:
-    """Positions' log probabilities as OpenAI's `logprobs` gives them, one per row of `logits` (`[positions,
-    vocab]`): (that of its token in `tokens`, ((id, log probability) of the `k` likeliest, likeliest first)), from
-    the model's own logits (before a row's penalties, temperature or masks: vLLM's default, "raw" log
-    probabilities), in float32."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    index = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
-    chosen = logprobs.gather(-1, index[:, None])[:, 0].tolist()
-    if k == 0:
-        return [(lp, ()) for lp in chosen]
-    top = torch.topk(logprobs, k)
-    return [(lp, tuple(zip(ids, values))) for lp, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist())]
-
-
-# At most this many tokens prefilled packed: the mask, and the attention weights where attention is computed with
-# them, are [packed tokens]^2 a head (1,024: 4 MiB a head in fp32), where right-padded rows hold rows x longest^2;
-# a wide model's cost rule alone would pack 16 rows of 2,048 tokens into one sequence of ~20k (1.6 GB a head)
-PACKED_TOKENS = 1024
 
 
 class NotPerRow(Exception):
@@ -155,23 +135,16 @@ class StepEngine:
         # or the oldest has waited `max_waiting_steps` steps, or nothing runs (0, 0: at the next step, always)
         self.waiting_served_ratio, self.max_waiting_steps = waiting_served_ratio, max_waiting_steps
         self.steps = 0  # steps run
-        self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        # the admissions' forwards, and the model's facts they and the steps read
+        self.prefill = Prefill(model, tokenizer, device, pack_prefill)
+        self.encoder_decoder, self.states = self.prefill.encoder_decoder, self.prefill.states
+        self.pad, self.cache_name, self.keep = self.prefill.pad, self.prefill.cache_name, self.prefill.keep
         # sliding-window attention: every key kept, the window the step's mask's; the sliding layers' mask passed as
         # the model's mapping by layer type where its config names its layers' types (Qwen2, Gemma 2/3...), as the
         # one mask where the window is the whole model's (Mistral); the probe checks what was chosen
-        text = text_config(model.config)
-        self.window = getattr(text, "sliding_window", None)
-        self.mapping = bool(getattr(text, "layer_types", None))
+        self.window = self.prefill.window
+        self.mapping = bool(getattr(text_config(model.config), "layer_types", None))
         self.positions = DecoderPositions(model) if self.encoder_decoder else None
-        # state-space or linear-attention layers (`slots.SlotStateLayer`): a state is the sum of every token before,
-        # so rows are prefilled left-padded (the padding zeroed by the model's own mask, as generate batches them),
-        # never packed or right-padded (the tokens after a row's own would enter its state)
-        self.states = not self.encoder_decoder and state_layers(model)
-        # a decoder-only model's admitted prompts prefilled packed (`_packed`): one sequence, each row's positions
-        # from 0 and a block-diagonal causal mask, no padding; where the probe finds that wrong, right-padded
-        self.pack = pack_prefill and not self.encoder_decoder and self.window is None and not self.states
-        self.width = next((w for w in (getattr(text, n, None) for n in ("hidden_size", "n_embd", "d_model"))
-                           if isinstance(w, int)), 1024)
         # a decoding step over every slot and the cache's whole width (`SlotCache.decode(fixed=True)`): its shapes
         # change only when the cache grows, as CUDA graphs and `torch.compile` need; by default on a GPU only. On
         # CPU it costs the empty slots' rows and the masked columns: 0.85x the tokens/s of the tight steps on
@@ -181,13 +154,8 @@ class StepEngine:
         # joining rows' cross-attention keys and values projected at admission (`CrossProjection`), where the decoder's
         # layers are found and `project_cross` (the probe's choice) allows; else computed in the step's forward
         self.projection = CrossProjection.of(model) if self.encoder_decoder and project_cross else None
-        self.source_state = None  # an encoder-decoder's encoder output: (width, dtype), for the steps' stand-in
         self.eos = eos_ids(model)
         self.eos_set = set(self.eos)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        parameters = set(inspect.signature(model.forward).parameters)
-        self.cache_name = "cache" if "cache" in parameters else "past_key_values"
-        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         self.waiting: collections.deque = collections.deque()  # rows (`_Row`), or an Admit for the batch engine
         self.running: dict[int, _Row] = {}  # slot -> the row holding it (a beam request holds several)
         self.cancelled: set[int] = set()
@@ -429,7 +397,7 @@ class StepEngine:
         projected = None
         try:
             if fused:
-                encoded = self._encode(*self._padded([r.spec.prompt_ids for r in rows]))
+                encoded = self.prefill.encode(*self.prefill.padded([r.spec.prompt_ids for r in rows]))
                 if self.projection is not None and self.projection.fits(len(self.cache.cross.layers)):
                     projected = self.projection(encoded)
             else:
@@ -461,141 +429,17 @@ class StepEngine:
             first.append((row, logits[b], prompt.get(row.spec.id)))
         return first, (rows if fused else [])
 
-    def _padded(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts right-padded to the longest: (ids, attention mask)."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([list(p) + [self.pad] * (width - len(p)) for p in prompts], dtype=torch.long,
-                           device=self.device)
-        mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long,
-                            device=self.device)
-        return ids, mask
-
-    def _encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """An encoder-decoder's encoder over padded prompts (`_padded`) at once: its last hidden state."""
-        with torch.no_grad():
-            state = self.model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True).last_hidden_state
-        self.source_state = (state.shape[-1], state.dtype)
-        return state
-
     def _prefill(self, rows: list[tuple], wants: list | None = None) -> tuple:
-        """The rows' prompts (each `(prompt ids, ids the row starts from)`: the prompt again, or an encoder-decoder's
-        decoder start) through the model at once, right-padded (a row's positions never see the padding after it),
-        with transformers' own cache: (that cache, each row's last logits in float32, and where each row is in the
-        cache: (its batch row, its first position)). Several decoder-only rows are prefilled packed where `self.pack`
-        (`_packed`). A decoder-only row whose spec is given in `wants` (one that asked for its prompt's log
-        probabilities) has them returned too (by row id, the fourth item): every position's logits go through the
-        head then."""
-        n, prompts = len(rows), [list(prompt) for prompt, _ in rows]
-        if self.pack and n > 1 and not any(spec is not None for spec in wants or ()) and self._packing_pays(prompts):
-            prefilled, logits, places = self._packed(prompts)
-            prompt = {}
-        else:
-            prefilled, logits, places, prompt = self._padded_prefill(rows, prompts, wants)
+        """The rows' prompts through the model at once (`prefill.Prefill.run`: its cache, each row's last logits,
+        places and asked-for prompt log probabilities); the slot cache is made from the first prefill's layers, or the
+        model refused (`NotPerRow`) where a layer is of a kind it cannot hold."""
+        prefilled, logits, places, prompt = self.prefill.run(rows, wants)
         if self.cache is None:
             why = check_layers(prefilled)
             if why:
                 raise NotPerRow(f"the step engine cannot hold this model's cache: {why}")
             self.cache = SlotCache(layer_kinds(prefilled), self.capacity, cross=self.encoder_decoder)
-        return prefilled, logits.to(dtype=torch.float32), places, prompt
-
-    def _packed(self, prompts: list[list[int]]) -> tuple:
-        """Decoder-only prompts through the model as one sequence: each row's positions from 0, each token seeing its
-        own row's tokens before it (an additive block-diagonal causal mask, as the decoding steps pass theirs), no
-        padding; only each row's last position through the head (`_packing_pays` says when). A forward of 16 rows of
-        4 to 16 tokens took 78 ms right-padded to the longest, 50 packed (256 against 154 tokens; 303 against 216 ms
-        at 16 to 64 tokens; a random Llama of width 512, 4 layers, 1 thread, 2026-12-07). (cache, each row's last
-        logits, places)."""
-        sizes = [len(p) for p in prompts]
-        device = self.device
-        ids = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
-        positions = torch.cat([torch.arange(size, device=device) for size in sizes])
-        segment = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
-        seen = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
-        dtype = self.model.dtype
-        mask = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
-        starts = [sum(sizes[:b]) for b in range(len(sizes))]
-        last = torch.tensor([start + size - 1 for start, size in zip(starts, sizes)], device=device)
-        prefilled = DynamicCache(config=self.model.config)
-        with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[None], use_cache=True,
-                             **{self.cache_name: prefilled}, **({"logits_to_keep": last} if self.keep else {}))
-        logits = out.logits[0] if self.keep else out.logits[0, last]
-        return prefilled, logits, [(0, start) for start in starts]
-
-    def _packing_pays(self, prompts: list[list[int]]) -> bool:
-        """Whether a packed prefill costs less than a right-padded one, by their multiply-adds: per token ~6 x width
-        for the projections and MLP (against 1 per attention score), and attention over every pair of the packed
-        sequence's tokens, masked or not, where padded rows attend within their own width. 16 rows of L/4 to L
-        tokens on a random Llama of width 512 (4 layers, 1 thread, `bench steps --together 16`, runs back to back,
-        2026-12-07): packed 0.81x the padded time at L 16, 0.65x at 64, 1.06x at 256 (16 x 256 padded tokens against
-        2,560 packed, whose 6.6M attention scores outweigh the tokens saved)."""
-        sizes = [len(p) for p in prompts]
-        total, longest, n = sum(sizes), max(sizes), len(sizes)
-        if total > PACKED_TOKENS:
-            return False
-        per_token = 6 * self.width
-        return total * per_token + total * total <= n * longest * per_token + n * longest * longest
-
-    def _padded_prefill(self, rows: list[tuple], prompts: list[list[int]], wants: list | None) -> tuple:
-        """`_prefill`'s way for an encoder-decoder, one row, or a model not packed: right-padded to the longest, or
-        left-padded where the model keeps states (`self.states`), each row's positions from 0 at its first token.
-        (cache, each row's last logits, places, prompt log probabilities by row id)."""
-        if self.states:
-            return self._left_padded_prefill(prompts, wants)
-        n = len(rows)
-        ids, mask = self._padded(prompts)
-        width = ids.shape[1]
-        places, prompt = [(b, 0) for b in range(n)], {}
-        with torch.no_grad():
-            if self.encoder_decoder:
-                encoded = BaseModelOutput(last_hidden_state=self._encode(ids, mask))
-                prefilled = EncoderDecoderCache(DynamicCache(config=self.model.config),
-                                                DynamicCache(config=self.model.config))
-                start = torch.tensor([list(first) for _, first in rows], dtype=torch.long, device=self.device)
-                out = self.model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=start,
-                                 use_cache=True, **{self.cache_name: prefilled}, **self.keep)
-                logits = out.logits[:, -1]
-            else:
-                # with a window, transformers' sliding layers keep only its last keys: the plain cache keeps them all
-                prefilled = DynamicCache() if self.window else DynamicCache(config=self.model.config)
-                last = [len(p) - 1 for p in prompts]
-                keep = {}
-                whole = any(spec is not None for spec in wants or ())
-                if self.keep and not whole:  # only the rows' last positions through the head (generate: logits_to_keep=1)
-                    kept = sorted(set(last))
-                    keep = {"logits_to_keep": 1 if kept == [width - 1] else torch.tensor(kept, device=self.device)}
-                    last = [kept.index(i) - len(kept) for i in last]
-                out = self.model(input_ids=ids, attention_mask=mask, use_cache=True,
-                                 position_ids=torch.arange(width, device=self.device)[None].expand(n, -1),
-                                 **{self.cache_name: prefilled}, **keep)
-                logits = out.logits[torch.arange(n), torch.tensor(last)]
-                for b, spec in enumerate(wants or ()):
-                    if spec is not None:
-                        n_b = len(prompts[b])
-                        prompt[spec.id] = top_logprobs(out.logits[b, :n_b - 1], prompts[b][1:], spec.logprobs)
         return prefilled, logits, places, prompt
-
-    def _left_padded_prefill(self, prompts: list[list[int]], wants: list | None) -> tuple:
-        """A state-keeping model's prompts through it at once, left-padded to the longest (generate's own batching of
-        such models: the model's 2D mask zeroes the padding's inputs, so a row's states start from zero at its first
-        token, and its attention layers' keys sit at the last `len(prompt)` positions); each row's positions from 0 at
-        its first token. (cache, each row's last logits, places: (its batch row, where its first token is), prompt
-        log probabilities by row id)."""
-        width = max(len(p) for p in prompts)
-        pads = [width - len(p) for p in prompts]
-        ids = torch.tensor([[self.pad] * pad + list(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
-                           device=self.device)
-        mask = torch.tensor([[0] * pad + [1] * len(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
-                            device=self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        whole = any(spec is not None for spec in wants or ())
-        prefilled = DynamicCache(config=self.model.config)
-        with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             **{self.cache_name: prefilled}, **({} if whole else self.keep))
-        prompt = {spec.id: top_logprobs(out.logits[b, pads[b]:width - 1], prompts[b][1:], spec.logprobs)
-                  for b, spec in enumerate(wants or ()) if spec is not None}
-        return prefilled, out.logits[:, -1], [(b, pad) for b, pad in enumerate(pads)], prompt
 
     def _admit_beams(self, row: _Row, answers) -> tuple[_Row, torch.Tensor, None] | None:
         """A beam request: its prompt prefilled once and copied into `num_beams` free slots; its first logits, one row
@@ -669,7 +513,7 @@ class StepEngine:
                     if joining:
                         self.cache.join({slot: state.shape[0] for slot, state in joining.items()})
                     sources = self.cache.source_mask(hi, self.fixed_shapes)
-                    width, dtype = self.source_state
+                    width, dtype = self.prefill.source_state
                     # the decoder reads the running rows' cached cross-attention keys, so their encoder output is
                     # only a shape; rows joining now have theirs, from which each layer writes their slots' keys
                     states = torch.zeros((1, 1, width), dtype=dtype, device=self.device).expand(
