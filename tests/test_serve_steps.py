@@ -577,6 +577,50 @@ def test_rows_admitted_together_are_prefilled_packed_in_one_forward_as_each_alon
         Prefill.packed = packed
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
+def test_rows_joining_running_ones_are_prefilled_in_the_running_rows_step(gpt2, kind, monkeypatch):
+    """Rows admitted while others run are prefilled in the running rows' decoding forward (vLLM's step: one forward
+    a step, the admitted prompts' tokens beside each running row's next token, each at its slot's positions): a step
+    that admits two rows beside three running ones is one forward of their tokens' sum, and every row equals that
+    row generated alone. A fused step that lets a token see other slots (a deliberately wrong mask here) is found by
+    the start-up probe, and the engine then prefills them apart (`fuse_admissions` off)."""
+    model, tokenizer = gpt2
+    if kind == "llama-gqa":
+        model = _llama(tokenizer)
+    specs = [RowSpec(tuple(tokenizer(p)["input_ids"]), max_new_tokens=6 + 2 * i, id=i, ignore_eos=True)
+             for i, p in enumerate(PROMPTS[10:15])]
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=6, fuse_admissions=True), Record()
+    assert engine.fuse
+    engine.take(Admit(0, BatchKey(), tuple(specs[:3])))
+    engine.step(answers)
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        engine.take(Admit(1, BatchKey(), tuple(specs[3:])))
+        engine.step(answers)
+    finally:
+        hook.remove()
+    assert shapes == [(1, len(specs[3].prompt_ids) + len(specs[4].prompt_ids) + 3)], shapes
+    _run(engine, {}, answers)
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
+
+    tokens = SlotCache.tokens
+
+    def wrong(self, places, hi):  # every token sees every slot's columns up to its position
+        positions, mask = tokens(self, places, hi)
+        width = mask.shape[-1] // hi
+        columns = torch.arange(hi * width)
+        seen = (columns[None, :] % width) <= positions[0][:, None]
+        return positions, torch.where(seen, 0.0, torch.finfo(mask.dtype).min).to(mask.dtype)[None, None]
+
+    assert choose(model, tokenizer, "cpu", 4, fuse=True) == (None, {"fuse_admissions": True})
+    monkeypatch.setattr(SlotCache, "tokens", wrong)
+    assert "do not give their single-row logits" in probe(model, tokenizer, "cpu", 4, fuse_admissions=True)
+    assert choose(model, tokenizer, "cpu", 4, fuse=True) == (None, {})
+
+
 def _multilingual(tmp_path):
     """A tiny random M2M100-style encoder-decoder whose word-level tokenizer has NLLB-style language codes among its
     special tokens (fra_Latn, deu_Latn, ron_Latn), saved: (model, tokenizer, its directory)."""
@@ -1036,6 +1080,7 @@ def test_a_continuous_server_answers_as_one_process_and_never_makes_a_short_row_
     try:
         server.wait_ready()
         assert "scheduler continuous" in server.output() and "served by the batch engine" not in server.output()
+        assert "admissions in the running rows' step" in server.output()  # tp 2: fused (`StepEngine.fuse`)
         bodies = [{"prompt": p, "max_tokens": 4 + i % 13, "temperature": 0, "ignore_eos": True}
                   for i, p in enumerate(PROMPTS[:16])]
         bodies += [{"prompt": p, "max_tokens": 10, "temperature": 1.0, "top_k": 20, "seed": 7 + i}

@@ -325,13 +325,14 @@ def main(argv: list[str]) -> None:
     if settings.get("scheduler", "batch") == "continuous":
         from .steps import StepEngine, choose
 
-        why, options = choose(model, tokenizer, device, capacity)
+        # admissions in the running rows' forward at tp > 1 (`StepEngine.fuse`: a forward costs its collectives)
+        why, options = choose(model, tokenizer, device, capacity, fuse=topology.tp_size > 1)
         why = agree(None if why is None else (0, why), group, world)
         if why is None:
             # the batch engine behind the step engine, for what it cannot run (`steps_take`: more beams than slots)
             steps = StepEngine(model, tokenizer, device, capacity, serve.run_batch,
                                *settings.get("admission", (0.0, 0)), **options)
-            scheduler = "continuous"
+            scheduler = "continuous" + (", admissions in the running rows' step" if steps.fuse else "")
         else:
             scheduler = f"batch (--scheduler continuous: this model is served by the batch engine: {why[1]})"
     if leader:

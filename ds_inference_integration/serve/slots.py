@@ -45,6 +45,8 @@ class SlotLayer(CacheLayerMixin):
         self.slots = slots
         # (slot ids, positions, hi, width, whether every slot below hi decodes)
         self.plan: tuple[torch.Tensor, torch.Tensor, int, int, bool] | None = None
+        # a step of tokens in one sequence (`SlotCache.tokens`): (each token's slot, its position, hi, width)
+        self.flat: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, key_dim = key_states.shape
@@ -79,7 +81,17 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decoding step: the new key and value (`[hi, heads, 1, dim]`) of each decoding row at its slot's own
         position (other slots below `hi` are not written: a row admitted this step keeps its prompt); returns the
-        first `hi` slots' first `width` columns (views)."""
+        first `hi` slots' first `width` columns (views). A step of tokens in one sequence (`flat`): each token's key
+        and value at its slot's position, and every slot's first `width` columns returned as one sequence (`[1, heads,
+        hi x width, dim]`, a copy), which the step's mask limits to each token's own slot and past."""
+        if self.flat is not None:
+            slots, positions, hi, width = self.flat
+            self.grow(width)
+            self.keys[slots, :, positions] = key_states[0].transpose(0, 1)
+            self.values[slots, :, positions] = value_states[0].transpose(0, 1)
+            keys, values = self.keys[:hi, :, :width], self.values[:hi, :, :width]
+            return (keys.transpose(0, 1).reshape(1, keys.shape[1], hi * width, keys.shape[3]),
+                    values.transpose(0, 1).reshape(1, values.shape[1], hi * width, values.shape[3]))
         slots, positions, hi, width, every = self.plan
         self.grow(width)
         self.keys[slots, :, positions] = key_states[:, :, 0] if every else key_states[slots, :, 0]
@@ -384,9 +396,26 @@ class SlotCache(Cache):
         masks = [torch.where(m, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :] for m in masks]
         return every[:, None], masks[0], (masks[1] if window is not None else None)
 
+    def tokens(self, places: list[tuple[int, int]], hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plan a step of tokens in one sequence (`places`: each token's (slot, position)): rows admitted in the step
+        (their prompts, from position 0) beside the running rows' next tokens, one forward for both (vLLM's step
+        shape). Returns the step's `position_ids` (`[1, tokens]`) and additive 4D mask (`[1, 1, tokens, hi x
+        width]`: a token sees its own slot's columns up to its position). Attention layers only (`flat`)."""
+        layer = self.attention[0]
+        device, dtype = layer.keys.device, layer.keys.dtype
+        slots = torch.tensor([slot for slot, _ in places], device=device)
+        positions = torch.tensor([position for _, position in places], device=device)
+        width = int(positions.max()) + 1
+        for each in self.attention:
+            each.flat = (slots, positions, hi, width)
+        columns = torch.arange(hi * width, device=device)
+        seen = (columns[None, :] // width == slots[:, None]) & (columns[None, :] % width <= positions[:, None])
+        mask = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+        return positions[None], mask
+
     def done(self) -> None:
         for each in self.attention:
-            each.plan = None
+            each.plan, each.flat = None, None
         for each in self.states:
             each.end()
         for each in self.cross.layers if self.cross is not None else ():

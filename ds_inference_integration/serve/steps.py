@@ -128,7 +128,7 @@ class StepEngine:
 
     def __init__(self, model, tokenizer, device, capacity: int, run_batch=None, waiting_served_ratio: float = 0.0,
                  max_waiting_steps: int = 0, project_cross: bool = True, fixed_shapes: bool | None = None,
-                 pack_prefill: bool = True):
+                 pack_prefill: bool = True, fuse_admissions: bool = False):
         self.model, self.tokenizer, self.device, self.capacity = model, tokenizer, device, capacity
         self.run_batch = run_batch
         # when waiting rows join running ones (TGI's rule): once they are `waiting_served_ratio` x the running rows,
@@ -151,6 +151,14 @@ class StepEngine:
         # gpt2-256, 1.03x on the embedded T5 (in one process, 1 thread, 64 rows of max_tokens 8-128 through 16 slots
         # as each ends, medians of 3, 2026-12-05)
         self.fixed_shapes = str(device).startswith("cuda") if fixed_shapes is None else fixed_shapes
+        # rows admitted while others run prefilled in the running rows' decoding forward (`_fused`), where the
+        # model's attention takes any 4D mask (decoder-only, keys and values only, no window: what packing needs).
+        # The server asks for it at tp > 1 (`engine.main`), where a forward costs its collectives: bench serve's
+        # gpt2-256 at tp 2, mixed lengths 8-128, concurrency 16: 1.61x the batch engine's output tok/s (TPOT 12.3
+        # ms) against 1.38x (14.3 ms) with a forward of their own (2026-12-07, 3 repeats each). In one process its
+        # attention over every slot's columns costs more than the forward it saves: a step admitting one 32-token
+        # row beside 15 on gpt2-256 took 4.5 ms fused against 3.5 apart, 71 against 55 ms on a Llama of width 512.
+        self.fuse = (fuse_admissions and self.prefill.pack and not self.fixed_shapes and self.window is None)
         # joining rows' cross-attention keys and values projected at admission (`CrossProjection`), where the decoder's
         # layers are found and `project_cross` (the probe's choice) allows; else computed in the step's forward
         self.projection = CrossProjection.of(model) if self.encoder_decoder and project_cross else None
@@ -264,6 +272,12 @@ class StepEngine:
         cache exists, only their encoder: their first decoder step is this step's decoding forward), then one
         decoding forward over the decoding rows. A prefill that fails fails its rows alone (answered here)."""
         outputs, decoding = Outputs(), dict(plan.decoding)
+        if plan.joining and decoding and self._fuses(plan.joining, decoding):
+            fused = self._fused(plan.joining, decoding)
+            if fused is not None:
+                outputs.first += fused[0]
+                plan = Plan(groups=plan.groups)
+                outputs.decoded, outputs.logits, decoding = decoding, fused[1], {}
         if plan.joining:
             first, joined = self._admit(plan.joining, answers)
             outputs.first += first
@@ -485,6 +499,55 @@ class StepEngine:
                 del self.running[slot]
             row.status = Status.FINISHED
             answers.finished(group.spec.id, *group.result(self.tokenizer.pad_token_id))
+
+    def _fuses(self, items: list[_Row], decoding: dict) -> bool:
+        """Whether the admitted rows are prefilled in the decoding forward (`_fused`)."""
+        return self.fuse and self.cache is not None and not any(item.spec.prompt_logprobs for item in items)
+
+    def _fused(self, items: list[_Row], decoding: dict) -> tuple | None:
+        """The admitted rows' prompts and the running rows' next tokens in one forward, as one sequence (each token at
+        its slot's position, each seeing its own slot's past: `SlotCache.tokens`): (the admitted rows' first logits,
+        as `_admit` gives them; the decoding rows' logits by slot, as `_forward` gives them), or None where that
+        forward failed (the step then runs them apart, and a failure is theirs as it would be)."""
+        free = sorted(set(range(self.capacity)) - set(self.running))
+        rows = [self._prepare(item, slot) for item, slot in zip(items, free)]
+        places, ids, keep = [], [], []
+        for row in rows:
+            prompt = list(row.spec.prompt_ids)
+            places += [(row.slot, p) for p in range(len(prompt))]
+            ids += prompt
+            keep.append(len(ids) - 1)
+        order = sorted(decoding)
+        for slot in order:
+            held = decoding[slot]
+            if held.group is not None:
+                places.append((slot, held.group.position()))
+                ids.append(held.group.last_tokens()[held.group.slots.index(slot)])
+            else:
+                places.append((slot, len(held.ids) - 1))
+                ids.append(held.ids[-1])
+            keep.append(len(ids) - 1)
+        hi = max(slot for slot, _ in places) + 1
+        position_ids, mask = self.cache.tokens(places, hi)
+        kept = {"logits_to_keep": torch.tensor(keep, device=self.device)} if self.keep else {}
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                                 position_ids=position_ids, attention_mask=mask, use_cache=True,
+                                 **{self.cache_name: self.cache}, **kept)
+        except Exception:  # noqa: BLE001 - run apart, where a failure is the rows' own (`_admit`, `_forward`)
+            return None
+        finally:
+            self.cache.done()
+        logits = (out.logits[0] if self.keep else out.logits[0, keep]).to(dtype=torch.float32)
+        first = []
+        for b, row in enumerate(rows):
+            self.running[row.slot] = row
+            row.status = Status.RUNNING
+            first.append((row, logits[b], None))
+        by_slot = logits.new_zeros((hi, logits.shape[-1]))
+        by_slot[torch.tensor(order, device=logits.device)] = logits[len(rows):]
+        return first, by_slot
 
     def _forward(self, rows: dict) -> torch.Tensor:
         """One decoding forward for every row in `rows` (slot -> its row; a beam request's at each of its slots), each
@@ -791,14 +854,17 @@ class Kept:
         raise RuntimeError(f"rows {list(rows)} failed: {message}")
 
 
-def choose(model, tokenizer, device, capacity: int) -> tuple[str | None, dict]:
+def choose(model, tokenizer, device, capacity: int, fuse: bool = False) -> tuple[str | None, dict]:
     """Whether the step engine serves this model ((None, its settings)) or why not ((the reason, {})): the probe,
     with joining rows' cross-attention projected at admission (`CrossProjection`) and, where that fails, computed in
     the step's forward. The same on every rank (the probe's logits are the sharded forward's, alike everywhere)."""
-    why = probe(model, tokenizer, device, capacity)
+    why = probe(model, tokenizer, device, capacity, fuse_admissions=fuse)
     if why is None:
-        return None, {}
-    if not getattr(model.config, "is_encoder_decoder", False):  # rows admitted together prefilled padded, not packed
+        return None, {"fuse_admissions": fuse} if fuse else {}
+    if not getattr(model.config, "is_encoder_decoder", False):
+        # admitted rows prefilled apart from the running rows' step; then prefilled padded, not packed
+        if fuse and probe(model, tokenizer, device, capacity, fuse_admissions=False) is None:
+            return None, {}
         if probe(model, tokenizer, device, capacity, pack_prefill=False) is None:
             return None, {"pack_prefill": False}
     elif CrossProjection.of(model) is not None:
@@ -808,10 +874,10 @@ def choose(model, tokenizer, device, capacity: int) -> tuple[str | None, dict]:
 
 
 def probe(model, tokenizer, device, capacity: int = 4, project_cross: bool = True,
-          pack_prefill: bool = True) -> str | None:
-    """Why this model cannot be served by the step engine (None: it can). Four rows of different lengths, admitted
-    one, then one, then two together (prefilled packed, `pack_prefill`) while the others run, must each give the
-    logits of that row run alone (the
+          pack_prefill: bool = True, fuse_admissions: bool = False) -> str | None:
+    """Why this model cannot be served by the step engine (None: it can). Five rows of different lengths, admitted
+    two together into the empty engine (prefilled packed, `pack_prefill`), then one and then two together while
+    others run (in the running rows' step, `fuse_admissions`), must each give the logits of that row run alone (the
     plain forward at batch 1 with transformers' own cache, as generate runs it), step for step, within rounding: a
     model whose attention does not follow per-row positions and a 4D mask (a relative bias or ALiBi computed from one
     shared position or a 2D mask...) differs by far more. Run on every rank alike (its forward is sharded)."""
@@ -819,21 +885,25 @@ def probe(model, tokenizer, device, capacity: int = 4, project_cross: bool = Tru
     # lengths far apart, and the third row joining 6 steps after the others: a row given another's position differs
     # the most (limited to the model's positions: 64 and more for every model we ship)
     prompts = [[(7 * i + 3) % vocab for i in range(24)], [(5 * i + 11) % vocab for i in range(3)],
-               [(3 * i + 5) % vocab for i in range(12)], [(11 * i + 2) % vocab for i in range(7)]]
+               [(3 * i + 5) % vocab for i in range(12)], [(11 * i + 2) % vocab for i in range(7)],
+               [(13 * i + 7) % vocab for i in range(9)]]
     # its own engine, with a slot for each of its rows whatever the served capacity (--max_batch_size 1 left the
     # probe no slot for its second row: "KeyError: 1", and the model went to the batch engine)
     engine = StepEngine(model, tokenizer, device, max(capacity, len(prompts)), project_cross=project_cross,
-                        pack_prefill=pack_prefill)
+                        pack_prefill=pack_prefill, fuse_admissions=fuse_admissions)
     engine.record = {}
 
     answers, key = Kept(), BatchKey()
     try:
-        # one row admitted a step, then two together: a right-padded prefill is generate's own (checked against rows
-        # alone in fp32 by tests/test_serve_steps.py), a packed one must keep each row to its own positions and past
-        # the first row ends (5 tokens) before the last two join, so that one of them takes its slot, below a row
-        # that runs on: a slot of a row admitted in a step, under that step's highest (a state there is overwritten
-        # by the step unless put back, `slots.SlotStateLayer`)
-        engine.take(Admit(0, key, (RowSpec(tuple(prompts[0]), 5, ignore_eos=True, id=0),)))
+        # two rows admitted together into the empty engine (prefilled packed, or padded: a right-padded prefill is
+        # generate's own, checked against rows alone in fp32 by tests/test_serve_steps.py; a packed one must keep
+        # each row to its own positions and past), then one while they run, then two together (prefilled in the
+        # running rows' step, `StepEngine._fused`, where the engine fuses). The first two end (5 and 3 tokens)
+        # before the last two join, which take their slots, below a row that runs on: slots of rows admitted in a
+        # step, under that step's highest (a state there is overwritten by the step unless put back,
+        # `slots.SlotStateLayer`)
+        engine.take(Admit(0, key, (RowSpec(tuple(prompts[0]), 5, ignore_eos=True, id=0),
+                                   RowSpec(tuple(prompts[4]), 3, ignore_eos=True, id=4))))
         engine.step(answers)
         engine.take(Admit(1, key, (RowSpec(tuple(prompts[1]), 10, ignore_eos=True, id=1),)))
         for _ in range(5):
