@@ -261,6 +261,21 @@ def tokenizer_families():
     return families
 
 
+def _completions(tokenizer, rng, n: int, prompt_texts: int, words: int, lengths: tuple, random_lengths: tuple):
+    """`n` (prompt ids, completion ids): a prompt of `prompt_texts` of the sentences, a completion of their first
+    `lengths` tokens (a range) of `words` sentences, or (3 in 10) random ids as a model may make them, not as text
+    tokenizes (`random_lengths` of them: some cut characters)."""
+    texts = _sentences()
+    for _ in range(n):
+        prompt = tokenizer(" ".join(rng.choice(texts) for _ in range(prompt_texts)),
+                           add_special_tokens=False)["input_ids"]
+        completion = tokenizer(" " + " ".join(rng.choice(texts) for _ in range(words)),
+                               add_special_tokens=False)["input_ids"][:rng.randint(*lengths)]
+        if rng.random() < 0.3:
+            completion = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(*random_lengths))]
+        yield prompt, completion
+
+
 @pytest.mark.parametrize("family", ["byte_level_bpe", "metaspace", "wordpiece", "embedded"])
 def test_completion_text_is_what_the_completion_adds_to_the_prompts_text(tokenizer_families, family):
     """The rule OpenAI's and vLLM's servers follow: prompt text + completion text = the decoded prompt + completion
@@ -268,14 +283,8 @@ def test_completion_text_is_what_the_completion_adds_to_the_prompts_text(tokeniz
     the completion alone, as this did, dropped the space between them: "five hundred" + "and and" came back "and
     and"."""
     tokenizer = tokenizer_families[family]
-    rng = random.Random(0)
-    texts = _sentences()
     lost_space = 0
-    for _ in range(150):
-        prompt = tokenizer(rng.choice(texts) + " " + rng.choice(texts), add_special_tokens=False)["input_ids"]
-        completion = tokenizer(" " + rng.choice(texts), add_special_tokens=False)["input_ids"][:rng.randint(1, 12)]
-        if rng.random() < 0.3:  # token ids as a model may make them, not as text tokenizes
-            completion = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 6))]
+    for prompt, completion in _completions(tokenizer, random.Random(0), 150, 2, 1, (1, 12), (1, 6)):
         head = tokenizer.decode(prompt, skip_special_tokens=True)
         whole = tokenizer.decode(prompt + completion, skip_special_tokens=True)
         text = completion_text(tokenizer, prompt[-CONTEXT_TOKENS:], completion)
@@ -302,18 +311,12 @@ def test_a_streamed_completions_text_is_read_incrementally_and_equals_its_whole_
     every token of completions of up to 60 tokens (text, and random ids that cut characters) its text equals what
     decoding the prompt and the completion so far adds after the prompt, unless that ends inside a character; a
     token costs one decode of at most 2 x CONTEXT_TOKENS + 1 tokens (and a window's move; with the tokens before it
-    that end inside a character), not a decode of the whole
-    completion (which cost the front a third of its time at 128 tokens a row)."""
+    that end inside a character), not a decode of the whole completion (which cost the front a third of its time at
+    128 tokens a row)."""
     tokenizer = tokenizer_families[family]
-    rng = random.Random(2)
-    texts = _sentences()
     longest = 0
-    for _ in range(40):
-        prompt = tokenizer(rng.choice(texts), add_special_tokens=False)["input_ids"][-CONTEXT_TOKENS:]
-        words = " ".join(rng.choice(texts) for _ in range(6))
-        completion = tokenizer(" " + words, add_special_tokens=False)["input_ids"][:rng.randint(20, 60)]
-        if rng.random() < 0.3:
-            completion = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(20, 40))]
+    for prompt, completion in _completions(tokenizer, random.Random(2), 40, 1, 6, (20, 60), (20, 40)):
+        prompt = prompt[-CONTEXT_TOKENS:]
         decodes = []
         streamed = Texts(type("Counted", (), {"decode": lambda self, ids, **kw: decodes.append(len(ids)) or
                                               tokenizer.decode(ids, **kw)})(), (), prompt)
@@ -340,13 +343,9 @@ def test_each_tokens_text_offset_is_where_its_text_starts_in_the_answer(tokenize
     0, 3 (text[3:] "d and")."""
     tokenizer = tokenizer_families[family]
     rng = random.Random(1)
-    texts = _sentences()
     joined_differs = 0
-    for _ in range(150):
-        prompt = tokenizer(rng.choice(texts), add_special_tokens=False)["input_ids"][-CONTEXT_TOKENS:]
-        completion = tokenizer(" " + rng.choice(texts), add_special_tokens=False)["input_ids"][:rng.randint(1, 14)]
-        if rng.random() < 0.3:
-            completion = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 6))]
+    for prompt, completion in _completions(tokenizer, rng, 150, 1, 1, (1, 14), (1, 6)):
+        prompt = prompt[-CONTEXT_TOKENS:]
         text = completion_text(tokenizer, prompt, completion)
         whole = Offsets(tokenizer, prompt).extend(completion)
         streamed = Offsets(tokenizer, prompt)
