@@ -24,7 +24,7 @@ from ds_inference_integration.serve.engine import Answers, run_batch
 from ds_inference_integration.serve.prefill import Prefill
 from ds_inference_integration.serve.rules import Refused
 from ds_inference_integration.serve.slots import SlotCache
-from ds_inference_integration.serve.steps import DecoderPositions, Kept, Status, StepEngine, choose, probe
+from ds_inference_integration.serve.steps import DecoderPositions, Kept, Status, StepEngine, _Row, choose, probe
 from ds_inference_integration.serve.wire import Admit, BatchKey, RowSpec
 
 GPT2 = EXAMPLES / "models" / "gpt2-num2words-en-ro"
@@ -593,6 +593,9 @@ def test_rows_joining_running_ones_are_prefilled_in_the_running_rows_step(gpt2, 
     assert engine.fuse
     engine.take(Admit(0, BatchKey(), tuple(specs[:3])))
     engine.step(answers)
+    # within PACKED_TOKENS^2 a head (the step's tokens x every slot's columns), else prefilled apart
+    assert engine._fuses([_Row(RowSpec((5,) * 40, 4), BatchKey(), 0)], dict(engine.running))
+    assert not engine._fuses([_Row(RowSpec((5,) * 1500, 4), BatchKey(), 0)], dict(engine.running))
     shapes = []
     hook = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
                                            with_kwargs=True)

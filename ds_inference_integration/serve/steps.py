@@ -43,7 +43,7 @@ from ..errors import first_line
 from ..policy.configs import text_config
 from . import rules as row_rules
 from .beams import BeamGroup
-from .prefill import Prefill, top_logprobs
+from .prefill import PACKED_TOKENS, Prefill, top_logprobs
 from .rules import RowRules, eos_ids, generation_config, own_failure, with_defaults
 from .sampling import changes_greedy
 from .slots import SlotCache, check_layers, layer_kinds
@@ -501,8 +501,18 @@ class StepEngine:
             answers.finished(group.spec.id, *group.result(self.tokenizer.pad_token_id))
 
     def _fuses(self, items: list[_Row], decoding: dict) -> bool:
-        """Whether the admitted rows are prefilled in the decoding forward (`_fused`)."""
-        return self.fuse and self.cache is not None and not any(item.spec.prompt_logprobs for item in items)
+        """Whether the admitted rows are prefilled in the decoding forward (`_fused`): where the engine fuses, no
+        admitted row asked for its prompt's log probabilities, and the step's mask (and the attention weights where
+        they are computed) stay within PACKED_TOKENS^2 a head: the step's tokens x every slot's columns (one 2,000-token
+        prompt beside 16 rows of 2,048 columns: 66M, 264 MB a head in fp32)."""
+        if not self.fuse or self.cache is None or any(item.spec.prompt_logprobs for item in items):
+            return False
+        tokens = sum(len(item.spec.prompt_ids) for item in items) + len(decoding)
+        hi = max(max(decoding), len(self.running) + len(items) - 1) + 1
+        width = max([len(item.spec.prompt_ids) for item in items]
+                    + [held.group.position() + 1 if held.group is not None else len(held.ids)
+                       for held in decoding.values()])
+        return tokens * hi * width <= PACKED_TOKENS * PACKED_TOKENS
 
     def _fused(self, items: list[_Row], decoding: dict) -> tuple | None:
         """The admitted rows' prompts and the running rows' next tokens in one forward, as one sequence (each token at
