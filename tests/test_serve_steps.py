@@ -624,6 +624,32 @@ def test_rows_joining_running_ones_are_prefilled_in_the_running_rows_step(gpt2, 
     assert choose(model, tokenizer, "cpu", 4, fuse=True) == (None, {})
 
 
+def test_long_prompts_waiting_together_join_a_few_a_step_within_the_admission_budget(gpt2):
+    """Six rows of 1,000-token prompts waiting at once: a step admits as many as keep rows x longest prompt^2 within
+    ADMISSION_BUDGET (4 here: a right-padded prefill's attention weights 16 MiB a head), the rest at the next step;
+    every row equals its request alone. Short prompts join all together (16 of 32 tokens)."""
+    from ds_inference_integration.serve.steps import ADMISSION_BUDGET
+
+    tokenizer = gpt2[1]
+    model = _llama(tokenizer)
+    specs = [RowSpec(tuple((7 * i + 3 * r) % 60 + 3 for i in range(1000)), max_new_tokens=3 + r, id=r,
+                     ignore_eos=True) for r in range(6)]
+    assert 4 * 1000 ** 2 <= ADMISSION_BUDGET < 5 * 1000 ** 2
+    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=8), Record()
+    engine.take(Admit(0, BatchKey(), tuple(specs)))
+    engine.step(answers)
+    assert len(engine.running) == 4 and len(engine.waiting) == 2
+    engine.step(answers)
+    assert len(engine.running) == 6 and not engine.waiting
+    _run(engine, {}, answers)
+    for spec in specs:
+        assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
+    short = StepEngine(model, tokenizer, "cpu", capacity=16)
+    short.take(Admit(1, BatchKey(), tuple(RowSpec((5,) * 32, 4, id=100 + r) for r in range(16))))
+    short.step(Record())
+    assert len(short.running) == 16
+
+
 def _multilingual(tmp_path):
     """A tiny random M2M100-style encoder-decoder whose word-level tokenizer has NLLB-style language codes among its
     special tokens (fra_Latn, deu_Latn, ron_Latn), saved: (model, tokenizer, its directory)."""

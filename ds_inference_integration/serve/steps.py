@@ -49,6 +49,12 @@ from .sampling import changes_greedy
 from .slots import SlotCache, check_layers, layer_kinds
 from .wire import Admit, BatchKey, RowOutput, RowSpec
 
+# The rows admitted at one step keep rows x (their longest prompt)^2 within this: a right-padded prefill's attention
+# weights a head where they are computed (4 x 1024^2: 16 MiB in fp32), and an encoder's over padded prompts; 16 rows
+# of 2,048 tokens admitted at once held 64M (256 MiB a head), 4 a step now; 16 of 512 tokens, or of bench serve's
+# 32, join together as before
+ADMISSION_BUDGET = 4 * PACKED_TOKENS * PACKED_TOKENS
+
 
 class NotPerRow(Exception):
     """A model whose cache the step engine cannot hold a row of (`probe` says why)."""
@@ -244,8 +250,9 @@ class StepEngine:
 
     def schedule(self) -> Plan:
         """This step's plan: the rows that were running decode; the rows waiting join them while slots are free (first
-        come, first served; a beam request takes its beams' slots at once) where `_admit_now` says; an admission the
-        batch engine runs whole waits until no row runs."""
+        come, first served; a beam request takes its beams' slots at once) where `_admit_now` says, as many as keep
+        rows x longest prompt^2 within ADMISSION_BUDGET (the first always: a prompt alone is bounded by the model's
+        positions), the others at the next steps; an admission the batch engine runs whole waits until no row runs."""
         plan = Plan(decoding=dict(self.running))
         if self.waiting and isinstance(self.waiting[0], Admit) and not self.running:
             # a whole admission's turn, alone (while rows run, none is admitted before it: first come, first served)
@@ -259,10 +266,16 @@ class StepEngine:
         else:
             limit = 0 if (self.alone and self.running) or not self._admit_now() else len(self.waiting)
         free = self.capacity - len(self.running)
+        rows, longest = 0, 0  # the rows joining, and their longest prompt
         while self.waiting and not isinstance(self.waiting[0], Admit) and len(plan.joining) + len(plan.groups) < limit:
             need = self.waiting[0].key.num_beams
             if need > free:
                 break
+            if need == 1 and not self.alone:  # within ADMISSION_BUDGET, or the first row alone
+                wider = max(longest, len(self.waiting[0].spec.prompt_ids))
+                if rows and (rows + 1) * wider * wider > ADMISSION_BUDGET:
+                    break
+                rows, longest = rows + 1, wider
             free -= need
             (plan.groups if need > 1 else plan.joining).append(self.waiting.popleft())
         return plan
