@@ -142,7 +142,8 @@ def bart(tmp_path_factory):
     return AutoModelForSeq2SeqLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa", "mistral-window", "gemma2-window", "t5", "bart"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa", "llama-gqa-fused", "mistral-window", "gemma2-window", "t5",
+                                  "bart"])
 def test_rows_that_join_and_leave_each_get_their_answer_alone(gpt2, bart, kind):
     """Ten rows (greedy, sampled with seeds, top-p, a stop string, stop ids held back by a minimum, one-token rows)
     arrive two every third step into 3 slots (prefilled together, right-padded): every row's tokens and finish
@@ -151,14 +152,16 @@ def test_rows_that_join_and_leave_each_get_their_answer_alone(gpt2, bart, kind):
     encoder-decoders (T5's relative position bias, BART's learned positions: their decoders get each row's own);
     sliding windows shorter than the prompts (the keys all kept, the window the step's mask's)."""
     model, tokenizer = {"gpt2": gpt2, "bart": bart}.get(kind, gpt2)
-    if kind == "llama-gqa":
+    if kind.startswith("llama-gqa"):
         model = _llama(tokenizer)
     if kind.endswith("-window"):
         model = _windowed(tokenizer, kind.split("-")[0])
     if kind == "t5":
         model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(T5).eval(), AutoTokenizer.from_pretrained(T5)
     specs = _rows(tokenizer)
-    engine, answers = StepEngine(model, tokenizer, "cpu", capacity=3), Record()
+    # "-fused": rows joining running ones prefilled in their step, as a server at tp > 1 runs them
+    engine = StepEngine(model, tokenizer, "cpu", capacity=3, fuse_admissions=kind.endswith("-fused"))
+    answers = Record()
     _run(engine, {3 * i: Admit(i, BatchKey(), tuple(specs[2 * i:2 * i + 2])) for i in range(5)}, answers)
     assert not answers.failures
     for spec in specs:
