@@ -622,6 +622,30 @@ def test_rows_joining_running_ones_are_prefilled_in_the_running_rows_step(gpt2, 
         return positions, torch.where(seen, 0.0, torch.finfo(mask.dtype).min).to(mask.dtype)[None, None]
 
     assert choose(model, tokenizer, "cpu", 4, fuse=True) == (None, {"fuse_admissions": True})
+
+    # a fused forward that fails runs the step apart (each row's failure its own there); a fatal failure (a
+    # collective gone) ends the step, as anywhere
+    def failing(error):
+        def tokens(self, places, hi):
+            raise error
+        return tokens
+
+    for error, ends in ((RuntimeError("no memory for the fused step"), False), (ConnectionError("peer gone"), True)):
+        engine, answers = StepEngine(model, tokenizer, "cpu", capacity=6, fuse_admissions=True), Record()
+        engine.take(Admit(0, BatchKey(), tuple(specs[:3])))
+        engine.step(answers)
+        with monkeypatch.context() as patched:
+            patched.setattr(SlotCache, "tokens", failing(error))
+            engine.take(Admit(1, BatchKey(), tuple(specs[3:])))
+            if ends:
+                with pytest.raises(ConnectionError):
+                    engine.step(answers)
+                continue
+            engine.step(answers)
+        _run(engine, {}, answers)
+        assert not answers.failures
+        for spec in specs:
+            assert answers.out[spec.id] == _alone(model, tokenizer, spec), spec
     monkeypatch.setattr(SlotCache, "tokens", wrong)
     assert "do not give their single-row logits" in probe(model, tokenizer, "cpu", 4, fuse_admissions=True)
     assert choose(model, tokenizer, "cpu", 4, fuse=True) == (None, {})

@@ -551,14 +551,15 @@ class StepEngine:
                 ids.append(held.ids[-1])
             keep.append(len(ids) - 1)
         hi = max(slot for slot, _ in places) + 1
-        position_ids, mask = self.cache.tokens(places, hi)
         kept = {"logits_to_keep": torch.tensor(keep, device=self.device)} if self.keep else {}
         try:
+            position_ids, mask = self.cache.tokens(places, hi)
             with torch.no_grad():
                 out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
                                  position_ids=position_ids, attention_mask=mask, use_cache=True,
                                  **{self.cache_name: self.cache}, **kept)
-        except Exception:  # noqa: BLE001 - run apart, where a failure is the rows' own (`_admit`, `_forward`)
+        except Exception as e:  # noqa: BLE001 - run apart, where a failure is the rows' own (`_admit`, `_forward`)
+            own_failure(e)  # unless `fatal` (a rank or a collective gone): that ends the replica, as anywhere
             return None
         finally:
             self.cache.done()
