@@ -71,17 +71,21 @@ class Prefill:
         if self.pack and n > 1 and not any(spec is not None for spec in wants or ()) and self.packing_pays(prompts):
             prefilled, logits, places = self.packed(prompts)
             prompt = {}
+        elif self.states:
+            prefilled, logits, places, prompt = self.left_padded(prompts, wants)
         else:
             prefilled, logits, places, prompt = self.padded_prefill(rows, prompts, wants)
         return prefilled, logits.to(dtype=torch.float32), places, prompt
 
-    def padded(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts right-padded to the longest: (ids, attention mask)."""
+    def padded(self, prompts: list, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts padded to the longest, on the right (or `left`): (ids, attention mask)."""
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([list(p) + [self.pad] * (width - len(p)) for p in prompts], dtype=torch.long,
-                           device=self.device)
-        mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long,
-                            device=self.device)
+
+        def pad(row, fill):
+            return [fill] * (width - len(row)) + row if left else row + [fill] * (width - len(row))
+
+        ids = torch.tensor([pad(list(p), self.pad) for p in prompts], dtype=torch.long, device=self.device)
+        mask = torch.tensor([pad([1] * len(p), 0) for p in prompts], dtype=torch.long, device=self.device)
         return ids, mask
 
     def encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -130,11 +134,8 @@ class Prefill:
         return total * per_token + total * total <= n * longest * per_token + n * longest * longest
 
     def padded_prefill(self, rows: list[tuple], prompts: list[list[int]], wants: list | None) -> tuple:
-        """`run`'s way for an encoder-decoder, one row, or a model not packed: right-padded to the longest, or
-        left-padded where the model keeps states (`self.states`), each row's positions from 0 at its first token.
-        (cache, each row's last logits, places, prompt log probabilities by row id)."""
-        if self.states:
-            return self.left_padded(prompts, wants)
+        """`run`'s way for an encoder-decoder, one row, or a model not packed: right-padded to the longest. (cache,
+        each row's last logits, places, prompt log probabilities by row id)."""
         n = len(rows)
         ids, mask = self.padded(prompts)
         width = ids.shape[1]
@@ -174,12 +175,9 @@ class Prefill:
         token, and its attention layers' keys sit at the last `len(prompt)` positions); each row's positions from 0 at
         its first token. (cache, each row's last logits, places: (its batch row, where its first token is), prompt
         log probabilities by row id)."""
-        width = max(len(p) for p in prompts)
+        ids, mask = self.padded(prompts, left=True)
+        width = ids.shape[1]
         pads = [width - len(p) for p in prompts]
-        ids = torch.tensor([[self.pad] * pad + list(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
-                           device=self.device)
-        mask = torch.tensor([[0] * pad + [1] * len(p) for p, pad in zip(prompts, pads)], dtype=torch.long,
-                            device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         whole = any(spec is not None for spec in wants or ())
         prefilled = DynamicCache(config=self.model.config)

@@ -377,8 +377,10 @@ class SlotCache(Cache):
             for each in self.attention:
                 each.grow(width)
             width = self.attention[0].width()
-        for each in self.states:
-            each.begin(hi, [s for s in range(hi) if s not in positions and (held is None or s in held)], width - 1)
+        if self.states:
+            keep = [s for s in range(hi) if s not in positions and (held is None or s in held)]
+            for each in self.states:
+                each.begin(hi, keep, width - 1)
         if not self.attention:
             device = self.states[0].device
             return torch.tensor([positions.get(s, 0) for s in range(hi)], device=device)[:, None], None, None

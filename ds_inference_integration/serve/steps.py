@@ -418,12 +418,11 @@ class StepEngine:
                     more = self._admit([item], answers)
                     first, joined = first + more[0], joined + more[1]
             return first, joined
-        free = sorted(set(range(self.capacity)) - set(self.running))
-        rows = [self._prepare(item, slot) for item, slot in zip(items, free)]
-        fused = self.encoder_decoder and self.cache is not None
+        rows = [self._prepare(item, slot) for item, slot in zip(items, self._free())]
+        encoders = self.encoder_decoder and self.cache is not None  # the rows' encoders only, here
         projected = None
         try:
-            if fused:
+            if encoders:
                 encoded = self.prefill.encode(*self.prefill.padded([r.spec.prompt_ids for r in rows]))
                 if self.projection is not None and self.projection.fits(len(self.cache.cross.layers)):
                     projected = self.projection(encoded)
@@ -444,7 +443,7 @@ class StepEngine:
         for b, row in enumerate(rows):
             self.running[row.slot] = row
             row.status = Status.RUNNING
-            if fused:
+            if encoders:
                 if projected is not None:  # its cross-attention keys in its slot now: the step decodes it as any row
                     self.cache.write_cross(row.slot, [(k[b:b + 1], v[b:b + 1]) for k, v in projected],
                                            len(row.spec.prompt_ids))
@@ -454,7 +453,7 @@ class StepEngine:
             at, offset = places[b]
             self.cache.write_prompt(row.slot, prefilled, at, len(row.ids), len(row.spec.prompt_ids), offset)
             first.append((row, logits[b], prompt.get(row.spec.id)))
-        return first, (rows if fused else [])
+        return first, (rows if encoders else [])
 
     def _prefill(self, rows: list[tuple], wants: list | None = None) -> tuple:
         """The rows' prompts through the model at once (`prefill.Prefill.run`: its cache, each row's last logits,
@@ -473,7 +472,7 @@ class StepEngine:
         per beam, for its first step (None where its prefill failed: answered)."""
         spec, key = row.spec, row.key
         row.status = Status.PREFILLING
-        slots = sorted(set(range(self.capacity)) - set(self.running))[:key.num_beams]
+        slots = self._free()[:key.num_beams]
         config = with_defaults(self.model, generation_config(self.model, key, key.max_new_tokens or spec.max_new_tokens,
                                                              self.tokenizer.pad_token_id))
         try:
@@ -513,6 +512,17 @@ class StepEngine:
             row.status = Status.FINISHED
             answers.finished(group.spec.id, *group.result(self.tokenizer.pad_token_id))
 
+    @staticmethod
+    def _input(held: _Row, slot: int) -> tuple[int, int]:
+        """What a decoding slot feeds the step: (its last token, that token's position); a beam's, its group's."""
+        if held.group is not None:
+            return held.group.last_tokens()[held.group.slots.index(slot)], held.group.position()
+        return held.ids[-1], len(held.ids) - 1
+
+    def _free(self) -> list[int]:
+        """The slots no row holds, lowest first (the order admissions take them in)."""
+        return sorted(set(range(self.capacity)) - set(self.running))
+
     def _fuses(self, items: list[_Row], decoding: dict) -> bool:
         """Whether the admitted rows are prefilled in the decoding forward (`_fused`): where the engine fuses, no
         admitted row asked for its prompt's log probabilities, and the step's mask (and the attention weights where
@@ -523,8 +533,7 @@ class StepEngine:
         tokens = sum(len(item.spec.prompt_ids) for item in items) + len(decoding)
         hi = max(max(decoding), len(self.running) + len(items) - 1) + 1
         width = max([len(item.spec.prompt_ids) for item in items]
-                    + [held.group.position() + 1 if held.group is not None else len(held.ids)
-                       for held in decoding.values()])
+                    + [self._input(held, slot)[1] + 1 for slot, held in decoding.items()])
         return tokens * hi * width <= PACKED_TOKENS * PACKED_TOKENS
 
     def _fused(self, items: list[_Row], decoding: dict) -> tuple | None:
@@ -532,8 +541,7 @@ class StepEngine:
         its slot's position, each seeing its own slot's past: `SlotCache.tokens`): (the admitted rows' first logits,
         as `_admit` gives them; the decoding rows' logits by slot, as `_forward` gives them), or None where that
         forward failed (the step then runs them apart, and a failure is theirs as it would be)."""
-        free = sorted(set(range(self.capacity)) - set(self.running))
-        rows = [self._prepare(item, slot) for item, slot in zip(items, free)]
+        rows = [self._prepare(item, slot) for item, slot in zip(items, self._free())]
         places, ids, keep = [], [], []
         for row in rows:
             prompt = list(row.spec.prompt_ids)
@@ -542,13 +550,9 @@ class StepEngine:
             keep.append(len(ids) - 1)
         order = sorted(decoding)
         for slot in order:
-            held = decoding[slot]
-            if held.group is not None:
-                places.append((slot, held.group.position()))
-                ids.append(held.group.last_tokens()[held.group.slots.index(slot)])
-            else:
-                places.append((slot, len(held.ids) - 1))
-                ids.append(held.ids[-1])
+            token, position = self._input(decoding[slot], slot)
+            places.append((slot, position))
+            ids.append(token)
             keep.append(len(ids) - 1)
         hi = max(slot for slot, _ in places) + 1
         kept = {"logits_to_keep": torch.tensor(keep, device=self.device)} if self.keep else {}
@@ -580,12 +584,9 @@ class StepEngine:
         feed, positions = [], {}
         for slot in range(hi):
             held = rows.get(slot)
-            if held is not None and held.group is not None:
-                feed.append(held.group.last_tokens()[held.group.slots.index(slot)])
-                positions[slot] = held.group.position()
-            elif held is not None:
-                feed.append(held.ids[-1])
-                positions[slot] = len(held.ids) - 1
+            if held is not None:
+                token, positions[slot] = self._input(held, slot)
+                feed.append(token)
             else:
                 feed.append(self.pad)
         ids = torch.tensor([[t] for t in feed], dtype=torch.long, device=self.device)

@@ -68,7 +68,11 @@ class Texts:
         seen = len(self.ids) - len(self.context)
         if len(tokens) < seen or self.ids[len(self.context):] != list(tokens[:seen]):
             return completion_text(self.tokenizer, self.context, tokens, self.skip_special, self.head)
-        self.ids.extend(tokens[seen:])
+        return self.extend(tokens[seen:])
+
+    def extend(self, new) -> str:
+        """`decode` of the tokens read before and `new` after them: the text they add after the context."""
+        self.ids.extend(new)
         if self.read == len(self.ids):
             return self.text
         if self.read - self.prefix > 2 * CONTEXT_TOKENS:  # the window moves up, to the last CONTEXT_TOKENS read
@@ -76,7 +80,8 @@ class Texts:
             self.last = self._text(self.ids[self.prefix:self.read])
         after = self._text(self.ids[self.prefix:])
         if not after.startswith(self.last):
-            text = completion_text(self.tokenizer, self.context, tokens, self.skip_special, self.head)
+            text = completion_text(self.tokenizer, self.context, self.ids[len(self.context):], self.skip_special,
+                                   self.head)
             if not text.endswith("\ufffd"):
                 self.text, self.read = text, len(self.ids)
                 self.prefix = max(0, self.read - CONTEXT_TOKENS)
@@ -128,35 +133,26 @@ class Texts:
 class Offsets:
     """Where each token's text starts in the text its tokens decode to (OpenAI's `text_offset`: character offsets
     into the returned text), token by token as they come: each token's text is what decoding it adds after the tokens
-    before it (the window since the last token whose text was complete, as vLLM's incremental detokenizer reads it),
-    so that a tokenizer whose decoder puts spaces between tokens (the embedded GPT-2's WordPiece), or a metaspace
-    one, gives each token the place its text has in the answer; a token that ends inside a character adds nothing
-    until the character is whole. Counting each token's own decoded text instead (what vLLM's server does) places
+    before it (`Texts`' incremental read: the window before it, as vLLM's incremental detokenizer reads it), so that a
+    tokenizer whose decoder puts spaces between tokens (the embedded GPT-2's WordPiece), or a metaspace one, gives
+    each token the place its text has in the answer; a token that ends inside a character adds nothing until the
+    character is whole. Counting each token's own decoded text instead (what vLLM's server does) places
     the tokens in the texts joined, which only byte-level BPE's equal the answer: for "five hundred" -> " and and"
     on the embedded GPT-2 it gave 0, 3 (text[0:3] " an"), where the tokens start at 0 and 4. `context`: the tokens
     the text follows (a prompt's last tokens: a completion's first token takes its leading space); `start`: the
     offset of the first token."""
 
     def __init__(self, tokenizer, context: list[int] | None = None, skip_special: bool = True, start: int = 0):
-        self.tokenizer, self.skip_special = tokenizer, skip_special
-        self.ids = list(context or ())
-        self.prefix, self.read = 0, len(self.ids)  # the window before the unread tokens, and where they start
-        self.at = start
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
+        # the text so far, read incrementally (`Texts.extend`): a token's offset is that text's length before it
+        self.texts = Texts(tokenizer, (), context, skip_special)
+        self.start = start
 
     def extend(self, tokens) -> list[int]:
         """The offsets of `tokens`, which follow those given before."""
         out = []
         for token in tokens:
-            out.append(self.at)
-            self.ids.append(token)
-            before = self._text(self.ids[self.prefix:self.read])
-            after = self._text(self.ids[self.prefix:])
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                self.at += len(after) - len(before)
-                self.prefix, self.read = self.read, len(self.ids)
+            out.append(self.start + len(self.texts.text))
+            self.texts.extend([token])
         return out
 
 
